@@ -1,0 +1,52 @@
+"""Who am I? `rank()`, `world_size()` and `device()` for code running on a rank.
+
+They work the same under labkit's pool and under `torchrun`: both initialise torch.distributed's
+default process group, and the backend says where tensors live (NCCL: this rank's GPU).
+"""
+
+from __future__ import annotations
+
+import os
+
+_OUTSIDE = (
+    "labkit.{name}() works inside a rank: in a function given to labkit.run, in a %%ranks cell, "
+    "or in a script started by torchrun. Here no process group is initialised."
+)
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def _require_group(name: str):
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(_OUTSIDE.format(name=name))
+    return dist
+
+
+def rank() -> int:
+    """This process's rank in the default process group (0 .. world_size() - 1)."""
+    return _require_group("rank").get_rank()
+
+
+def world_size() -> int:
+    """Number of ranks in the default process group."""
+    return _require_group("world_size").get_world_size()
+
+
+def local_rank() -> int:
+    """Rank among the processes on this machine (torchrun's LOCAL_RANK; the rank on one node)."""
+    return int(os.environ.get("LOCAL_RANK", rank()))
+
+
+def device():
+    """Where this rank's tensors belong: cuda:LOCAL_RANK under NCCL, the CPU otherwise."""
+    import torch
+
+    dist = _require_group("device")
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")

@@ -1,0 +1,204 @@
+"""What went wrong on which rank, told once and in the student's own lines.
+
+A worker turns an exception (or its current stack) into plain data: `describe_exception` and
+`describe_stack`. The kernel fills in source lines from its own `linecache`, where IPython keeps
+every cell, and raises one `RankError` that names the failing ranks, shows the root cause (the
+earliest failure, as torchelastic's ChildFailedError does) and merges identical failures
+("ranks 0-3: NameError ...").
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+import traceback
+from dataclasses import dataclass, field
+
+Frame = tuple[str, int, str]  # (filename, lineno, function name)
+
+_LABKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LAUNCH_DIR = os.path.join(_LABKIT_DIR, "launch")
+
+
+def describe_exception(exc: BaseException) -> dict:
+    """Plain, picklable description of `exc` and the chain that caused it, without labkit's own
+    launch frames (they sit above every call and say nothing about the student's code)."""
+    chain = []
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        link = {
+            "type": type(exc).__qualname__,
+            "module": type(exc).__module__,
+            "message": _message(exc),
+            "frames": _below_launch(traceback.extract_tb(exc.__traceback__)),
+            "after": None,  # how this exception relates to the one printed before it
+        }
+        chain.append(link)
+        if exc.__cause__ is not None:
+            link["after"], exc = "cause", exc.__cause__
+        elif not exc.__suppress_context__ and exc.__context__ is not None:
+            link["after"], exc = "context", exc.__context__
+        else:
+            exc = None
+    return {"chain": chain[::-1]}  # oldest first, as Python prints them
+
+
+def _message(exc: BaseException) -> str:
+    try:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - a broken __str__ must not hide the error itself
+        return f"<{type(exc).__name__} whose message could not be printed>"
+
+
+def describe_stack(frame) -> list[Frame]:
+    """The call stack ending at `frame`, outermost first, without labkit's own launch frames."""
+    return _below_launch(traceback.extract_stack(frame))
+
+
+def _below_launch(summary: traceback.StackSummary) -> list[Frame]:
+    """The frames under labkit's launch code: those of the call itself."""
+    frames = [(f.filename, f.lineno, f.name) for f in summary]
+    launch = [i for i, f in enumerate(frames) if f[0].startswith(_LAUNCH_DIR)]
+    return frames[launch[-1] + 1:] if launch else frames
+
+
+def cell_name(filename: str) -> str | None:
+    """'Cell In[12]' for code from notebook cell 12 (as IPython names it), else None."""
+    ranks_cell = re.fullmatch(r"<ranks-cell-(\d+)(\.\d+)?>", filename)
+    if ranks_cell:
+        return f"Cell In[{ranks_cell.group(1)}]"
+    shell = sys.modules.get("IPython") and sys.modules["IPython"].get_ipython()
+    count = getattr(getattr(shell, "compile", None), "_filename_map", {}).get(filename)
+    return f"Cell In[{count}]" if count is not None else None
+
+
+def _place(filename: str, lineno: int) -> str:
+    cell = cell_name(filename)
+    return f"{cell}, line {lineno}" if cell else f'File "{filename}", line {lineno}'
+
+
+def format_frames(frames: list[Frame]) -> str:
+    """Render frames like a Python traceback, taking source lines from this process's linecache."""
+    lines = []
+    for filename, lineno, name in frames:
+        lines.append(f"  {_place(filename, lineno)}, in {name}\n")
+        source = linecache.getline(filename, lineno).strip()
+        if source:
+            lines.append(f"    {source}\n")
+    return "".join(lines)
+
+
+_CHAIN_TEXT = {
+    "cause": "\nThe above exception was the direct cause of the following exception:\n\n",
+    "context": "\nDuring handling of the above exception, another exception occurred:\n\n",
+}
+
+
+def format_exception(description: dict) -> str:
+    """Render a `describe_exception` result the way Python would print the original."""
+    parts = []
+    for link in description["chain"]:
+        if link["after"]:
+            parts.append(_CHAIN_TEXT[link["after"]])
+        if link["frames"]:
+            parts.append("Traceback (most recent call last):\n" + format_frames(link["frames"]))
+        parts.append(exception_line(link) + "\n")
+    return "".join(parts)
+
+
+def exception_line(link: dict) -> str:
+    name = link["type"] if link["module"] in ("builtins", "__main__") else f"{link['module']}.{link['type']}"
+    return f"{name}: {link['message']}" if link["message"] else name
+
+
+def is_user_file(filename: str) -> bool:
+    """True for code the student wrote: notebook cells, %%ranks cells, their own scripts."""
+    if cell_name(filename) or filename.startswith("<ipython"):
+        return True
+    if filename.startswith("<") or filename.startswith(_LABKIT_DIR):
+        return False
+    library_roots = {sys.prefix, sys.base_prefix, sys.exec_prefix}
+    return "site-packages" not in filename and not any(filename.startswith(r) for r in library_roots)
+
+
+def where(frames: list[Frame]) -> str:
+    """One line saying where a stack is: 'in all_reduce, called from <cell> line 4: <source>'."""
+    if not frames:
+        return "idle"
+    innermost = frames[-1]
+    user = next((f for f in reversed(frames) if is_user_file(f[0])), None)
+    text = f"in {innermost[2]}"
+    if user is not None and user is not innermost:
+        source = linecache.getline(user[0], user[1]).strip()
+        text += f", called from {_place(*user[:2])}" + (f": {source}" if source else "")
+    elif user is not None:
+        text += f" at {_place(*user[:2])}"
+    return text
+
+
+def rank_list(ranks) -> str:
+    """'rank 2', 'ranks 0-3', 'ranks 0, 2, 5': compact names for a set of ranks."""
+    ranks = sorted(ranks)
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    spans = []
+    start = prev = ranks[0]
+    for r in ranks[1:] + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        spans.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    return "ranks " + ", ".join(spans)
+
+
+@dataclass
+class Failure:
+    """One rank's bad outcome. kind: 'error' (raised), 'died' (exit or signal), 'stopped' (was
+    still running when the call was abandoned), 'interrupted'."""
+
+    rank: int
+    kind: str
+    summary: str
+    detail: str = ""
+    time: float = float("inf")
+    stderr_tail: list[str] = field(default_factory=list)
+
+
+class RankError(RuntimeError):
+    """A call on N ranks failed. `failures` holds one `Failure` per rank that went wrong."""
+
+    def __init__(self, headline: str, failures: list[Failure]):
+        self.failures = failures
+        self.headline = headline
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        lines = [self.headline]
+        # A dead rank makes its peers fail ("connection closed by peer"), so it goes first.
+        ordered = sorted(self.failures, key=lambda f: (f.kind != "died", f.time, f.rank))
+        root = ordered[0] if ordered and ordered[0].kind in ("error", "died") else None
+        groups: dict[tuple, list[int]] = {}
+        for f in ordered:
+            groups.setdefault((f.kind, f.summary, f.detail, tuple(f.stderr_tail)), []).append(f.rank)
+        for (kind, summary, detail, tail), ranks in groups.items():
+            is_root = root is not None and root.rank in ranks
+            label = "root cause, " if is_root and len(groups) > 1 else ""
+            lines.append(f"\n--- {label}{rank_list(ranks)}: {summary}")
+            if detail and (is_root or kind != "error" or len(groups) == 1):
+                lines.append(detail.rstrip("\n"))
+            if tail:
+                lines.append("last lines of stderr:")
+                lines.extend("    " + t for t in tail)
+        return "\n".join(lines)
+
+    def _render_traceback_(self):
+        """IPython shows this instead of the kernel-side frames, which say nothing useful."""
+        return [f"{type(self).__name__}: {self.args[0]}"]
+
+
+class RankTimeout(RankError, TimeoutError):
+    """A call on N ranks passed its timeout; each rank's stack says where it was waiting."""

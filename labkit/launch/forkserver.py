@@ -1,0 +1,239 @@
+"""A clean template process that imports torch once and forks ranks from it.
+
+`import torch` costs seconds; a fork costs milliseconds. Forking the notebook's kernel is unsafe
+(CUDA may be initialised, the kernel has threads, OpenMP pools abort after fork), so the owner
+starts this small process with subprocess instead: it imports torch, never touches CUDA or starts a
+thread pool, and forks one child per rank on request. This is Python's own forkserver pattern
+(the default start method on Linux from Python 3.14). Where fork is not safe (macOS, or
+LABKIT_START_METHOD=spawn) it starts each rank as a fresh interpreter instead; the protocol is the
+same.
+
+The server reaps its children and reports their exit status to the owner. It dies with its owner
+(end of file on its socket, and a parent-death signal on Linux), killing every child it forked.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recvfds, sendfds
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Linux: have the kernel send `sig` to this process when the thread that started it ends."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+
+
+def start_method() -> str:
+    default = "fork" if sys.platform.startswith("linux") else "spawn"
+    method = os.environ.get("LABKIT_START_METHOD", default)
+    if method not in ("fork", "spawn"):
+        raise ValueError(f"LABKIT_START_METHOD={method!r}: use 'fork' or 'spawn'.")
+    return method
+
+
+class ForkServer:
+    """The owner's handle on the template process: fork ranks, signal them, learn how they ended."""
+
+    def __init__(self):
+        import threading
+
+        ours, theirs = socket.socketpair()
+        labkit_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [labkit_root, env.get("PYTHONPATH")]))
+        # The parent-death signal follows the thread that started us: only trust the main thread.
+        die_with_parent = threading.current_thread() is threading.main_thread()
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from labkit.launch.forkserver import serve; "
+             "serve(int(sys.argv[1]), sys.argv[2] == '1', sys.argv[3])",
+             str(theirs.fileno()), str(int(die_with_parent)), start_method()],
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            start_new_session=True, env=env,
+        )
+        theirs.close()
+        self._socket = ours
+        self.connection = Connection(os.dup(ours.fileno()))
+        self.exit_status: dict[int, int] = {}
+
+    def fork(self, spec: dict, fds: list[int], timeout_seconds: float) -> int:
+        """Start one rank with `spec`, handing it `fds` (job, control, stdout, stderr); its pid."""
+        self.connection.send_bytes(pickle.dumps(("fork", spec)))
+        sendfds(self._socket, fds)
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.connection.poll(remaining):
+                raise RuntimeError(f"labkit's fork server did not start a rank within {timeout_seconds:.0f} s.")
+            message = self._receive()
+            if message[0] == "forked":
+                return message[1]
+
+    def signal(self, pids, sig: int) -> None:
+        """Send `sig` to each rank's process group, if that rank has not been reaped yet."""
+        self.connection.send_bytes(pickle.dumps(("signal", list(pids), int(sig))))
+
+    def read_reports(self) -> None:
+        """Take in every exit report that has arrived, without blocking."""
+        while self.connection.poll(0):
+            self._receive()
+
+    def wait_for_exit(self, pids, timeout_seconds: float) -> bool:
+        """Wait until every pid in `pids` has been reaped; False if some still run at the deadline."""
+        deadline = time.monotonic() + timeout_seconds
+        while not all(pid in self.exit_status for pid in pids):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.connection.poll(remaining):
+                return False
+            self._receive()
+        return True
+
+    def _receive(self):
+        try:
+            message = pickle.loads(self.connection.recv_bytes())
+        except (EOFError, OSError) as exc:
+            raise RuntimeError("labkit's fork server ended unexpectedly; run labkit.shutdown() and retry.") from exc
+        if message[0] == "exited":
+            self.exit_status[message[1]] = message[2]
+        return message
+
+    def fileno(self) -> int:
+        return self.connection.fileno()
+
+    def close(self) -> None:
+        """End the server; it kills any rank still running. Waits at most 5 s."""
+        self.connection.close()
+        self._socket.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def describe_exit(status: int | None) -> str:
+    """'killed by SIGKILL', 'exited with code 3' from a waitpid status."""
+    if status is None:
+        return "ended (exit status unknown)"
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        return f"killed by {name}"
+    return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+# ---- the server process -------------------------------------------------------------------------
+
+def serve(fd: int, die_with_parent: bool, method: str) -> None:
+    """The server's main loop: fork (or spawn) ranks on request, report how they end."""
+    if die_with_parent:
+        set_parent_death_signal(signal.SIGKILL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=fd)
+    connection = Connection(os.dup(fd))
+    if method == "fork":  # the point of this process: import once, fork many
+        import torch.distributed  # noqa: F401
+
+        import labkit.launch.serialize  # noqa: F401
+        import labkit.launch.worker  # noqa: F401
+    children: dict[int, object] = {}
+    try:
+        while True:
+            if connection.poll(0.02):
+                try:
+                    request = pickle.loads(connection.recv_bytes())
+                except (EOFError, OSError):
+                    return  # the owner is gone
+                if request[0] == "fork":
+                    fds = recvfds(sock, 4)
+                    pid, handle = _start_rank(request[1], fds, method, (sock, connection))
+                    children[pid] = handle
+                    connection.send_bytes(pickle.dumps(("forked", pid)))
+                elif request[0] == "signal":
+                    for pid in request[1]:
+                        if pid in children:
+                            _signal_group(pid, request[2])
+            _reap(children, connection)
+    finally:
+        for pid in children:
+            _signal_group(pid, signal.SIGKILL)
+
+
+def _start_rank(spec: dict, fds: list[int], method: str, server_handles) -> tuple[int, object]:
+    job, control, stdout, stderr = fds
+    if method == "spawn":
+        process = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from labkit.launch.worker import spawned_main; spawned_main()",
+             pickle.dumps(spec).hex(), str(job), str(control)],
+            pass_fds=(job, control), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+            start_new_session=True,
+        )
+        pid, handle = process.pid, process
+    else:
+        server_pid = os.getpid()
+        pid = os.fork()
+        if pid == 0:
+            _become_rank(spec, fds, server_pid, server_handles)
+        handle = None
+    for fd in fds:
+        os.close(fd)
+    return pid, handle
+
+
+def _become_rank(spec: dict, fds: list[int], server_pid: int, server_handles) -> None:
+    job, control, stdout, stderr = fds
+    try:
+        os.setsid()
+        set_parent_death_signal(signal.SIGKILL)
+        if os.getppid() != server_pid:
+            os._exit(1)
+        for handle in server_handles:
+            handle.close()
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        for fd in (devnull, stdout, stderr):
+            os.close(fd)
+        import random
+
+        random.seed()  # as a freshly spawned interpreter would be
+        from labkit.launch.worker import main
+
+        main(spec, job, control)
+    except BaseException:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(1)
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # each rank leads its own session, so its group is its pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap(children: dict, connection: Connection) -> None:
+    for pid in list(children):
+        try:
+            done, status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            done, status = pid, None
+        if done:
+            del children[pid]
+            connection.send_bytes(pickle.dumps(("exited", pid, status)))

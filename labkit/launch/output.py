@@ -1,0 +1,71 @@
+"""Each rank's stdout and stderr, cut into lines, prefixed `[rank N]`, shown in a stable order.
+
+Ranks write whenever they like; a notebook should not show a different interleaving on every run.
+So rank 0's lines are shown as they arrive and the other ranks' lines are held until the call
+ends, then shown rank by rank: the text is the same every time, and a long run still shows
+progress. Carriage-return progress bars (tqdm) keep only their last state.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections import deque
+
+STREAMS = ("stdout", "stderr")
+_END_OF_CALL = re.compile(rb"\x1elabkit-end-of-call (\d+)\x1e")
+
+
+def end_of_call_marker(call_id: int) -> bytes:
+    """The line a rank writes to both streams after a call: all output before it is that call's."""
+    return b"\x1elabkit-end-of-call %d\x1e\n" % call_id
+
+
+class RankOutput:
+    """The two output pipes of one rank."""
+
+    def __init__(self, rank: int, live: bool):
+        self.rank = rank
+        self.live = live
+        self._partial = {s: b"" for s in STREAMS}
+        self._held: list[tuple[str, str]] = []
+        self.stderr_tail: deque[str] = deque(maxlen=12)
+        self.closed = {s: False for s in STREAMS}
+        self.ended_call = {s: -1 for s in STREAMS}
+
+    def feed(self, stream: str, data: bytes) -> None:
+        """Take bytes read from `stream`; b"" means the pipe closed (the rank has ended)."""
+        if not data:
+            self.closed[stream] = True
+            data = b"\n" if self._partial[stream] else b""
+        buffer = self._partial[stream] + data
+        *lines, self._partial[stream] = buffer.split(b"\n")
+        for line in lines:
+            marker = _END_OF_CALL.search(line)
+            if marker:
+                self.ended_call[stream] = int(marker.group(1))
+                line = line[: marker.start()]  # output of the call that did not end in a newline
+                if not line:
+                    continue
+            self._emit(stream, line.decode(errors="replace"))
+
+    def _emit(self, stream: str, line: str) -> None:
+        line = line.rsplit("\r", 1)[-1]
+        if stream == "stderr":
+            self.stderr_tail.append(line)
+        if self.live:
+            _write(stream, self.rank, line)
+        else:
+            self._held.append((stream, line))
+
+    def flush(self) -> None:
+        """Show held lines; called at the end of every call, in rank order."""
+        for stream, line in self._held:
+            _write(stream, self.rank, line)
+        self._held.clear()
+
+
+def _write(stream: str, rank: int, line: str) -> None:
+    target = sys.stdout if stream == "stdout" else sys.stderr
+    target.write(f"[rank {rank}] {line}\n")
+    target.flush()

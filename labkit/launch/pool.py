@@ -1,0 +1,330 @@
+"""The owner's side of one world: N rank processes in one process group, ready for calls.
+
+A call sends the same cloudpickled payload to every rank and then pumps everything that comes back
+(replies, both output pipes, exit reports from the fork server) until every rank has answered, one
+has failed and the others had a moment to follow, the timeout passes, or the user interrupts.
+Whatever happens, the ranks' output is shown first and one clear exception follows. A pool that
+may be out of step (a rank died, was stopped, or issued operations its peers never matched) is
+closed, so the next call starts from a clean one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import selectors
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from labkit.launch import serialize
+from labkit.launch.backend import BackendChoice, threads_per_rank
+from labkit.launch.errors import (
+    Failure,
+    RankError,
+    RankTimeout,
+    exception_line,
+    format_exception,
+    format_frames,
+    rank_list,
+    where,
+)
+from labkit.launch.forkserver import ForkServer, describe_exit
+from labkit.launch.output import STREAMS, RankOutput
+from labkit.launch.worker import STACK_REQUEST
+
+SETTLE_SECONDS = 1.5  # after one rank fails, how long the others get to finish or fail too
+INTERRUPT_GRACE_SECONDS = 2.0  # after Ctrl-C, how long ranks get to stop by themselves
+STACK_WAIT_SECONDS = 2.0
+DEATH_DETAILS_SECONDS = 1.0  # to collect a dead rank's exit status and last stderr lines
+
+_call_ids = itertools.count(1)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    pid: int
+    job: Connection
+    control: Connection
+    pipes: dict[str, int]
+    output: RankOutput
+    inbox: list = field(default_factory=list)
+    gone: bool = False  # its job socket closed or its exit was reported
+    gone_at: float = 0.0
+
+
+class Pool:
+    """`world_size` ranks joined in a process group with `choice.backend`."""
+
+    def __init__(self, world_size: int, choice: BackendChoice, server: ForkServer, store_port: int,
+                 store_prefix: str, pg_timeout_seconds: float, start_timeout_seconds: float):
+        self.world_size = world_size
+        self.choice = choice
+        self.closed = False
+        self._server = server
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(server.fileno(), selectors.EVENT_READ, ("server", None))
+        self.ranks: list[_Rank] = []
+        try:
+            for rank in range(world_size):
+                spec = self._spec(rank, store_port, store_prefix, pg_timeout_seconds)
+                self.ranks.append(self._start_rank(spec, start_timeout_seconds))
+            self._wait_until_ready(start_timeout_seconds)
+        except BaseException:
+            self.close()
+            raise
+
+    def _spec(self, rank: int, store_port: int, store_prefix: str, pg_timeout_seconds: float) -> dict:
+        threads = threads_per_rank(self.world_size)
+        return {
+            "rank": rank, "world_size": self.world_size, "backend": self.choice.backend,
+            "store_host": "127.0.0.1", "store_port": store_port, "store_prefix": store_prefix,
+            "pg_timeout_seconds": pg_timeout_seconds, "threads": threads,
+            "cwd": os.getcwd(), "sys_path": list(sys.path),
+            "env": {
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_WORLD_SIZE": str(self.world_size), "OMP_NUM_THREADS": str(threads),
+                "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
+                "PYTHONUNBUFFERED": "1", "LABKIT_RANK_PROCESS": "1",
+            },
+        }
+
+    def _start_rank(self, spec: dict, timeout_seconds: float) -> _Rank:
+        job_ours, job_theirs = socket.socketpair()
+        control_ours, control_theirs = socket.socketpair()
+        pipes = {stream: os.pipe() for stream in STREAMS}
+        theirs = [job_theirs.fileno(), control_theirs.fileno()] + [w for _, w in pipes.values()]
+        try:
+            pid = self._server.fork(spec, theirs, timeout_seconds)
+        finally:
+            job_theirs.close()
+            control_theirs.close()
+            for _, write_end in pipes.values():
+                os.close(write_end)
+        rank = spec["rank"]
+        state = _Rank(rank, pid, Connection(job_ours.detach()), Connection(control_ours.detach()),
+                      {stream: r for stream, (r, _) in pipes.items()}, RankOutput(rank, live=rank == 0))
+        self._selector.register(state.job.fileno(), selectors.EVENT_READ, ("job", state))
+        for stream, fd in state.pipes.items():
+            self._selector.register(fd, selectors.EVENT_READ, (stream, state))
+        return state
+
+    def _wait_until_ready(self, timeout_seconds: float) -> None:
+        self._pump(time.monotonic() + timeout_seconds, lambda: all(r.inbox or r.gone for r in self.ranks))
+        failures = []
+        for r in self.ranks:
+            if r.inbox and r.inbox[0][0] == "init_error":
+                description = r.inbox[0][1]
+                failures.append(Failure(r.rank, "error", exception_line(description["chain"][-1]),
+                                        format_exception(description)))
+            elif r.gone:
+                failures.append(self._death(r))
+            elif not r.inbox:
+                failures.append(Failure(r.rank, "stopped", f"not ready after {timeout_seconds:.0f} s"))
+            r.inbox.clear()
+        self._flush_output()
+        if failures:
+            raise RankError(f"labkit could not start {self.world_size} ranks ({self.choice.reason}).", failures)
+
+    # ---- calls ------------------------------------------------------------------------------------
+
+    def call(self, payload: bytes, timeout_seconds: float) -> list:
+        """Run the pickled `(fn, args, kwargs)` on every rank; results in rank order."""
+        call_id = next(_call_ids)
+        message = pickle.dumps((call_id, payload))
+        for r in self.ranks:
+            try:
+                r.job.send_bytes(message)
+            except OSError:
+                self._mark_gone(r)
+        deadline = time.monotonic() + timeout_seconds
+
+        def finished(r: _Rank) -> bool:
+            return r.gone or (any(m[0] == call_id for m in r.inbox)
+                              and all(r.output.ended_call[s] >= call_id for s in STREAMS))
+
+        def all_finished() -> bool:
+            return all(finished(r) for r in self.ranks)
+
+        def some_failed() -> bool:
+            return any(r.gone or any(m[0] == call_id and m[1] != "ok" for m in r.inbox) for r in self.ranks)
+
+        try:
+            self._pump(deadline, lambda: all_finished() or some_failed())
+            if not all_finished() and some_failed():
+                self._pump(min(deadline, time.monotonic() + SETTLE_SECONDS), all_finished)
+        except KeyboardInterrupt:
+            self._stop_after_interrupt(call_id, finished)
+            raise
+        running = [r for r in self.ranks if not finished(r)]
+        return self._conclude(call_id, running, timeout_seconds)
+
+    def _conclude(self, call_id: int, running: list[_Rank], timeout_seconds: float) -> list:
+        stacks = self._stacks(running)
+        self._flush_output()
+        replies = {r.rank: next(m for m in r.inbox if m[0] == call_id) for r in self.ranks
+                   if any(m[0] == call_id for m in r.inbox)}
+        for r in self.ranks:
+            r.inbox.clear()
+        failures = [self._death(r) for r in self.ranks if r.gone and r.rank not in replies]
+        failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply[1] != "ok"]
+        failures += [Failure(r.rank, "stopped", f"was still running {where(stacks[r.rank])}" if stacks[r.rank]
+                             else "was still running and did not say where", format_frames(stacks[r.rank] or []))
+                     for r in running]
+        sequence = {rank: reply[3] for rank, reply in replies.items()}
+        in_step = len(set(sequence.values())) <= 1 and not running and not any(r.gone for r in self.ranks)
+        if not in_step:
+            self.close()
+        restarted = "" if in_step else (
+            f" The {self.world_size}-rank pool was stopped; the next call starts a fresh one"
+            " (variables defined in %%ranks cells are gone)."
+        )
+        if not failures:
+            if not in_step:
+                counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(sequence.items()))
+                print(f"labkit: the ranks issued different numbers of operations on the process group "
+                      f"({counts}), so some were never matched.{restarted}", file=sys.stderr)
+            return [_load(replies[r]) for r in range(self.world_size)]
+        unpicklable = [f for f in failures if f.kind == "unpicklable"]
+        if unpicklable and len(unpicklable) == len(failures):
+            raise TypeError(f"{rank_list(f.rank for f in unpicklable)} returned a value that cannot be "
+                            f"sent back: {unpicklable[0].summary}. Return plain data (tensors, numbers, "
+                            "lists, dicts) instead.")
+        if running and len(running) == len(failures):
+            done = [r.rank for r in self.ranks if r not in running]
+            finished = f" ({rank_list(done)} had returned)" if done else ""
+            raise RankTimeout(f"labkit.run timed out after {timeout_seconds:g} s: {rank_list(r.rank for r in running)} "
+                              f"still running{finished}.{restarted}", failures)
+        failed = sorted({f.rank for f in failures if f.kind != "stopped"})
+        raise RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures)
+
+    def _stacks(self, running: list[_Rank]) -> dict[int, list | None]:
+        """Ask each running rank where its main thread is; None where no answer came."""
+        for r in running:
+            try:
+                r.control.send_bytes(STACK_REQUEST)
+            except OSError:
+                pass
+        stacks, deadline = {}, time.monotonic() + STACK_WAIT_SECONDS
+        for r in running:
+            try:
+                answered = r.control.poll(max(0.0, deadline - time.monotonic()))
+                stacks[r.rank] = pickle.loads(r.control.recv_bytes()) if answered else None
+            except (EOFError, OSError):
+                stacks[r.rank] = None
+        return stacks
+
+    def _stop_after_interrupt(self, call_id: int, finished) -> None:
+        """Ctrl-C: ask the running ranks to stop; keep the pool only if all did, in step."""
+        running = [r for r in self.ranks if not finished(r)]
+        self._server.signal([r.pid for r in running], signal.SIGINT)
+        try:
+            self._pump(time.monotonic() + INTERRUPT_GRACE_SECONDS, lambda: all(finished(r) for r in self.ranks))
+        except KeyboardInterrupt:
+            pass
+        self._flush_output()
+        stuck = [r.rank for r in self.ranks if not finished(r)]
+        sequence = {m[3] for r in self.ranks for m in r.inbox if m[0] == call_id}
+        for r in self.ranks:
+            r.inbox.clear()
+        if stuck or len(sequence) > 1 or any(r.gone for r in self.ranks):
+            self.close()
+            why = f"{rank_list(stuck)} did not stop" if stuck else "the ranks stopped out of step"
+            print(f"labkit: interrupted; {why}, so the pool was stopped "
+                  "(the next call starts a fresh one).", file=sys.stderr)
+        else:
+            print("labkit: interrupted; every rank stopped cleanly and the pool is kept.", file=sys.stderr)
+
+    # ---- moving bytes -----------------------------------------------------------------------------
+
+    def _pump(self, deadline: float, done) -> None:
+        """Read replies, output and exit reports until `done()` or the deadline."""
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            for key, _ in self._selector.select(min(remaining, 0.5)):
+                kind, r = key.data
+                if kind == "server":
+                    self._server.read_reports()
+                elif kind == "job":
+                    self._receive(r)
+                else:
+                    self._read_pipe(r, kind)
+            for r in self.ranks:
+                if not r.gone and r.pid in self._server.exit_status:
+                    self._mark_gone(r)
+
+    def _receive(self, r: _Rank) -> None:
+        try:
+            r.inbox.append(pickle.loads(r.job.recv_bytes()))
+        except (EOFError, OSError):
+            self._mark_gone(r)
+
+    def _read_pipe(self, r: _Rank, stream: str) -> None:
+        fd = r.pipes[stream]
+        data = os.read(fd, 1 << 16)
+        r.output.feed(stream, data)
+        if not data:
+            self._selector.unregister(fd)
+
+    def _mark_gone(self, r: _Rank) -> None:
+        if not r.gone:
+            r.gone, r.gone_at = True, time.time()
+            self._selector.unregister(r.job.fileno())
+
+    def _death(self, r: _Rank) -> Failure:
+        """A dead rank, named with its signal or exit code and its last lines of stderr."""
+        self._server.wait_for_exit([r.pid], DEATH_DETAILS_SECONDS)
+        self._pump(time.monotonic() + DEATH_DETAILS_SECONDS, lambda: all(r.output.closed.values()))
+        how = describe_exit(self._server.exit_status.get(r.pid))
+        hint = " (SIGKILL from outside often means the machine ran out of memory)" if "SIGKILL" in how else ""
+        return Failure(r.rank, "died", f"process {how}{hint}", time=r.gone_at,
+                       stderr_tail=list(r.output.stderr_tail))
+
+    def _flush_output(self) -> None:
+        for r in self.ranks:
+            r.output.flush()
+
+    def healthy(self) -> bool:
+        """Open, and every rank still alive."""
+        if self.closed:
+            return False
+        self._server.read_reports()
+        return not any(r.gone or r.pid in self._server.exit_status for r in self.ranks)
+
+    def close(self) -> None:
+        """Stop every rank now and release every file descriptor. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        pids = [r.pid for r in self.ranks]
+        try:
+            self._server.signal(pids, signal.SIGKILL)
+            self._server.wait_for_exit(pids, 3.0)
+        except (OSError, RuntimeError):
+            pass  # the server is gone, and its ranks died with it
+        for r in self.ranks:
+            r.job.close()
+            r.control.close()
+            for fd in r.pipes.values():
+                os.close(fd)
+        self._selector.close()
+
+
+def _failure_from_reply(rank: int, reply: tuple) -> Failure:
+    _, status, data, _, when = reply
+    if status == "unpicklable":
+        return Failure(rank, "unpicklable", data, time=when)
+    if status == "interrupted":
+        return Failure(rank, "interrupted", "interrupted", format_exception(data), time=when)
+    return Failure(rank, "error", exception_line(data["chain"][-1]), format_exception(data), time=when)
+
+
+def _load(reply: tuple):
+    return serialize.loads(reply[2])

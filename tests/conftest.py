@@ -1,0 +1,37 @@
+"""Shared helpers: run a Python snippet as its own process (an independent owner of ranks)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _start(code: str, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, **env},
+    )
+
+
+@pytest.fixture
+def start_script():
+    """Start a snippet as a fresh `python -c` process, like an instructor's script; killed at the end."""
+    started = []
+    yield lambda code, **env: started.append(_start(code, **env)) or started[-1]
+    for process in started:
+        process.kill()
+        process.communicate()
+
+
+@pytest.fixture
+def script():
+    """Run a snippet to completion; returns (returncode, stdout, stderr)."""
+    def run(code: str, timeout: float = 120, **env):
+        process = _start(code, **env)
+        out, err = process.communicate(timeout=timeout)
+        return process.returncode, out, err
+    return run

@@ -1,0 +1,217 @@
+"""labkit.run on real processes: results, output, errors, hangs, deaths, interrupts, cleanup."""
+
+import os
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.launch.backend import threads_per_rank
+
+
+def rank_sum():
+    t = torch.tensor([float(labkit.rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_results_come_back_in_rank_order():
+    assert labkit.run(lambda: labkit.rank() * 10, world_size=4) == [0, 10, 20, 30]
+
+
+def test_all_reduce_of_rank_ids_on_four_ranks():
+    assert labkit.run(rank_sum, world_size=4) == [6.0] * 4
+
+
+def test_arguments_and_keywords_reach_every_rank():
+    def f(a, b, *, scale):
+        return (a + b) * scale + labkit.world_size()
+    assert labkit.run(f, 1, 2, scale=10, world_size=3) == [33, 33, 33]
+
+
+def test_closure_over_local_tensor_travels_by_value():
+    weights = torch.arange(4.0)
+    assert labkit.run(lambda: float(weights.sum()) + labkit.rank(), world_size=2) == [6.0, 7.0]
+
+
+def test_device_is_cpu_under_gloo_and_threads_are_shared_out():
+    results = labkit.run(lambda: (str(labkit.device()), torch.get_num_threads()), world_size=2)
+    devices, threads = zip(*results, strict=True)
+    assert devices == ("cpu", "cpu")
+    assert set(threads) == {threads_per_rank(2)}
+
+
+def test_output_is_prefixed_and_in_rank_order(capfd):
+    def chatty():
+        for i in range(3):
+            print(f"line {i}")
+    labkit.run(chatty, world_size=3)
+    out = capfd.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("[rank")]
+    assert lines == [f"[rank {r}] line {i}" for r in range(3) for i in range(3)]
+
+
+def test_stderr_and_output_without_newline_are_kept(capfd):
+    def f():
+        import sys
+        print("warn", file=sys.stderr)
+        print("no newline", end="")
+    labkit.run(f, world_size=2)
+    captured = capfd.readouterr()
+    assert "[rank 1] no newline" in captured.out
+    assert "[rank 0] warn" in captured.err and "[rank 1] warn" in captured.err
+
+
+def test_exception_on_one_rank_names_it_with_the_users_line():
+    def f():
+        t = torch.ones(1)
+        if labkit.rank() == 1:
+            raise ValueError("rank one is unhappy")
+        dist.all_reduce(t)  # rank 0 waits here for rank 1, which never comes
+    start = time.monotonic()
+    with pytest.raises(labkit.RankError) as info:
+        labkit.run(f, world_size=2, timeout=60)
+    assert time.monotonic() - start < 5
+    message = str(info.value)
+    assert "rank 1 of 2 failed" in message
+    assert "root cause, rank 1: ValueError: rank one is unhappy" in message
+    assert 'raise ValueError("rank one is unhappy")' in message  # the user's own line
+    assert "rank 0" in message
+    assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
+
+
+def test_identical_failures_are_merged():
+    def f():
+        return undefined_name  # noqa: F821
+    with pytest.raises(labkit.RankError) as info:
+        labkit.run(f, world_size=4)
+    message = str(info.value)
+    assert "ranks 0-3: NameError: name 'undefined_name' is not defined" in message
+    assert message.count("NameError") == 2  # the summary line, and the traceback once
+    assert labkit.run(rank_sum, world_size=4) == [6.0] * 4  # a symmetric failure keeps the pool
+
+
+def test_hang_raises_with_each_ranks_stack_then_recovers():
+    def f():
+        if labkit.rank() == 0:
+            dist.all_reduce(torch.ones(1))
+        return "done"
+    start = time.monotonic()
+    with pytest.raises(labkit.RankTimeout) as info:
+        labkit.run(f, world_size=2, timeout=3)
+    assert time.monotonic() - start < 3 + 10
+    message = str(info.value)
+    assert "rank 0 still running (rank 1 had returned)" in message
+    assert re.search(r'in all_reduce, called from File ".*test_launch.py", line \d+: dist.all_reduce', message)
+    assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("how, expected", [
+    ("os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL"),
+    ("os._exit(3)", "exited with code 3"),
+])
+def test_dead_rank_is_named_with_its_signal_and_stderr(how, expected):
+    code = f"import os, signal, sys; print('about to go', file=sys.stderr, flush=True); {how}"
+
+    def f():
+        if labkit.rank() == 1:
+            exec(code)
+        dist.all_reduce(torch.ones(1))
+    with pytest.raises(labkit.RankError) as info:
+        labkit.run(f, world_size=2, timeout=30)
+    message = str(info.value)
+    assert f"rank 1: process {expected}" in message
+    assert "about to go" in message.split("last lines of stderr:")[1]
+    assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
+
+
+def test_keyboard_interrupt_returns_quickly_and_the_next_call_works():
+    def long_call():
+        if labkit.rank() == 0:
+            time.sleep(30)  # in Python: stops at once
+        else:
+            dist.barrier()  # blocked in C++ waiting for rank 0
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        labkit.run(long_call, world_size=2, timeout=60)
+    assert time.monotonic() - start < 1.0 + 3
+    assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
+
+
+def test_interrupting_python_code_keeps_a_healthy_pool():
+    labkit.run(rank_sum, world_size=2)
+    pids_before = labkit.run(os.getpid, world_size=2)
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        labkit.run(time.sleep, 30, world_size=2)
+    assert labkit.run(os.getpid, world_size=2) == pids_before
+
+
+def test_two_hundred_calls_leak_no_fds_threads_or_processes():
+    me = psutil.Process()
+    labkit.run(rank_sum, world_size=2)
+    before = (me.num_fds(), me.num_threads(), len(me.children(recursive=True)))
+    for _ in range(200):
+        labkit.run(rank_sum, world_size=2)
+    assert (me.num_fds(), me.num_threads(), len(me.children(recursive=True))) == before
+
+
+def test_every_listening_socket_is_on_loopback():
+    pids = labkit.run(os.getpid, world_size=2)
+    listening = [c for p in [psutil.Process(), *map(psutil.Process, pids)]
+                 for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
+    assert listening, "the owner's store should be listening"
+    assert {c.laddr.ip for c in listening} == {"127.0.0.1"}
+
+
+def test_owner_killed_leaves_no_rank_behind(start_script):
+    owner = start_script("""
+        import os, time, labkit
+        print("PIDS", *labkit.run(os.getpid, world_size=3), flush=True)
+        time.sleep(60)
+    """)
+    line = next(line for line in owner.stdout if line.startswith("PIDS"))
+    pids = [int(p) for p in line.split()[1:]]
+    assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
+    owner.send_signal(signal.SIGKILL)
+    owner.wait()
+    time.sleep(5)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+
+
+def test_two_owners_at_once_do_not_collide(start_script):
+    code = """
+        import labkit, torch, torch.distributed as dist
+        def f():
+            t = torch.ones(1); dist.all_reduce(t); return t.item()
+        for _ in range(20):
+            assert labkit.run(f, world_size=2) == [2.0, 2.0]
+        print("ok")
+    """
+    owners = [start_script(code) for _ in range(2)]
+    outputs = [o.communicate(timeout=120) for o in owners]
+    assert [o.returncode for o in owners] == [0, 0], outputs
+    assert all(out.strip().endswith("ok") for out, _ in outputs)
+
+
+def test_script_main_functions_and_spawn_start_method(script):
+    code = """
+        import labkit
+        def double(x):
+            return 2 * x + labkit.rank()
+        print(labkit.run(double, 5, world_size=2))
+    """
+    for method in ("fork", "spawn"):
+        returncode, out, err = script(code, LABKIT_START_METHOD=method)
+        assert returncode == 0, err
+        assert out.strip().endswith("[10, 11]")

@@ -1,0 +1,70 @@
+"""Bad input to labkit.run gets a clear ValueError or TypeError, before any rank starts."""
+
+import threading
+
+import pytest
+
+import labkit
+
+
+def ok():
+    return 1
+
+
+@pytest.mark.parametrize("world_size, error, words", [
+    (0, ValueError, "between 1 and 16, got 0"),
+    (-2, ValueError, "between 1 and 16, got -2"),
+    (labkit.MAX_WORLD_SIZE + 1, ValueError, "torchrun"),
+    (2.5, TypeError, "whole number of ranks, got 2.5"),
+    ("4", TypeError, "whole number of ranks, got '4'"),
+    (True, TypeError, "whole number of ranks, got True"),
+])
+def test_bad_world_size(world_size, error, words):
+    with pytest.raises(error, match=words):
+        labkit.run(ok, world_size=world_size)
+
+
+@pytest.mark.parametrize("timeout, error", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
+                                            (float("inf"), ValueError), ("5", TypeError)])
+def test_bad_timeout(timeout, error):
+    with pytest.raises(error, match="timeout must be"):
+        labkit.run(ok, timeout=timeout)
+
+
+def test_not_callable():
+    with pytest.raises(TypeError, match="needs a function to call, got int"):
+        labkit.run(42)
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match="backend='mpi' is not one of"):
+        labkit.run(ok, backend="mpi")
+
+
+def test_nccl_without_gpus_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(labkit.launch.owner._owner, "gpu_count", 0)
+    with pytest.raises(ValueError, match="needs one CUDA GPU per rank: 2 ranks, 0 CUDA GPUs found"):
+        labkit.run(ok, world_size=2, backend="nccl")
+
+
+def test_unpicklable_argument_is_named():
+    with pytest.raises(TypeError, match=r"cannot send argument 1 \(lock\) to the ranks"):
+        labkit.run(lambda a, b: None, 1, threading.Lock())
+
+
+def test_unpicklable_result_is_a_type_error_and_the_pool_survives():
+    def make_generator():
+        return (i for i in range(3))
+    with pytest.raises(TypeError, match="ranks 0-1 returned a value that cannot be sent back: generator"):
+        labkit.run(make_generator, world_size=2)
+    assert labkit.run(ok, world_size=2) == [1, 1]
+
+
+def test_rank_helpers_outside_a_rank_say_where_they_work():
+    with pytest.raises(RuntimeError, match="works inside a rank"):
+        labkit.rank()
+
+
+def test_run_inside_a_rank_is_refused():
+    with pytest.raises(labkit.RankError, match="cannot be called from inside a rank"):
+        labkit.run(lambda: labkit.run(ok), world_size=1)

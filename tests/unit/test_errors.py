@@ -1,0 +1,47 @@
+"""Error reports: rank lists, merged failures, root cause first, Python-like tracebacks."""
+
+from labkit.launch.errors import (
+    Failure,
+    RankError,
+    describe_exception,
+    format_exception,
+    rank_list,
+)
+
+
+def test_rank_list():
+    assert rank_list([2]) == "rank 2"
+    assert rank_list([3, 0, 1, 2]) == "ranks 0-3"
+    assert rank_list([0, 2, 5, 6]) == "ranks 0, 2, 5-6"
+
+
+def test_identical_failures_merge_and_differing_ones_do_not():
+    same = [Failure(r, "error", "NameError: x", "tb") for r in range(4)]
+    assert "--- ranks 0-3: NameError: x" in str(RankError("boom", same))
+    mixed = same[:2] + [Failure(2, "error", "ValueError: y", "tb2")]
+    text = str(RankError("boom", mixed))
+    assert "ranks 0-1: NameError: x" in text and "rank 2: ValueError: y" in text
+
+
+def test_a_dead_rank_is_the_root_cause_even_if_reported_later():
+    failures = [Failure(0, "error", "RuntimeError: Connection closed by peer", "tb", time=1.0),
+                Failure(1, "died", "process killed by SIGKILL", time=2.0)]
+    text = str(RankError("boom", failures))
+    assert text.index("root cause, rank 1") < text.index("rank 0: RuntimeError")
+
+
+def test_exception_chain_reads_like_python():
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError as inner:
+            raise ValueError("outer") from inner
+    except ValueError as exc:
+        text = format_exception(describe_exception(exc))
+    assert text.index("KeyError: 'inner'") < text.index("direct cause") < text.index("ValueError: outer")
+    assert 'raise ValueError("outer") from inner' in text
+
+
+def test_ipython_shows_only_the_report():
+    error = RankError("rank 1 of 2 failed.", [Failure(1, "error", "ValueError: v", "Traceback ...")])
+    assert error._render_traceback_() == [f"RankError: {error}"]
