@@ -1,0 +1,21 @@
+"""Collectives by hand, written once against a small transport, run over torch.distributed or simulated.
+
+    naive_allreduce(t)        everyone -> rank 0 -> everyone: the hub's link carries (N-1) x S each way
+    ring_allreduce(t)         ring_reduce_scatter then ring_allgather: 2(N-1)/N x S per rank
+    ring_reduce_scatter(t)    this rank's chunk, reduced over all ranks
+    ring_allgather(chunk)     every rank's chunk, in rank order
+    broadcast(t, src)         binomial tree from src
+    reduce(t, dst)            binomial tree into dst
+
+Inside a rank they use torch.distributed's default group; `traced()` records their transfers, and
+`simulate(...)` runs the same code on simulated ranks in this process.
+"""
+
+from labkit.comm.naive import naive_allreduce
+from labkit.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
+from labkit.comm.simulator import run_simulated, simulate
+from labkit.comm.transport import TorchTransport, Transfer, Transport, default_transport, traced
+from labkit.comm.tree import broadcast, reduce
+
+__all__ = ["TorchTransport", "Transfer", "Transport", "broadcast", "default_transport", "naive_allreduce", "reduce",
+           "ring_allgather", "ring_allreduce", "ring_reduce_scatter", "run_simulated", "simulate", "traced"]

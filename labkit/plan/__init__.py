@@ -1,0 +1,1 @@
+"""The arithmetic of distributed training: pure functions, units in their names, each formula cited."""

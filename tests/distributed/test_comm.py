@@ -1,0 +1,256 @@
+"""labkit.comm's collectives on real gloo processes (2 to 5 ranks) against torch.distributed's own.
+
+Inputs are small whole numbers, so that sums are exact in every dtype and results can be compared
+for equality whatever order the additions happen in."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import labkit
+from labkit import comm
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64]
+SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3)
+
+
+def rank_input(shape, dtype, seed):
+    generator = torch.Generator().manual_seed(seed * 101 + labkit.rank())
+    return torch.randint(-8, 9, shape, generator=generator).to(dtype)
+
+
+def allreduce_both(algorithm, shape, dtype, seed):
+    mine = rank_input(shape, dtype, seed)
+    expected = mine.clone()
+    dist.all_reduce(expected)
+    out = getattr(comm, algorithm)(mine)
+    return out is mine, torch.equal(mine, expected)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+@pytest.mark.parametrize("algorithm", ["ring_allreduce", "naive_allreduce"])
+@SETTINGS
+@given(shape=shapes, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 1000))
+def test_allreduce_matches_torch_in_place(world_size, algorithm, shape, dtype, seed):
+    results = labkit.run(allreduce_both, algorithm, shape, dtype, seed, world_size=world_size)
+    assert results == [(True, True)] * world_size
+
+
+def reduce_scatter_both(numel, dtype, seed):
+    mine = rank_input([numel], dtype, seed)
+    before = mine.clone()
+    total = mine.clone()
+    dist.all_reduce(total)
+    chunk = comm.ring_reduce_scatter(mine)
+    same_as_torch = True
+    if numel % labkit.world_size() == 0:
+        out = torch.empty(numel // labkit.world_size(), dtype=dtype)
+        dist.reduce_scatter(out, list(mine.chunk(labkit.world_size())))
+        same_as_torch = torch.equal(chunk, out)
+    return torch.equal(chunk, total.tensor_split(labkit.world_size())[labkit.rank()]) and same_as_torch, \
+        torch.equal(mine, before)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@SETTINGS
+@given(numel=st.integers(0, 40), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 1000))
+def test_reduce_scatter_gives_each_rank_its_reduced_chunk(world_size, numel, dtype, seed):
+    assert labkit.run(reduce_scatter_both, numel, dtype, seed, world_size=world_size) == [(True, True)] * world_size
+
+
+def allgather_both(numel, dtype, uneven):
+    n = numel + (labkit.rank() if uneven else 0)
+    mine = torch.full((n,), labkit.rank() + 1).to(dtype)
+    gathered = comm.ring_allgather(mine)
+    expected = torch.cat([torch.full((numel + (r if uneven else 0),), r + 1).to(dtype)
+                          for r in range(labkit.world_size())])
+    if not uneven:
+        parts = [torch.empty_like(mine) for _ in range(labkit.world_size())]
+        dist.all_gather(parts, mine)
+        assert torch.equal(torch.cat(parts), expected)
+    return torch.equal(gathered, expected)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+@pytest.mark.parametrize("uneven", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather_matches_torch_and_takes_uneven_chunks(world_size, uneven, dtype):
+    assert labkit.run(allgather_both, 3, dtype, uneven, world_size=world_size) == [True] * world_size
+
+
+def broadcast_and_reduce(shape, dtype, root, seed):
+    mine = rank_input(shape, dtype, seed)
+    theirs = mine.clone()
+    dist.broadcast(theirs, root)
+    broadcast_ok = torch.equal(comm.broadcast(mine.clone(), root), theirs)
+    before = mine.clone()
+    expected = mine.clone()
+    dist.reduce(expected, root)
+    comm.reduce(mine, root)
+    reduce_ok = torch.equal(mine, expected) if labkit.rank() == root else torch.equal(mine, before)
+    return broadcast_ok, reduce_ok
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+@SETTINGS
+@given(shape=shapes, dtype=st.sampled_from(DTYPES), root=st.integers(0, 4), seed=st.integers(0, 1000))
+def test_broadcast_and_reduce_match_torch_from_any_root(world_size, shape, dtype, root, seed):
+    root %= world_size
+    assert labkit.run(broadcast_and_reduce, shape, dtype, root, seed, world_size=world_size) == \
+        [(True, True)] * world_size
+
+
+def other_ops():
+    mine = torch.tensor([labkit.rank() + 1.0, -labkit.rank() - 2.0, 3.0])
+    results = {}
+    for name, op in [("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), ("product", dist.ReduceOp.PRODUCT)]:
+        expected = mine.clone()
+        dist.all_reduce(expected, op=op)
+        results[name] = torch.equal(comm.ring_allreduce(mine.clone(), op=op), expected) and \
+            torch.equal(comm.ring_allreduce(mine.clone(), op=name), expected)
+    total = mine.clone()
+    dist.all_reduce(total)
+    results["avg"] = torch.allclose(comm.ring_allreduce(mine.clone(), op="avg"), total / labkit.world_size())
+    return results
+
+
+def test_other_reduction_ops_match_torch():
+    for result in labkit.run(other_ops, world_size=3):
+        assert result == {"max": True, "min": True, "product": True, "avg": True}
+
+
+def non_contiguous():
+    t = (torch.arange(12.0).reshape(3, 4) + labkit.rank()).t()
+    expected = t.clone()
+    dist.all_reduce(expected)
+    comm.ring_allreduce(t)
+    return torch.equal(t, expected)
+
+
+def test_non_contiguous_tensor_is_reduced_in_place():
+    assert labkit.run(non_contiguous, world_size=2) == [True, True]
+
+
+def many_segments():
+    from labkit.comm import ring
+    ring.SEGMENT_NBYTES = 12  # three float32 elements per message: exercises the pipeline
+    try:
+        mine = rank_input([53], torch.float32, 7)
+        expected = mine.clone()
+        dist.all_reduce(expected)
+        return torch.equal(comm.ring_allreduce(mine), expected)
+    finally:
+        ring.SEGMENT_NBYTES = 4 << 20
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pipeline_of_many_segments(world_size):
+    assert labkit.run(many_segments, world_size=world_size) == [True] * world_size
+
+
+def one_rank():
+    t = torch.tensor([1.0, 2.0])
+    return [comm.ring_allreduce(t.clone()).tolist(), comm.naive_allreduce(t.clone()).tolist(),
+            comm.ring_reduce_scatter(t).tolist(), comm.ring_allgather(t).tolist(),
+            comm.broadcast(t.clone(), 0).tolist(), comm.reduce(t.clone(), 0).tolist()]
+
+
+def test_world_size_one_is_the_identity():
+    assert labkit.run(one_rank, world_size=1) == [[[1.0, 2.0]] * 6]
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+
+def mismatched(kind, algorithm):
+    t = torch.zeros(4 + labkit.rank()) if kind == "shape" else \
+        torch.zeros(4, dtype=torch.float32 if labkit.rank() == 0 else torch.int64)
+    getattr(comm, algorithm)(t)
+
+
+@pytest.mark.parametrize("algorithm", ["ring_allreduce", "naive_allreduce", "ring_reduce_scatter", "broadcast",
+                                       "reduce"])
+@pytest.mark.parametrize("kind", ["shape", "dtype"])
+def test_mismatched_tensors_are_a_clear_error_on_every_rank(kind, algorithm):
+    with pytest.raises(labkit.RankError) as info:
+        labkit.run(mismatched, kind, algorithm, world_size=3, timeout=20)
+    assert {f.kind for f in info.value.failures} == {"error"}
+    assert len(info.value.failures) == 3
+    message = str(info.value)
+    assert "ranks 0-2: ValueError" in message and "the ranks passed different tensors" in message
+    assert ("rank 0: float32[4], rank 1: float32[5]" if kind == "shape" else "rank 1: int64[4]") in message
+
+
+def test_allgather_of_different_dtypes_is_a_clear_error():
+    def f():
+        comm.ring_allgather(torch.zeros(2, dtype=torch.float32 if labkit.rank() else torch.float64))
+    with pytest.raises(labkit.RankError, match="ranks 0-1: ValueError: ring_allgather: the ranks passed chunks"):
+        labkit.run(f, world_size=2, timeout=20)
+
+
+def test_bad_root_is_a_clear_error():
+    with pytest.raises(labkit.RankError, match="broadcast's src must be a rank between 0 and 1, got 2"):
+        labkit.run(lambda: comm.broadcast(torch.zeros(1), 2), world_size=2, timeout=20)
+
+
+def test_outside_a_process_group_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="needs a torch.distributed process group"):
+        comm.ring_allreduce(torch.zeros(2))
+
+
+# ---- traffic and traces -----------------------------------------------------------------------------
+
+def count_bytes(algorithm, numel):
+    transport = comm.TorchTransport()
+    getattr(comm, algorithm)(torch.zeros(numel), transport=transport)
+    return transport.sent_nbytes, transport.received_nbytes
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+@pytest.mark.parametrize("numel", [60, 61, 7, 1])
+def test_ring_sends_two_n_minus_one_over_n_of_the_tensor(world_size, numel):
+    nbytes, n = 4 * numel, world_size
+    chunk_nbytes = [4 * len(c) for c in torch.zeros(numel).tensor_split(n)]
+    counts = labkit.run(count_bytes, "ring_allreduce", numel, world_size=n)
+    for r, (sent, received) in enumerate(counts):
+        # Every chunk but one in each phase. Sent: all but chunk r (reduce-scatter), all but r+1 (all-gather).
+        # Received: all but r-1, then all but r.
+        assert sent == 2 * nbytes - chunk_nbytes[r] - chunk_nbytes[(r + 1) % n]
+        assert received == 2 * nbytes - chunk_nbytes[(r - 1) % n] - chunk_nbytes[r]
+        if numel % n == 0:
+            assert sent == received == 2 * (n - 1) * nbytes // n
+
+
+@pytest.mark.parametrize("world_size", [2, 4, 5])
+def test_naive_hub_carries_n_minus_one_tensors_each_way(world_size):
+    nbytes = 4 * 10
+    counts = labkit.run(count_bytes, "naive_allreduce", 10, world_size=world_size)
+    assert counts[0] == ((world_size - 1) * nbytes, (world_size - 1) * nbytes)
+    assert counts[1:] == [(nbytes, nbytes)] * (world_size - 1)
+
+
+def trace(algorithm, numel, *args):
+    with comm.traced() as events:
+        getattr(comm, algorithm)(torch.zeros(numel), *args)
+    return events
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("algorithm, args", [("ring_allreduce", ()), ("naive_allreduce", ()),
+                                             ("ring_reduce_scatter", ()), ("ring_allgather", ()),
+                                             ("broadcast", (1,)), ("reduce", (1,))])
+def test_a_real_trace_and_the_simulator_agree(world_size, algorithm, args):
+    numel = 11
+    real = sorted(e.key() for rank_events in labkit.run(trace, algorithm, numel, *args, world_size=world_size)
+                  for e in rank_events)
+    simulated = [e.key() for e in comm.simulate(algorithm, world_size, numel, torch.float32, *args)]
+    assert real == sorted(simulated)
+    assert len(real) > 0
+
+
+def test_real_trace_times_are_ordered():
+    for events in labkit.run(trace, "ring_allreduce", 1000, world_size=3):
+        assert [e.step for e in events] == list(range(4))
+        assert all(e.start <= e.end for e in events)
