@@ -35,14 +35,16 @@ from labkit.launch.errors import (
 )
 from labkit.launch.forkserver import ForkServer, describe_exit
 from labkit.launch.output import STREAMS, RankOutput
-from labkit.launch.worker import STACK_REQUEST
+from labkit.launch.worker import STACK_REQUEST, health_probe
 
 SETTLE_SECONDS = 1.5  # after one rank fails, how long the others get to finish or fail too
-INTERRUPT_GRACE_SECONDS = 2.0  # after Ctrl-C, how long ranks get to stop by themselves
+INTERRUPT_GRACE_SECONDS = 1.5  # after Ctrl-C, how long ranks get to stop by themselves
+HEALTH_CHECK_SECONDS = 3.0
 STACK_WAIT_SECONDS = 2.0
 DEATH_DETAILS_SECONDS = 1.0  # to collect a dead rank's exit status and last stderr lines
 
 _call_ids = itertools.count(1)
+_HEALTH_PROBE = serialize.dumps((health_probe, (), {}))
 
 
 @dataclass
@@ -133,8 +135,11 @@ class Pool:
 
     # ---- calls ------------------------------------------------------------------------------------
 
-    def call(self, payload: bytes, timeout_seconds: float) -> list:
-        """Run the pickled `(fn, args, kwargs)` on every rank; results in rank order."""
+    def call(self, payload: bytes, timeout_seconds: float, check_health: bool = True) -> list:
+        """Run the pickled `(fn, args, kwargs)` on every rank; results in rank order.
+
+        After a failure that every rank survived, a tiny collective checks that the group is still in
+        step (not, say, one rank a collective ahead after a timeout); if not, the pool is closed."""
         call_id = next(_call_ids)
         message = pickle.dumps((call_id, payload))
         for r in self.ranks:
@@ -162,9 +167,9 @@ class Pool:
             self._stop_after_interrupt(call_id, finished)
             raise
         running = [r for r in self.ranks if not finished(r)]
-        return self._conclude(call_id, running, timeout_seconds)
+        return self._conclude(call_id, running, timeout_seconds, check_health)
 
-    def _conclude(self, call_id: int, running: list[_Rank], timeout_seconds: float) -> list:
+    def _conclude(self, call_id: int, running: list[_Rank], timeout_seconds: float, check_health: bool) -> list:
         stacks = self._stacks(running)
         self._flush_output()
         replies = {r.rank: next(m for m in r.inbox if m[0] == call_id) for r in self.ranks
@@ -176,20 +181,16 @@ class Pool:
         failures += [Failure(r.rank, "stopped", f"was still running {where(stacks[r.rank])}" if stacks[r.rank]
                              else "was still running and did not say where", format_frames(stacks[r.rank] or []))
                      for r in running]
-        sequence = {rank: reply[3] for rank, reply in replies.items()}
-        in_step = len(set(sequence.values())) <= 1 and not running and not any(r.gone for r in self.ranks)
-        if not in_step:
+        if not failures:
+            return [_load(replies[r]) for r in range(self.world_size)]
+        if not (running or any(r.gone for r in self.ranks)) and check_health:
+            self._check_health()
+        else:
             self.close()
-        restarted = "" if in_step else (
+        restarted = "" if not self.closed else (
             f" The {self.world_size}-rank pool was stopped; the next call starts a fresh one"
             " (variables defined in %%ranks cells are gone)."
         )
-        if not failures:
-            if not in_step:
-                counts = ", ".join(f"rank {k}: {v}" for k, v in sorted(sequence.items()))
-                print(f"labkit: the ranks issued different numbers of operations on the process group "
-                      f"({counts}), so some were never matched.{restarted}", file=sys.stderr)
-            return [_load(replies[r]) for r in range(self.world_size)]
         unpicklable = [f for f in failures if f.kind == "unpicklable"]
         if unpicklable and len(unpicklable) == len(failures):
             raise TypeError(f"{rank_list(f.rank for f in unpicklable)} returned a value that cannot be "
@@ -229,16 +230,27 @@ class Pool:
             pass
         self._flush_output()
         stuck = [r.rank for r in self.ranks if not finished(r)]
-        sequence = {m[3] for r in self.ranks for m in r.inbox if m[0] == call_id}
         for r in self.ranks:
             r.inbox.clear()
-        if stuck or len(sequence) > 1 or any(r.gone for r in self.ranks):
+        if stuck or any(r.gone for r in self.ranks):
             self.close()
+        else:
+            self._check_health()
+        if self.closed:
             why = f"{rank_list(stuck)} did not stop" if stuck else "the ranks stopped out of step"
             print(f"labkit: interrupted; {why}, so the pool was stopped "
                   "(the next call starts a fresh one).", file=sys.stderr)
         else:
             print("labkit: interrupted; every rank stopped cleanly and the pool is kept.", file=sys.stderr)
+
+    def _check_health(self) -> None:
+        """Close the pool unless a tiny all_reduce still works on it."""
+        try:
+            total = self.call(_HEALTH_PROBE, HEALTH_CHECK_SECONDS, check_health=False)
+        except (RankError, KeyboardInterrupt):
+            total = None
+        if total != [float(self.world_size)] * self.world_size:
+            self.close()
 
     # ---- moving bytes -----------------------------------------------------------------------------
 
@@ -318,7 +330,7 @@ class Pool:
 
 
 def _failure_from_reply(rank: int, reply: tuple) -> Failure:
-    _, status, data, _, when = reply
+    _, status, data, when = reply
     if status == "unpicklable":
         return Failure(rank, "unpicklable", data, time=when)
     if status == "interrupted":

@@ -102,7 +102,7 @@ def _serve_calls(job: Connection) -> None:
         sys.stderr.flush()
         os.write(1, end_of_call_marker(call_id))
         os.write(2, end_of_call_marker(call_id))
-        job.send_bytes(pickle.dumps((call_id, *reply, group_sequence_number(), time.time())))
+        job.send_bytes(pickle.dumps((call_id, *reply, time.time())))
 
 
 def _run(payload: bytes) -> tuple[str, object]:
@@ -137,16 +137,16 @@ def _to_cpu(result):
     return tree_map_only(torch.Tensor, lambda t: t.cpu() if t.is_cuda else t, result)
 
 
-def group_sequence_number() -> int:
-    """How many operations this rank has issued on the default group; -1 without one.
-
-    Equal on every rank after a clean call. If they differ, some rank issued a collective or a
-    send that its peers never matched, and the group must not be reused."""
+def health_probe() -> float:
+    """A tiny all_reduce: it completes, and sums to the world size, only if the group is in step."""
+    import torch
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return -1
-    return dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+    from labkit.launch.context import device
+
+    t = torch.ones(1, device=device())
+    dist.all_reduce(t)
+    return t.item()
 
 
 def run_cell(source: str, filename: str):

@@ -1,0 +1,32 @@
+"""Why the hub stops scaling: bytes through the busiest link as ranks are added, hub vs ring."""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from labkit.plan.traffic import naive_allreduce_hub_nbytes, ring_allreduce_nbytes_per_rank
+
+
+def traffic_chart(nbytes: float, world_sizes=range(2, 17), measured: dict | None = None) -> go.Figure:
+    """Bytes sent by the busiest rank in an AllReduce of `nbytes`: the hub's grows as (N-1) S, the ring's
+    approaches 2 S. `measured` may add counted points: {"hub": {N: bytes}, "ring": {N: bytes}}."""
+    sizes = list(world_sizes)
+    if not sizes or min(sizes) < 2:
+        raise ValueError("traffic_chart needs world sizes of 2 or more.")
+    megabytes = 1e6
+    figure = go.Figure()
+    figure.add_trace(go.Scatter(x=sizes, y=[naive_allreduce_hub_nbytes(nbytes, n) / megabytes for n in sizes],
+                                name="naive hub: (N-1) S", mode="lines+markers", line={"color": "#e45756"}))
+    figure.add_trace(go.Scatter(x=sizes, y=[ring_allreduce_nbytes_per_rank(nbytes, n) / megabytes for n in sizes],
+                                name="ring, every rank: 2(N-1)/N S", mode="lines+markers", line={"color": "#4c78a8"}))
+    figure.add_trace(go.Scatter(x=[sizes[0], sizes[-1]], y=[2 * nbytes / megabytes] * 2, name="2 S",
+                                mode="lines", line={"color": "#4c78a8", "dash": "dot"}))
+    for name, color in (("hub", "#e45756"), ("ring", "#4c78a8")):
+        points = (measured or {}).get(name)
+        if points:
+            figure.add_trace(go.Scatter(x=list(points), y=[b / megabytes for b in points.values()],
+                                        name=f"{name}, counted on real ranks", mode="markers",
+                                        marker={"symbol": "x", "size": 11, "color": color}))
+    figure.update_layout(title=f"Bytes sent by the busiest rank, AllReduce of S = {nbytes / megabytes:g} MB",
+                         xaxis_title="ranks N", yaxis_title="MB sent", height=420)
+    return figure
