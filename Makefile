@@ -12,7 +12,7 @@ CELL_TIMEOUT ?= 180
 ARTIFACTS := test-artifacts
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test test-fast lint unit notebooks bench clean
+.PHONY: help setup lab test test-fast lint unit notebooks browser bench gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
@@ -30,10 +30,10 @@ $(STAMP): pyproject.toml
 lab: setup ## open the course in JupyterLab (http://127.0.0.1, token required)
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=notebooks
 
-test: test-fast ## everything: lint, unit and distributed tests, every notebook
-	@echo "make test: all checks passed"
+test: test-fast browser ## everything: lint, unit and distributed tests, every notebook (nbval and browser)
+	@echo "make test: all checks passed. Screenshots of every notebook: $(ARTIFACTS)/screenshots/"
 
-test-fast: lint unit notebooks ## the same, for quick loops
+test-fast: lint unit notebooks ## the same without the browser, for quick loops
 
 lint: setup ## ruff on code and notebooks; notebooks must be committed without outputs
 	$(BIN)/ruff check labkit tests benchmarks notebooks
@@ -46,8 +46,15 @@ notebooks: setup ## run every notebook top to bottom (nbval)
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) \
 		-p no:cacheprovider notebooks
 
+browser: setup ## every notebook in JupyterLab in Chromium (Playwright); screenshots in test-artifacts/
+	$(BIN)/python -m pytest tests/browser; status=$$?; \
+		echo "Screenshots of every notebook: $(ARTIFACTS)/screenshots/"; exit $$status
+
 bench: setup ## print the benchmark tables (launcher, collectives)
 	@for b in benchmarks/*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+gpu-check: setup ## on a CUDA machine: devices, backend choice, labkit's kernels on GPUs vs torch's
+	$(BIN)/python -m labkit.gpu_check
 
 clean: ## remove .venv, caches and test artifacts
 	rm -rf $(VENV) $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis *.egg-info
