@@ -1,10 +1,10 @@
 """labkit's ring_allreduce next to torch's own gloo all_reduce, on 2 and 4 ranks, 1 KiB to 64 MiB.
 
-For each size the three variants (torch, labkit, labkit with tracing on) take turns, several rounds
-of back-to-back calls each, and the median round counts: this machine's timings jump around, and
-taking turns spreads the noise evenly. Time is the slowest rank's. Bandwidths follow nccl-tests:
-algbw = S / t and busbw = algbw x 2(N-1)/N, in GB/s (GB = 1e9). Target (issue 3): labkit's busbw >=
-0.9 x torch's at every size >= 1 MiB, and tracing costs <= 10 %.
+For each size the three variants (torch, labkit, labkit with tracing on) take turns, in rotating
+order, several rounds of back-to-back calls each, and the median round counts: this machine's
+timings jump around, and taking turns spreads the noise evenly. Time is the slowest rank's.
+Bandwidths follow nccl-tests: algbw = S / t and busbw = algbw x 2(N-1)/N, in GB/s (GB = 1e9).
+Target (issue 3): labkit's busbw >= 0.9 x torch's at every size >= 1 MiB; tracing costs <= 10 %.
 
     python benchmarks/collectives.py
 """
@@ -20,7 +20,7 @@ from labkit.comm import ring_allreduce, traced
 from labkit.plan.traffic import busbw_gbps
 
 SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-ROUNDS = 7
+ROUNDS = 9
 
 
 def ring_traced(t):
@@ -38,8 +38,10 @@ def measure(nbytes: int) -> dict[str, list[float]]:
     rounds = {name: [] for name in VARIANTS}
     for fn in VARIANTS.values():
         fn(t)  # warm up: buffers, connections
-    for _ in range(ROUNDS):
-        for name, fn in VARIANTS.items():
+    names = list(VARIANTS)
+    for i in range(ROUNDS):
+        for name in names[i % 3:] + names[:i % 3]:  # each variant goes first, second and third in turn
+            fn = VARIANTS[name]
             dist.barrier()
             start = time.perf_counter()
             for _ in range(calls):

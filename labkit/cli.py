@@ -69,7 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     reason = init_from_environment(options.backend)
     try:
         result = check_allreduce(options.algorithm, options.numel)
-        print(json.dumps({**result, "why": reason}), flush=True)
+        # One write per line: the local ranks share torchrun's stdout, and print() may write the text and
+        # its newline separately, letting another rank's line land in between.
+        sys.stdout.write(json.dumps({**result, "why": reason}) + "\n")
+        sys.stdout.flush()
         return 0 if result["ok"] else 1
     finally:
         dist.destroy_process_group()

@@ -39,13 +39,11 @@ class _Arrival:
 
 
 class _Network:
-    """What the simulated ranks share: one FIFO mailbox per (src, dst, tag), and a place to compare notes."""
+    """What the simulated ranks share: one FIFO mailbox per (src, dst, tag)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self):
         self.mailboxes: defaultdict[tuple, queue.Queue] = defaultdict(queue.Queue)
         self.lock = threading.Lock()
-        self.barrier = threading.Barrier(world_size, timeout=_WAIT_SECONDS)
-        self.notes: list = [None] * world_size
 
     def mailbox(self, src: int, dst: int, tag: int) -> queue.Queue:
         with self.lock:
@@ -60,21 +58,14 @@ class SimTransport(Transport):
         self.rank, self.world_size, self._network = rank, world_size, network
         self.events = events
 
-    def isend(self, tensor, dst, tag):
-        self.sent_nbytes += tensor.numel() * tensor.element_size()
+    device = torch.device("cpu")
+
+    def _post_send(self, tensor, dst, tag):
         self._network.mailbox(self.rank, dst, tag).put(tensor.clone())
         return _Done()
 
-    def irecv(self, tensor, src, tag):
-        self.received_nbytes += tensor.numel() * tensor.element_size()
+    def _post_recv(self, tensor, src, tag):
         return _Arrival(self._network.mailbox(src, self.rank, tag), tensor)
-
-    def signatures(self, mine):
-        self._network.notes[self.rank] = list(mine)
-        self._network.barrier.wait()
-        theirs = [list(n) for n in self._network.notes]
-        self._network.barrier.wait()
-        return theirs
 
     def now(self) -> float:
         return 0.0  # times come from the cost model once the run is over
@@ -88,7 +79,7 @@ def run_simulated(algorithm, inputs: list[torch.Tensor], *args, **kwargs):
 
     algorithm = getattr(comm, algorithm) if isinstance(algorithm, str) else algorithm
     world_size = len(inputs)
-    network, events = _Network(world_size), []
+    network, events = _Network(), []
     transports = [SimTransport(r, world_size, network, events) for r in range(world_size)]
     results, errors = [None] * world_size, []
 
@@ -97,7 +88,6 @@ def run_simulated(algorithm, inputs: list[torch.Tensor], *args, **kwargs):
             results[r] = algorithm(inputs[r], *args, transport=transports[r], **kwargs)
         except BaseException as exc:  # noqa: BLE001 - re-raised below, in the caller's thread
             errors.append((r, exc))
-            network.barrier.abort()
 
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(world_size)]
     for thread in threads:

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 _MAX_DIMS = 8
+HEADER_TAG = 1 << 20  # for the signature exchange; data tags stay below it
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 
@@ -59,19 +60,46 @@ class Transport:
         self.events: list[Transfer] | None = None  # a list while traced() is on
         self._scratch: dict[tuple, torch.Tensor] = {}
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
+    device: torch.device
+
+    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
         raise NotImplementedError
+
+    def _post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
+        raise NotImplementedError
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
+        """Start sending `tensor` to rank `dst`; counted in sent_nbytes."""
+        self.sent_nbytes += tensor.numel() * tensor.element_size()
+        return self._post_send(tensor, dst, tag)
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
-        raise NotImplementedError
+        """Start receiving into `tensor` from rank `src`; counted in received_nbytes."""
+        self.received_nbytes += tensor.numel() * tensor.element_size()
+        return self._post_recv(tensor, src, tag)
 
     def signatures(self, mine: list[int]) -> list[list[int]]:
-        """Every rank's `mine`, in rank order (a tiny all-gather)."""
-        raise NotImplementedError
+        """Every rank's `mine` (equal-length lists of ints), in rank order.
 
-    def all_equal(self, mine: list[int]) -> bool:
-        """True on every rank if every rank passed the same `mine` (cheaper than `signatures`)."""
-        return all(s == mine for s in self.signatures(mine))
+        Each rank sends its list straight to every other rank: one round of small messages, where a
+        collective would take several. These bookkeeping messages are not counted as traffic. Each
+        pair of ranks posts its two messages in the same order (lower rank sends first), so the
+        exchange cannot deadlock even where sends block until matched."""
+        own = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        theirs, pending = {}, []
+        for peer in range(self.world_size):
+            if peer == self.rank:
+                continue
+            theirs[peer] = torch.empty_like(own)
+            send_first = self.rank < peer
+            if send_first:
+                pending.append(self._post_send(own, peer, HEADER_TAG))
+            pending.append(self._post_recv(theirs[peer], peer, HEADER_TAG))
+            if not send_first:
+                pending.append(self._post_send(own, peer, HEADER_TAG))
+        for p in pending:
+            p.wait()
+        return [list(mine) if r == self.rank else theirs[r].tolist() for r in range(self.world_size)]
 
     def now(self) -> float:
         return time.perf_counter()
@@ -110,9 +138,8 @@ class Transport:
 
     def check_same_tensors(self, tensor: torch.Tensor, name: str) -> None:
         """Raise on every rank if the ranks passed tensors of different dtype or shape to `name`."""
-        mine = signature(tensor)
-        if not self.all_equal(mine):
-            theirs = self.signatures(mine)
+        theirs = self.signatures(signature(tensor))
+        if any(s != theirs[0] for s in theirs):
             described = ", ".join(f"rank {r}: {describe_signature(s)}" for r, s in enumerate(theirs))
             raise ValueError(f"{name}: the ranks passed different tensors ({described}). Every rank must pass a "
                              "tensor of the same dtype and shape.")
@@ -162,33 +189,17 @@ class TorchTransport(Transport):
             raise RuntimeError("labkit.comm needs a torch.distributed process group: call it inside a rank "
                                "(labkit.run, a %%ranks cell, or a script under torchrun).")
         super().__init__()
-        self._dist = dist
         self._group = dist.distributed_c10d._get_default_group()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        self._device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
-        self.sent_nbytes += tensor.numel() * tensor.element_size()
+    def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
         return self._group.send([tensor], dst, tag)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
-        self.received_nbytes += tensor.numel() * tensor.element_size()
+    def _post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
         return self._group.recv([tensor], src, tag)
-
-    def signatures(self, mine: list[int]) -> list[list[int]]:
-        local = torch.tensor(mine, dtype=torch.int64, device=self._device)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        self._dist.all_gather(gathered, local)
-        return [g.tolist() for g in gathered]
-
-    def all_equal(self, mine: list[int]) -> bool:
-        # One small all_reduce instead of an all_gather: max(x) == -max(-x) exactly when all x agree.
-        both = torch.tensor(mine + [-v for v in mine], dtype=torch.float64, device=self._device)
-        options = self._dist.AllreduceOptions()
-        options.reduceOp = self._dist.ReduceOp.MAX
-        self._group.allreduce([both], options).wait()
-        return bool(torch.equal(both[: len(mine)], -both[len(mine):]))
 
 
 _default: TorchTransport | None = None

@@ -7,14 +7,17 @@ import labkit
 from labkit.exercises import Verdict, check_naive_allreduce, check_ring_allreduce
 
 
+def hub_gathers_and_sums(t):
+    incoming = torch.empty_like(t)
+    for src in range(1, labkit.world_size()):
+        dist.recv(incoming, src)
+        t += incoming
+
+
 def naive_reference(t):
-    rank, n = labkit.rank(), labkit.world_size()
-    if rank == 0:
-        incoming = torch.empty_like(t)
-        for src in range(1, n):
-            dist.recv(incoming, src)
-            t += incoming
-        for dst in range(1, n):
+    if labkit.rank() == 0:
+        hub_gathers_and_sums(t)
+        for dst in range(1, labkit.world_size()):
             dist.send(t, dst)
     else:
         dist.send(t, 0)
@@ -23,10 +26,7 @@ def naive_reference(t):
 
 def naive_never_sends_back(t):
     if labkit.rank() == 0:
-        incoming = torch.empty_like(t)
-        for src in range(1, labkit.world_size()):
-            dist.recv(incoming, src)
-            t += incoming
+        hub_gathers_and_sums(t)
     else:
         dist.send(t, 0)
 
@@ -44,13 +44,8 @@ def naive_sums_twice(t):
 def naive_wrong_hub(t):
     rank, n = labkit.rank(), labkit.world_size()
     if rank == 0:  # the hub code runs on rank 0 ...
-        incoming = torch.empty_like(t)
-        for src in range(1, n):
-            dist.recv(incoming, src)
-            t += incoming
-        for dst in range(1, n):
-            dist.send(t, dst)
-    else:  # ... but the others send to the last rank
+        naive_reference(t)
+    else:  # ... but the others send to the last rank, which waits for rank 0 like everyone else
         dist.send(t, n - 1 if rank != n - 1 else 0)
         dist.recv(t, 0)
 
@@ -59,27 +54,8 @@ def naive_uses_all_reduce(t):
     dist.all_reduce(t)
 
 
-def ring_reference(t):
+def scatter_reduce(chunks):
     rank, n = labkit.rank(), labkit.world_size()
-    chunks = list(t.tensor_split(n))
-    right, left = (rank + 1) % n, (rank - 1) % n
-    for step in range(n - 1):  # reduce-scatter
-        send, receive = (rank - step - 1) % n, (rank - step - 2) % n
-        incoming = torch.empty_like(chunks[receive])
-        pending = dist.isend(chunks[send], right)
-        dist.recv(incoming, left)
-        pending.wait()
-        chunks[receive] += incoming
-    for step in range(n - 1):  # all-gather
-        send, receive = (rank - step) % n, (rank - step - 1) % n
-        pending = dist.isend(chunks[send], right)
-        dist.recv(chunks[receive], left)
-        pending.wait()
-
-
-def ring_without_allgather(t):
-    rank, n = labkit.rank(), labkit.world_size()
-    chunks = list(t.tensor_split(n))
     for step in range(n - 1):
         send, receive = (rank - step - 1) % n, (rank - step - 2) % n
         incoming = torch.empty_like(chunks[receive])
@@ -89,22 +65,30 @@ def ring_without_allgather(t):
         chunks[receive] += incoming
 
 
-def ring_even_sizes_only(t):
+def all_gather(chunks):
     rank, n = labkit.rank(), labkit.world_size()
-    size = t.numel() // n
-    chunks = [t[i * size:(i + 1) * size] for i in range(n)]  # drops the remainder
-    for step in range(n - 1):
-        send, receive = (rank - step - 1) % n, (rank - step - 2) % n
-        incoming = torch.empty_like(chunks[receive])
-        pending = dist.isend(chunks[send], (rank + 1) % n)
-        dist.recv(incoming, (rank - 1) % n)
-        pending.wait()
-        chunks[receive] += incoming
     for step in range(n - 1):
         send, receive = (rank - step) % n, (rank - step - 1) % n
         pending = dist.isend(chunks[send], (rank + 1) % n)
         dist.recv(chunks[receive], (rank - 1) % n)
         pending.wait()
+
+
+def ring_reference(t):
+    chunks = list(t.tensor_split(labkit.world_size()))
+    scatter_reduce(chunks)
+    all_gather(chunks)
+
+
+def ring_without_allgather(t):
+    scatter_reduce(list(t.tensor_split(labkit.world_size())))
+
+
+def ring_even_sizes_only(t):
+    size = t.numel() // labkit.world_size()
+    chunks = [t[i * size:(i + 1) * size] for i in range(labkit.world_size())]  # drops the remainder
+    scatter_reduce(chunks)
+    all_gather(chunks)
 
 
 def test_naive_reference_passes():
