@@ -69,34 +69,40 @@ def ring_allgather(chunk: torch.Tensor, *, transport: Transport | None = None) -
     return out
 
 
-def reduce_scatter_chunks(transport: Transport, chunks: list[torch.Tensor], combine, first_step: int = 0) -> None:
-    """N-1 steps; afterwards chunks[rank] holds the reduction of everyone's chunks[rank]."""
-    n, r = transport.world_size, transport.rank
-    run_ring(transport, chunks, [RingStep(first_step + s, "reduce-scatter", (r - s - 1) % n, (r - s - 2) % n)
-                                 for s in range(n - 1)], combine)
-
-
-def allgather_chunks(transport: Transport, chunks: list[torch.Tensor], first_step: int = 0) -> None:
-    """N-1 steps; afterwards every rank holds every rank's chunks[i] in chunks[i]."""
-    n, r = transport.world_size, transport.rank
-    run_ring(transport, chunks, [RingStep(first_step + s, "all-gather", (r - s) % n, (r - s - 1) % n)
-                                 for s in range(n - 1)])
-
-
-def allreduce_chunks(transport: Transport, chunks: list[torch.Tensor], combine) -> None:
-    """Reduce-scatter then all-gather, run as one pipeline."""
-    n, r = transport.world_size, transport.rank
-    steps = [RingStep(s, "reduce-scatter", (r - s - 1) % n, (r - s - 2) % n) for s in range(n - 1)]
-    steps += [RingStep(n - 1 + s, "all-gather", (r - s) % n, (r - s - 1) % n) for s in range(n - 1)]
-    run_ring(transport, chunks, steps, combine)
-
-
 @dataclass(frozen=True)
 class RingStep:
     step: int
     phase: str
     send: int  # index of the chunk this rank sends right
     receive: int  # index of the chunk it receives from the left (and reduces, in "reduce-scatter")
+
+
+def reduce_scatter_steps(transport: Transport, first_step: int = 0) -> list[RingStep]:
+    """At step s rank r sends chunk r-s-1 and adds chunk r-s-2: after N-1 steps chunk r is complete."""
+    n, r = transport.world_size, transport.rank
+    return [RingStep(first_step + s, "reduce-scatter", (r - s - 1) % n, (r - s - 2) % n) for s in range(n - 1)]
+
+
+def allgather_steps(transport: Transport, first_step: int = 0) -> list[RingStep]:
+    """At step s rank r passes chunk r-s on and receives chunk r-s-1: after N-1 steps it has them all."""
+    n, r = transport.world_size, transport.rank
+    return [RingStep(first_step + s, "all-gather", (r - s) % n, (r - s - 1) % n) for s in range(n - 1)]
+
+
+def reduce_scatter_chunks(transport: Transport, chunks: list[torch.Tensor], combine) -> None:
+    """Afterwards chunks[rank] holds the reduction of every rank's chunks[rank]."""
+    run_ring(transport, chunks, reduce_scatter_steps(transport), combine)
+
+
+def allgather_chunks(transport: Transport, chunks: list[torch.Tensor]) -> None:
+    """Afterwards every rank holds every rank's chunks[i] in chunks[i]."""
+    run_ring(transport, chunks, allgather_steps(transport))
+
+
+def allreduce_chunks(transport: Transport, chunks: list[torch.Tensor], combine) -> None:
+    """Reduce-scatter then all-gather, run as one pipeline of 2(N-1) steps."""
+    steps = reduce_scatter_steps(transport) + allgather_steps(transport, first_step=transport.world_size - 1)
+    run_ring(transport, chunks, steps, combine)
 
 
 def run_ring(transport: Transport, chunks: list[torch.Tensor], steps: list[RingStep], combine=None) -> None:
