@@ -36,11 +36,12 @@ def init_from_environment(backend: str = "auto", timeout_seconds: float = 120.0)
                          "`torchrun --nproc-per-node 2 -m labkit.cli allreduce`.")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     choice = choose_backend(backend, local_ranks, usable_gpu_count())
-    extra = {}
-    if choice.backend == "nccl":
+    backend, extra = choice.backend, {}
+    if backend == "nccl":
         torch.cuda.set_device(local_rank())
         extra["device_id"] = torch.device("cuda", local_rank())
-    dist.init_process_group(choice.backend, timeout=datetime.timedelta(seconds=timeout_seconds), **extra)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds), **extra)
     return choice.reason
 
 

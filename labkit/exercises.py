@@ -63,7 +63,7 @@ def _grade(fn, what: str, cases: list[tuple[int, int]], ring: bool) -> Verdict:
         except labkit.RankError as error:
             first = min(error.failures, key=lambda f: f.time)
             return Verdict(False, f"on {world_size} ranks, rank {first.rank} raised {first.summary}")
-        problem = _diagnose([result for result, _ in outcomes], world_size, numel)
+        problem = _diagnose([result for result, _ in outcomes], world_size, numel, ring)
         strays = {rank: sorted(set(dsts) - {(rank + 1) % world_size}) for rank, (_, dsts) in enumerate(outcomes)}
         if not problem and ring and any(strays.values()):
             rank = next(r for r, s in strays.items() if s)
@@ -109,7 +109,7 @@ def _attempt(fn, numel: int) -> tuple[list[float], list[int]]:
     return result.tolist(), destinations
 
 
-def _diagnose(outcomes: list[list[float]], world_size: int, numel: int) -> str | None:
+def _diagnose(outcomes: list[list[float]], world_size: int, numel: int, ring: bool) -> str | None:
     total = sum(rank_input(r, numel) for r in range(world_size))
     for rank, got in enumerate(outcomes):
         got = torch.tensor(got)
@@ -124,7 +124,9 @@ def _diagnose(outcomes: list[list[float]], world_size: int, numel: int) -> str |
         if torch.equal(got, total + mine):
             return (f"rank {rank} holds its input plus the sum: it added the result to its own tensor instead "
                     "of replacing it (summed twice). Receive into the tensor, or copy the result over it.")
-        if numel % world_size:  # the cases N divides come first, so those passed
+        if not ring:
+            return f"rank {rank} got {got.tolist()}, expected {total.tolist()}."
+        if numel % world_size:  # the ring's cases that N divides come first, so those passed
             return (f"rank {rank} got {got.tolist()}, expected {total.tolist()}. {numel} is not a multiple of "
                     f"{world_size}: split with tensor.tensor_split(N), whose chunks may differ by one element.")
         chunks = list(zip(got.tensor_split(world_size), total.tensor_split(world_size), strict=True))

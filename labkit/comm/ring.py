@@ -19,7 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from labkit.comm.ops import combiner, finish
-from labkit.comm.transport import DTYPES, Transfer, Transport, default_transport, flat_buffer, write_back
+from labkit.comm.transport import (
+    DTYPES,
+    Transfer,
+    Transport,
+    default_transport,
+    dtype_index,
+    flat_buffer,
+    write_back,
+)
 
 # Each segment is a message, and each message costs a fixed overhead: on 2 cores over loopback, 4 MiB
 # segments beat 256 KiB and 1 MiB ones at every size (benchmarks/collectives.py).
@@ -49,7 +57,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, op="sum", *, transport: Transport 
     chunks = list(tensor.detach().reshape(-1).clone().tensor_split(transport.world_size))
     reduce_scatter_chunks(transport, chunks, combiner(op, tensor.dtype))
     finish(op, chunks[transport.rank], transport.world_size)
-    return chunks[transport.rank]
+    return chunks[transport.rank].clone()  # not a view that would keep all N chunks alive
 
 
 def ring_allgather(chunk: torch.Tensor, *, transport: Transport | None = None) -> torch.Tensor:
@@ -57,7 +65,7 @@ def ring_allgather(chunk: torch.Tensor, *, transport: Transport | None = None) -
 
     Chunks may differ in size (by rank), not in dtype."""
     transport = transport or default_transport()
-    theirs = transport.signatures([chunk.numel(), DTYPES.index(chunk.dtype)])
+    theirs = transport.signatures([chunk.numel(), dtype_index(chunk.dtype)], chunk.device)
     if len({dtype for _, dtype in theirs}) > 1:
         described = ", ".join(f"rank {r}: {DTYPES[d]}" for r, (_, d) in enumerate(theirs))
         raise ValueError(f"ring_allgather: the ranks passed chunks of different dtypes ({described}).")
@@ -114,7 +122,7 @@ def run_ring(transport: Transport, chunks: list[torch.Tensor], steps: list[RingS
         return
     segments = [_segments(c.numel(), c.element_size()) for c in chunks]
     tags_per_step = max(1, max(len(s) for s in segments))
-    longest = max(c.numel() for c in chunks)
+    longest = max(c.numel() for c in chunks) if any(s.phase == "reduce-scatter" for s in steps) else 0
     buffers = [transport.scratch(longest, chunks[0], slot) for slot in range(2)]
     send_first = transport.rank % 2 == 0  # even ranks post a send before its receive, odd ranks after
 

@@ -58,8 +58,6 @@ class SimTransport(Transport):
         self.rank, self.world_size, self._network = rank, world_size, network
         self.events = events
 
-    device = torch.device("cpu")
-
     def _post_send(self, tensor, dst, tag):
         self._network.mailbox(self.rank, dst, tag).put(tensor.clone())
         return _Done()

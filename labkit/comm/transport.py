@@ -28,7 +28,8 @@ class Transfer:
 
     step: the algorithm's step (ring_allreduce: 0 .. 2(N-1)-1); phase: "reduce-scatter", "all-gather",
     "gather", "broadcast" or "reduce"; chunk: which of the N chunks (None for a whole tensor);
-    start/end: seconds (time.perf_counter on a real run, the alpha-beta model in a simulation)."""
+    start/end: seconds (time.perf_counter on a real run, the alpha-beta model in a simulation). On CUDA
+    tensors they are when the host posted and finished waiting for the transfer, not when the GPU ran it."""
 
     step: int
     phase: str
@@ -60,8 +61,6 @@ class Transport:
         self.events: list[Transfer] | None = None  # a list while traced() is on
         self._scratch: dict[tuple, torch.Tensor] = {}
 
-    device: torch.device
-
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
         raise NotImplementedError
 
@@ -78,14 +77,14 @@ class Transport:
         self.received_nbytes += tensor.numel() * tensor.element_size()
         return self._post_recv(tensor, src, tag)
 
-    def signatures(self, mine: list[int]) -> list[list[int]]:
-        """Every rank's `mine` (equal-length lists of ints), in rank order.
+    def signatures(self, mine: list[int], device: torch.device) -> list[list[int]]:
+        """Every rank's `mine` (equal-length lists of ints), in rank order, exchanged as tensors on `device`.
 
         Each rank sends its list straight to every other rank: one round of small messages, where a
         collective would take several. These bookkeeping messages are not counted as traffic. Each
         pair of ranks posts its two messages in the same order (lower rank sends first), so the
         exchange cannot deadlock even where sends block until matched."""
-        own = torch.tensor(mine, dtype=torch.int64, device=self.device)
+        own = torch.tensor(mine, dtype=torch.int64, device=device)
         theirs, pending = {}, []
         for peer in range(self.world_size):
             if peer == self.rank:
@@ -138,7 +137,7 @@ class Transport:
 
     def check_same_tensors(self, tensor: torch.Tensor, name: str) -> None:
         """Raise on every rank if the ranks passed tensors of different dtype or shape to `name`."""
-        theirs = self.signatures(signature(tensor))
+        theirs = self.signatures(signature(tensor), tensor.device)
         if any(s != theirs[0] for s in theirs):
             described = ", ".join(f"rank {r}: {describe_signature(s)}" for r, s in enumerate(theirs))
             raise ValueError(f"{name}: the ranks passed different tensors ({described}). Every rank must pass a "
@@ -146,14 +145,16 @@ class Transport:
 
 
 def flat_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of `tensor` to work in place, or a copy if it is not contiguous (see `write_back`)."""
-    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+    """A 1-D view of `tensor` to work in place, or a copy if it is not contiguous (see `write_back`).
+    Detached, like the data torch.distributed works on: parameters that require grad work too."""
+    data = tensor.detach()
+    return data.view(-1) if data.is_contiguous() else data.reshape(-1).clone()
 
 
 def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """Finish an in-place collective: copy `flat` into `tensor` unless it already is its memory."""
     if not (tensor.is_contiguous() and flat.data_ptr() == tensor.data_ptr()):
-        tensor.copy_(flat.view(tensor.shape))
+        tensor.detach().copy_(flat.view(tensor.shape))
     return tensor
 
 
@@ -162,12 +163,19 @@ def check_rank(transport: Transport, rank: int, name: str) -> None:
         raise ValueError(f"{name} must be a rank between 0 and {transport.world_size - 1}, got {rank!r}.")
 
 
+def dtype_index(dtype: torch.dtype) -> int:
+    if dtype not in DTYPES:
+        raise ValueError(f"labkit.comm does not handle {dtype}; use one of "
+                         f"{', '.join(str(d).removeprefix('torch.') for d in DTYPES)}.")
+    return DTYPES.index(dtype)
+
+
 def signature(tensor: torch.Tensor) -> list[int]:
     """[dtype index, ndim, shape padded to 8 dims with -1]: what must agree across ranks."""
     shape = list(tensor.shape)
     if len(shape) > _MAX_DIMS:
         shape = [tensor.numel()]  # compare the element count only
-    return [DTYPES.index(tensor.dtype), len(shape), *shape, *[-1] * (_MAX_DIMS - len(shape))]
+    return [dtype_index(tensor.dtype), len(shape), *shape, *[-1] * (_MAX_DIMS - len(shape))]
 
 
 def describe_signature(sig: list[int]) -> str:
@@ -192,8 +200,6 @@ class TorchTransport(Transport):
         self._group = dist.distributed_c10d._get_default_group()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        nccl = dist.get_backend() == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
         return self._group.send([tensor], dst, tag)
@@ -210,7 +216,7 @@ def default_transport() -> TorchTransport:
     global _default
     import torch.distributed as dist
 
-    if _default is None or not dist.is_initialized() or _default.world_size != dist.get_world_size():
+    if _default is None or not dist.is_initialized() or _default._group is not dist.group.WORLD:
         _default = TorchTransport()
     return _default
 

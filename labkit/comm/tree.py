@@ -50,5 +50,5 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", *, transport: Transport
         mask, step = mask * 2, step + 1
     if transport.rank == dst:
         finish(op, partial, n)
-        tensor.copy_(partial.view(tensor.shape))
+        tensor.detach().copy_(partial.view(tensor.shape))
     return tensor

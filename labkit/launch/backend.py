@@ -19,10 +19,6 @@ class BackendChoice:
     backend: str  # "gloo" or "nccl"
     reason: str
 
-    @property
-    def device_type(self) -> str:
-        return "cuda" if self.backend == "nccl" else "cpu"
-
 
 def choose_backend(requested: str, world_size: int, gpu_count: int) -> BackendChoice:
     """Pick the backend for `world_size` ranks on a machine with `gpu_count` usable GPUs.

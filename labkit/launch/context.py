@@ -39,14 +39,17 @@ def world_size() -> int:
 
 def local_rank() -> int:
     """Rank among the processes on this machine (torchrun's LOCAL_RANK; the rank on one node)."""
-    return int(os.environ.get("LOCAL_RANK", rank()))
+    value = os.environ.get("LOCAL_RANK")
+    return int(value) if value is not None else rank()
 
 
 def device():
-    """Where this rank's tensors belong: cuda:LOCAL_RANK under NCCL, the CPU otherwise."""
+    """Where this rank's tensors belong: cuda:LOCAL_RANK when NCCL is in the group, the CPU otherwise.
+
+    Under labkit's NCCL pools, CPU tensors still work: they travel over gloo."""
     import torch
 
     dist = _require_group("device")
-    if dist.get_backend() == "nccl":
+    if "nccl" in dist.get_backend():  # "nccl", or "cpu:gloo,cuda:nccl"
         return torch.device("cuda", local_rank())
     return torch.device("cpu")

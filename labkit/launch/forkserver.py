@@ -14,6 +14,7 @@ The server reaps its children and reports their exit status to the owner. It die
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
 import signal
@@ -63,28 +64,39 @@ class ForkServer:
         theirs.close()
         self._socket = ours
         self.connection = Connection(os.dup(ours.fileno()))
-        self.exit_status: dict[int, int] = {}
+        self.exit_status: dict[int, int | None] = {}
+        self.alive = True  # until its socket closes: then its ranks have died with it
+        self._requests = itertools.count()
 
     def fork(self, spec: dict, fds: list[int], timeout_seconds: float) -> int:
         """Start one rank with `spec`, handing it `fds` (job, control, stdout, stderr); its pid."""
-        self.connection.send_bytes(pickle.dumps(("fork", spec)))
-        sendfds(self._socket, fds)
+        request = next(self._requests)
+        try:
+            self.connection.send_bytes(pickle.dumps(("fork", request, spec)))
+            sendfds(self._socket, fds)
+        except OSError:
+            self._lost()
         deadline = time.monotonic() + timeout_seconds
-        while True:
+        while self.alive:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self.connection.poll(remaining):
                 raise RuntimeError(f"labkit's fork server did not start a rank within {timeout_seconds:.0f} s.")
             message = self._receive()
-            if message[0] == "forked":
-                return message[1]
+            if message[:2] == ("forked", request):
+                self.exit_status.pop(message[2], None)  # a pid the system has handed out again
+                return message[2]
+        raise RuntimeError("labkit's fork server has ended; the next call starts a new one.")
 
     def signal(self, pids, sig: int) -> None:
         """Send `sig` to each rank's process group, if that rank has not been reaped yet."""
-        self.connection.send_bytes(pickle.dumps(("signal", list(pids), int(sig))))
+        try:
+            self.connection.send_bytes(pickle.dumps(("signal", list(pids), int(sig))))
+        except OSError:
+            self._lost()
 
     def read_reports(self) -> None:
         """Take in every exit report that has arrived, without blocking."""
-        while self.connection.poll(0):
+        while self.alive and self.connection.poll(0):
             self._receive()
 
     def wait_for_exit(self, pids, timeout_seconds: float) -> bool:
@@ -92,25 +104,31 @@ class ForkServer:
         deadline = time.monotonic() + timeout_seconds
         while not all(pid in self.exit_status for pid in pids):
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self.connection.poll(remaining):
-                return False
+            if not self.alive or remaining <= 0 or not self.connection.poll(remaining):
+                return not self.alive  # a dead server's ranks died with it
             self._receive()
         return True
 
-    def _receive(self):
+    def _receive(self) -> tuple:
         try:
             message = pickle.loads(self.connection.recv_bytes())
-        except (EOFError, OSError) as exc:
-            raise RuntimeError("labkit's fork server ended unexpectedly; run labkit.shutdown() and retry.") from exc
+        except (EOFError, OSError):
+            self._lost()
+            return ("lost",)
         if message[0] == "exited":
             self.exit_status[message[1]] = message[2]
         return message
+
+    def _lost(self) -> None:
+        """The server is gone (killed, or crashed): so are its ranks, by the parent-death signal."""
+        self.alive = False
 
     def fileno(self) -> int:
         return self.connection.fileno()
 
     def close(self) -> None:
-        """End the server; it kills any rank still running. Waits at most 5 s."""
+        """End the server; it kills any rank still running. Waits at most 5 s. Idempotent."""
+        self.alive = False
         self.connection.close()
         self._socket.close()
         try:
@@ -158,9 +176,9 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
                     return  # the owner is gone
                 if request[0] == "fork":
                     fds = recvfds(sock, 4)
-                    pid, handle = _start_rank(request[1], fds, method, (sock, connection))
+                    pid, handle = _start_rank(request[2], fds, method, (sock, connection))
                     children[pid] = handle
-                    connection.send_bytes(pickle.dumps(("forked", pid)))
+                    connection.send_bytes(pickle.dumps(("forked", request[1], pid)))
                 elif request[0] == "signal":
                     for pid in request[1]:
                         if pid in children:

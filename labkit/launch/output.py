@@ -50,7 +50,7 @@ class RankOutput:
             self._emit(stream, line.decode(errors="replace"))
 
     def _emit(self, stream: str, line: str) -> None:
-        line = line.rsplit("\r", 1)[-1]
+        line = line.rstrip("\r").rsplit("\r", 1)[-1]  # a progress bar's last state; CRLF endings too
         if stream == "stderr":
             self.stderr_tail.append(line)
         if self.live:

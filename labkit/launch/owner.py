@@ -56,7 +56,9 @@ class _Owner:
         return pool
 
     def _start_pool(self, world_size: int, choice: BackendChoice) -> Pool:
-        if self.server is None or self.server.process.poll() is not None:
+        if self.server is None or not self.server.alive or self.server.process.poll() is not None:
+            if self.server is not None:
+                self.server.close()
             self.server = ForkServer()  # start its `import torch` before ours below
         if self.store is None:
             self.store = _loopback_store()
@@ -65,6 +67,8 @@ class _Owner:
                     PG_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS)
 
     def _make_room(self, world_size: int) -> None:
+        for key in [k for k, p in self.pools.items() if p.closed]:
+            del self.pools[key]
         while self.pools and sum(p.world_size for p in self.pools.values()) + world_size > MAX_LIVE_RANKS:
             _, oldest = self.pools.popitem(last=False)
             oldest.close()

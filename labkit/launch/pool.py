@@ -103,6 +103,12 @@ class Pool:
         theirs = [job_theirs.fileno(), control_theirs.fileno()] + [w for _, w in pipes.values()]
         try:
             pid = self._server.fork(spec, theirs, timeout_seconds)
+        except BaseException:
+            for ours in (job_ours, control_ours):
+                ours.close()
+            for read_end, _ in pipes.values():
+                os.close(read_end)
+            raise
         finally:
             job_theirs.close()
             control_theirs.close()
@@ -141,12 +147,7 @@ class Pool:
         After a failure that every rank survived, a tiny collective checks that the group is still in
         step (not, say, one rank a collective ahead after a timeout); if not, the pool is closed."""
         call_id = next(_call_ids)
-        message = pickle.dumps((call_id, payload))
-        for r in self.ranks:
-            try:
-                r.job.send_bytes(message)
-            except OSError:
-                self._mark_gone(r)
+        message = pickle.dumps((call_id, timeout_seconds, payload))
         deadline = time.monotonic() + timeout_seconds
 
         def finished(r: _Rank) -> bool:
@@ -160,14 +161,25 @@ class Pool:
             return any(r.gone or any(m[0] == call_id and m[1] != "ok" for m in r.inbox) for r in self.ranks)
 
         try:
+            for r in self.ranks:
+                try:
+                    r.job.send_bytes(message)
+                except OSError:
+                    self._mark_gone(r)
             self._pump(deadline, lambda: all_finished() or some_failed())
             if not all_finished() and some_failed():
                 self._pump(min(deadline, time.monotonic() + SETTLE_SECONDS), all_finished)
         except KeyboardInterrupt:
-            self._stop_after_interrupt(call_id, finished)
+            self._stop_after_interrupt(finished)
             raise
         running = [r for r in self.ranks if not finished(r)]
-        return self._conclude(call_id, running, timeout_seconds, check_health)
+        try:
+            return self._conclude(call_id, running, timeout_seconds, check_health)
+        except (RankError, TypeError):
+            raise  # the call's own verdict; _conclude has decided whether the pool stays
+        except BaseException:
+            self.close()  # interrupted or broken while concluding: the ranks may be out of step
+            raise
 
     def _conclude(self, call_id: int, running: list[_Rank], timeout_seconds: float, check_health: bool) -> list:
         stacks = self._stacks(running)
@@ -220,14 +232,15 @@ class Pool:
                 stacks[r.rank] = None
         return stacks
 
-    def _stop_after_interrupt(self, call_id: int, finished) -> None:
+    def _stop_after_interrupt(self, finished) -> None:
         """Ctrl-C: ask the running ranks to stop; keep the pool only if all did, in step."""
         running = [r for r in self.ranks if not finished(r)]
         self._server.signal([r.pid for r in running], signal.SIGINT)
         try:
             self._pump(time.monotonic() + INTERRUPT_GRACE_SECONDS, lambda: all(finished(r) for r in self.ranks))
-        except KeyboardInterrupt:
-            pass
+        except BaseException:  # noqa: BLE001 - a second Ctrl-C, or a stream left broken: give up the pool
+            self.close()
+            return
         self._flush_output()
         stuck = [r.rank for r in self.ranks if not finished(r)]
         for r in self.ranks:
@@ -277,6 +290,9 @@ class Pool:
             r.inbox.append(pickle.loads(r.job.recv_bytes()))
         except (EOFError, OSError):
             self._mark_gone(r)
+        except BaseException:  # interrupted halfway through a message: this stream can no longer be read
+            self._mark_gone(r)
+            raise
 
     def _read_pipe(self, r: _Rank, stream: str) -> None:
         fd = r.pipes[stream]
@@ -308,7 +324,7 @@ class Pool:
         if self.closed:
             return False
         self._server.read_reports()
-        return not any(r.gone or r.pid in self._server.exit_status for r in self.ranks)
+        return self._server.alive and not any(r.gone or r.pid in self._server.exit_status for r in self.ranks)
 
     def close(self) -> None:
         """Stop every rank now and release every file descriptor. Idempotent."""
@@ -316,11 +332,9 @@ class Pool:
             return
         self.closed = True
         pids = [r.pid for r in self.ranks]
-        try:
+        if self._server.alive:  # otherwise its ranks have died with it
             self._server.signal(pids, signal.SIGKILL)
             self._server.wait_for_exit(pids, 3.0)
-        except (OSError, RuntimeError):
-            pass  # the server is gone, and its ranks died with it
         for r in self.ranks:
             r.job.close()
             r.control.close()

@@ -3,7 +3,8 @@
 - Code keeps its file name. cloudpickle 3 renames every file "<dynamic-code>"; keeping it lets a
   rank's tracebacks and stacks point at the notebook cell or script line the code came from.
 - Plain CPU tensors travel as raw bytes. torch's own pickling goes through torch.save and costs
-  about a millisecond even for four floats, which would dominate a warm call.
+  about a millisecond even for four floats, which would dominate a warm call. The price: tensors
+  that share memory (a tensor and its views) arrive as separate copies.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from labkit.launch.errors import describe_exception, describe_stack
 from labkit.launch.output import end_of_call_marker
 
 STACK_REQUEST = b"stack"
+GROUP_TIMEOUT_MARGIN_SECONDS = 15.0
 
 _cell_namespace: dict = {"__name__": "__main__"}
 
@@ -50,7 +51,7 @@ def _prepare_process(spec: dict) -> None:
     os.environ.update(spec["env"])
     os.chdir(spec["cwd"])
     sys.path[:] = spec["sys_path"]
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see _run
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     import torch
@@ -65,14 +66,13 @@ def _init_process_group(spec: dict) -> None:
     timeout = datetime.timedelta(seconds=spec["pg_timeout_seconds"])
     client = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False, timeout=timeout)
     store = dist.PrefixStore(spec["store_prefix"], client)
-    extra = {}
-    if spec["backend"] == "nccl":
+    backend, extra = spec["backend"], {}
+    if backend == "nccl":
         torch.cuda.set_device(spec["rank"])
         extra["device_id"] = torch.device("cuda", spec["rank"])
-    dist.init_process_group(
-        spec["backend"], store=store, rank=spec["rank"], world_size=spec["world_size"],
-        timeout=timeout, **extra,
-    )
+        backend = "cpu:gloo,cuda:nccl"  # CUDA tensors over NCCL, and the CPU tensors of the same cells over gloo
+    dist.init_process_group(backend, store=store, rank=spec["rank"], world_size=spec["world_size"],
+                            timeout=timeout, **extra)
 
 
 def _serve_control(control: Connection, main_thread: int) -> None:
@@ -87,17 +87,13 @@ def _serve_control(control: Connection, main_thread: int) -> None:
 
 
 def _serve_calls(job: Connection) -> None:
-    interrupt = {signal.SIGINT}
     while True:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, interrupt)
         try:
-            call_id, payload = pickle.loads(job.recv_bytes())
-        except KeyboardInterrupt:
-            continue  # an interrupt that arrived after the call it was meant for
+            call_id, timeout_seconds, payload = pickle.loads(job.recv_bytes())
         except (EOFError, OSError):
             os._exit(0)
+        _follow_call_timeout(timeout_seconds)
         reply = _run(payload)
-        signal.pthread_sigmask(signal.SIG_BLOCK, interrupt)  # from here on, finish the reply
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(1, end_of_call_marker(call_id))
@@ -111,7 +107,13 @@ def _run(payload: bytes) -> tuple[str, object]:
 
     try:
         fn, args, kwargs = serialize.loads(payload)
-        result = fn(*args, **kwargs)
+        # Ctrl-C in the notebook reaches a rank as SIGINT, and must stop only the user's code: outside
+        # it, SIGINT is ignored, so a rank busy sending its result or idle is never disturbed.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
     except KeyboardInterrupt as exc:
         return "interrupted", _forget(exc)
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: a rank must not exit on a whim
@@ -135,6 +137,21 @@ def _to_cpu(result):
     from torch.utils._pytree import tree_map_only
 
     return tree_map_only(torch.Tensor, lambda t: t.cpu() if t.is_cuda else t, result)
+
+
+_group_timeout_seconds = 0.0
+
+
+def _follow_call_timeout(call_timeout_seconds: float) -> None:
+    """Keep the process group's own timeout a little longer than the call's, so that a hang is
+    reported by labkit (with every rank's stack) rather than by gloo's or NCCL's timeout first."""
+    global _group_timeout_seconds
+    wanted = call_timeout_seconds + GROUP_TIMEOUT_MARGIN_SECONDS
+    if wanted != _group_timeout_seconds:
+        import torch.distributed as dist
+
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=wanted))
+        _group_timeout_seconds = wanted
 
 
 def health_probe() -> float:

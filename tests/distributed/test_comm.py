@@ -134,6 +134,23 @@ def test_non_contiguous_tensor_is_reduced_in_place():
     assert labkit.run(non_contiguous, world_size=2) == [True, True]
 
 
+def parameters_that_require_grad():
+    weight = torch.nn.Parameter(torch.full((3,), float(labkit.rank() + 1)))
+    comm.ring_allreduce(weight)
+    comm.naive_allreduce(weight)
+    comm.broadcast(weight, 0)
+    comm.reduce(weight, 0)
+    return weight.detach().tolist(), weight.requires_grad
+
+
+def test_parameters_that_require_grad_work_like_with_torch():
+    n = 3
+    once = sum(range(1, n + 1))  # after ring_allreduce; naive_allreduce multiplies by n; reduce by n again on 0
+    results = labkit.run(parameters_that_require_grad, world_size=n)
+    assert results[0] == ([float(once * n * n)] * 3, True)
+    assert results[1] == ([float(once * n)] * 3, True)
+
+
 def many_segments():
     from labkit.comm import ring
     ring.SEGMENT_NBYTES = 12  # three float32 elements per message: exercises the pipeline

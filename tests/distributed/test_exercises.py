@@ -50,6 +50,12 @@ def naive_wrong_hub(t):
         dist.recv(t, 0)
 
 
+def naive_hub_forgets_itself(t):
+    if labkit.rank() == 0:
+        t.zero_()  # the hub drops its own contribution
+    naive_reference(t)
+
+
 def naive_uses_all_reduce(t):
     dist.all_reduce(t)
 
@@ -102,6 +108,8 @@ def test_naive_mistakes_get_their_hint():
     wrong_hub = check_naive_allreduce(naive_wrong_hub)
     assert not wrong_hub and "never finished" in wrong_hub.message and "same hub" in wrong_hub.message
     assert "switched off" in check_naive_allreduce(naive_uses_all_reduce).message
+    forgot = check_naive_allreduce(naive_hub_forgets_itself).message
+    assert "expected" in forgot and "tensor_split" not in forgot  # no ring advice for a hub
     assert "pass your function itself" in check_naive_allreduce(42).message
 
 

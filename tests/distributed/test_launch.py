@@ -156,6 +156,25 @@ def test_interrupting_python_code_keeps_a_healthy_pool():
     assert labkit.run(os.getpid, world_size=2) == pids_before
 
 
+def group_timeout_seconds():
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return backend.options._timeout.total_seconds()
+
+
+@pytest.mark.parametrize("timeout", [7, 100])
+def test_the_group_timeout_outlasts_the_call_timeout(timeout):
+    # so that a hang is reported by labkit, with stacks, before gloo's own timeout fires
+    assert labkit.run(group_timeout_seconds, world_size=2, timeout=timeout) == [timeout + 15.0] * 2
+
+
+def test_a_dead_fork_server_is_replaced():
+    from labkit.launch.owner import _owner
+    labkit.run(rank_sum, world_size=2)
+    _owner.server.process.kill()
+    _owner.server.process.wait()
+    assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
+
+
 def test_two_hundred_calls_leak_no_fds_threads_or_processes():
     me = psutil.Process()
     labkit.run(rank_sum, world_size=2)

@@ -14,7 +14,6 @@ from labkit.launch.backend import choose_backend, threads_per_rank
 def test_auto(world_size, gpus, backend, reason):
     choice = choose_backend("auto", world_size, gpus)
     assert choice.backend == backend and reason in choice.reason
-    assert choice.device_type == ("cuda" if backend == "nccl" else "cpu")
 
 
 def test_gloo_when_asked_even_with_gpus():

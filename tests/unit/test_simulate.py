@@ -72,6 +72,11 @@ def test_a_deadlock_is_reported_not_hung(monkeypatch):
         comm.run_simulated(receive_only, [torch.zeros(1), torch.zeros(1)])
 
 
+def test_an_unsupported_dtype_is_named():
+    with pytest.raises(ValueError, match="labkit.comm does not handle torch.uint16"):
+        comm.simulate("ring_allreduce", 2, 4, torch.uint16)
+
+
 @pytest.mark.parametrize("world_size, numel", [(0, 4), (2, -1), (2.5, 4)])
 def test_bad_simulation_arguments(world_size, numel):
     with pytest.raises(ValueError):
