@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from labkit import comm
-from labkit.launch.backend import choose_backend, usable_gpu_count
+from labkit.launch.backend import choose_backend, init_process_group, usable_gpu_count
 from labkit.launch.context import device, local_rank
 
 ALGORITHMS = ("ring_allreduce", "naive_allreduce")
@@ -36,12 +36,7 @@ def init_from_environment(backend: str = "auto", timeout_seconds: float = 120.0)
                          "`torchrun --nproc-per-node 2 -m labkit.cli allreduce`.")
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     choice = choose_backend(backend, local_ranks, usable_gpu_count())
-    backend, extra = choice.backend, {}
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank())
-        extra["device_id"] = torch.device("cuda", local_rank())
-        backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_seconds), **extra)
+    init_process_group(choice.backend, local_rank(), timeout=datetime.timedelta(seconds=timeout_seconds))
     return choice.reason
 
 

@@ -51,6 +51,20 @@ def choose_backend(requested: str, world_size: int, gpu_count: int) -> BackendCh
     return BackendChoice("nccl", f"nccl: {gpus} found, one per rank")
 
 
+def init_process_group(backend: str, local_rank: int, **kwargs) -> None:
+    """Join torch.distributed's default group with `backend` ("gloo" or "nccl"), for labkit's pools and
+    for torchrun alike. Under NCCL the rank takes GPU `local_rank`, and the group is
+    "cpu:gloo,cuda:nccl": CUDA tensors go over NCCL, and the CPU tensors of the same cells over gloo."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        kwargs["device_id"] = torch.device("cuda", local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, **kwargs)
+
+
 def usable_gpu_count() -> int:
     """GPUs torch can use here; 0 without a CUDA build or driver. Never raises."""
     try:

@@ -158,7 +158,7 @@ def rank_list(ranks) -> str:
 @dataclass
 class Failure:
     """One rank's bad outcome. kind: 'error' (raised), 'died' (exit or signal), 'stopped' (was
-    still running when the call was abandoned), 'interrupted'."""
+    still running when the call was abandoned), 'interrupted', 'unpicklable' (its result)."""
 
     rank: int
     kind: str

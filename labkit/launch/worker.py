@@ -60,19 +60,15 @@ def _prepare_process(spec: dict) -> None:
 
 
 def _init_process_group(spec: dict) -> None:
-    import torch
     import torch.distributed as dist
+
+    from labkit.launch.backend import init_process_group
 
     timeout = datetime.timedelta(seconds=spec["pg_timeout_seconds"])
     client = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False, timeout=timeout)
     store = dist.PrefixStore(spec["store_prefix"], client)
-    backend, extra = spec["backend"], {}
-    if backend == "nccl":
-        torch.cuda.set_device(spec["rank"])
-        extra["device_id"] = torch.device("cuda", spec["rank"])
-        backend = "cpu:gloo,cuda:nccl"  # CUDA tensors over NCCL, and the CPU tensors of the same cells over gloo
-    dist.init_process_group(backend, store=store, rank=spec["rank"], world_size=spec["world_size"],
-                            timeout=timeout, **extra)
+    init_process_group(spec["backend"], local_rank=spec["rank"], store=store, rank=spec["rank"],
+                       world_size=spec["world_size"], timeout=timeout)
 
 
 def _serve_control(control: Connection, main_thread: int) -> None:
