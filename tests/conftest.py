@@ -1,6 +1,7 @@
 """Shared helpers: run a Python snippet as its own process (an independent owner of ranks)."""
 
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -35,3 +36,20 @@ def script():
         out, err = process.communicate(timeout=timeout)
         return process.returncode, out, err
     return run
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """A function giving a TCP port on 127.0.0.1 that nothing listens on right now."""
+    return _free_port
+
+
+@pytest.fixture
+def port(free_port) -> int:
+    return free_port()

@@ -22,12 +22,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def answers(port: int) -> bool:
     with socket.socket() as s:
         return s.connect_ex(("127.0.0.1", port)) == 0
@@ -50,8 +44,7 @@ def test_kernel_is_registered_inside_the_venv():
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, ".venv", ".installed")), reason="needs `make setup`")
-def test_make_lab_serves_on_loopback_and_refuses_requests_without_the_token(tmp_path):
-    port = free_port()
+def test_make_lab_serves_on_loopback_and_refuses_requests_without_the_token(tmp_path, port):
     (tmp_path / "jupyter_server_config.py").write_text(
         f"c.ServerApp.allow_root = True\nc.ServerApp.open_browser = False\n"
         f"c.ServerApp.port = {port}\nc.ServerApp.port_retries = 0\n"
@@ -59,6 +52,7 @@ def test_make_lab_serves_on_loopback_and_refuses_requests_without_the_token(tmp_
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     lab = subprocess.Popen(["make", "lab"], cwd=ROOT, env=env, start_new_session=True, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server: list[psutil.Process] = []
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in lab.stdout], daemon=True).start()
     try:
@@ -79,10 +73,11 @@ def test_make_lab_serves_on_loopback_and_refuses_requests_without_the_token(tmp_
         kernelspecs = urllib.request.urlopen(urllib.request.Request(
             f"http://127.0.0.1:{port}/api/kernelspecs", headers={"Authorization": f"token {token}"}))
         assert "labkit" in json.load(kernelspecs)["kernelspecs"]
-        server = [p for p in psutil.Process(lab.pid).children(recursive=True) if "jupyter" in " ".join(p.cmdline())]
+        server += [p for p in psutil.Process(lab.pid).children(recursive=True) if "jupyter" in " ".join(p.cmdline())]
         listening = {c.laddr.ip for p in server for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
         assert listening == {"127.0.0.1"}
     finally:
         os.killpg(lab.pid, signal.SIGTERM)
         lab.wait(timeout=30)
-    assert not psutil.pid_exists(lab.pid) or psutil.Process(lab.pid).status() == psutil.STATUS_ZOMBIE
+    _, alive = psutil.wait_procs(server, timeout=10)  # psutil tells a reused pid from the same process
+    assert server and not alive, "JupyterLab outlived `make lab`"

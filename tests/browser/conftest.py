@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -56,7 +55,7 @@ def screenshots() -> Path:
 
 
 @pytest.fixture(scope="session")
-def lab_url(tmp_path_factory):
+def lab_url(tmp_path_factory, free_port):
     """Start JupyterLab on a free port of 127.0.0.1 over a copy of the notebooks; its base URL."""
     base = tmp_path_factory.mktemp("lab")
     root, settings, config = base / "notebooks", base / "settings", base / "config"
@@ -66,9 +65,7 @@ def lab_url(tmp_path_factory):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(value))
     config.mkdir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     (config / "jupyter_server_config.py").write_text(SERVER_CONFIG.format(port=port, root=str(root),
                                                                           settings=str(settings)))
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTER_RUNTIME_DIR": str(base / "runtime")}

@@ -2,17 +2,10 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(node_rank: int, port: int, *cli_args: str) -> subprocess.Popen:
@@ -25,8 +18,7 @@ def torchrun(node_rank: int, port: int, *cli_args: str) -> subprocess.Popen:
 
 
 @pytest.mark.parametrize("algorithm", ["ring_allreduce", "naive_allreduce"])
-def test_two_torchrun_nodes_agree_with_torch(algorithm):
-    port = free_port()
+def test_two_torchrun_nodes_agree_with_torch(algorithm, port):
     nodes = [torchrun(node, port, "allreduce", "--algorithm", algorithm, "--numel", "37") for node in (0, 1)]
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
