@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.comm import ring_allreduce, traced
-from labkit.plan.traffic import busbw_gbps
+from labkit.plan.traffic import GB, bus_bandwidth
 
 SIZES = [1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 ROUNDS = 9
@@ -62,7 +62,7 @@ def main():
         for nbytes in SIZES:
             per_rank = labkit.run(measure, nbytes, world_size=world_size, timeout=600)
             seconds = {name: slowest_rank_median(per_rank, name) for name in VARIANTS}
-            busbw = {name: busbw_gbps("all_reduce", nbytes, s, world_size) for name, s in seconds.items()}
+            busbw = {name: bus_bandwidth("allreduce", nbytes, s, world_size) / GB for name, s in seconds.items()}
             size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
             print(f"{world_size:>2} {size:>8} | {seconds['torch'] * 1e3:9.3f} {busbw['torch']:6.2f} | "
                   f"{seconds['labkit'] * 1e3:9.3f} {busbw['labkit']:6.2f} {busbw['labkit'] / busbw['torch']:5.2f} | "

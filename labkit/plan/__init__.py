@@ -1,1 +1,50 @@
-"""The arithmetic of distributed training: pure functions, units in their names, each formula cited."""
+"""The arithmetic of distributed training: pure functions, units in their names, each formula cited.
+
+Bytes and seconds are plain floats, bandwidths bytes/s; GB = 1e9 bytes wherever a number is printed.
+`print(worked_example())` recomputes the lesson's 7B example, Steps 1-6.
+"""
+
+from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
+from labkit.plan.memory import (
+    YOUR_CHOICE,
+    attention_lora_shapes,
+    lora_params,
+    memory_options,
+    training_memory,
+    transformer_params,
+)
+from labkit.plan.pipeline import bubble_fraction
+from labkit.plan.time import bandwidth_for_speedup, data_parallel_speedup, step_seconds
+from labkit.plan.traffic import (
+    GB,
+    allreduce_seconds,
+    bus_bandwidth,
+    fit_alpha_beta,
+    naive_allreduce_bytes,
+    ring_allreduce_bytes,
+)
+from labkit.plan.worked_example import WorkedExample, worked_example
+
+__all__ = [
+    "GB",
+    "YOUR_CHOICE",
+    "WorkedExample",
+    "allreduce_seconds",
+    "attention_lora_shapes",
+    "bandwidth_for_speedup",
+    "bubble_fraction",
+    "bus_bandwidth",
+    "data_parallel_speedup",
+    "effective_batch",
+    "fit_alpha_beta",
+    "lora_params",
+    "memory_options",
+    "naive_allreduce_bytes",
+    "ring_allreduce_bytes",
+    "scale_lr",
+    "step_seconds",
+    "steps_per_epoch",
+    "training_memory",
+    "transformer_params",
+    "worked_example",
+]

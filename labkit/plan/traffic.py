@@ -1,6 +1,6 @@
 """How many bytes a collective moves, how long the alpha-beta model says it takes, and nccl-tests' bandwidths.
 
-Units: bytes and seconds; bandwidths in GB/s with GB = 1e9 bytes (nccl-tests' convention).
+Units: bytes, seconds, and bandwidths in bytes/s (divide by GB = 1e9 to print GB/s, nccl-tests' convention).
 Sources: Thakur, Rabenseifner & Gropp, "Optimization of Collective Communication Operations in MPICH"
 (IJHPCA 2005) for the costs; NVIDIA/nccl-tests doc/PERFORMANCE.md for algbw and busbw.
 """
@@ -9,89 +9,114 @@ from __future__ import annotations
 
 import math
 
+from labkit.plan._checks import choice, number, whole
+
 GB = 1e9
 
 # busbw = algbw x factor (nccl-tests PERFORMANCE.md): the per-rank share of traffic a link must carry.
 _BUSBW_FACTORS = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "allreduce": lambda n: 2 * (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
+    "allgather": lambda n: (n - 1) / n,
     "broadcast": lambda n: 1.0,
     "reduce": lambda n: 1.0,
+    "alltoall": lambda n: (n - 1) / n,
 }
+ALLREDUCE_ALGORITHMS = ("ring", "naive", "recursive_doubling")
 
 
-def ring_allreduce_nbytes_per_rank(nbytes: float, world_size: int) -> float:
+def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     """Bytes each rank sends (and receives) in a ring AllReduce of `nbytes`: 2(N-1)/N x S.
 
-    >>> ring_allreduce_nbytes_per_rank(14.0e9, 8)      # the lesson's 7B example, BF16 gradients
+    Scatter-reduce then all-gather, N-1 steps each, one chunk of S/N per step: below 2 S for any N, which
+    is why the ring scales (Thakur et al. 2005; Patarasuk & Yuan 2009).
+
+    >>> ring_allreduce_bytes(14.0e9, 8)      # the lesson's 7B example, BF16 gradients
     24500000000.0
     """
-    _check_world_size(world_size)
-    return 2 * (world_size - 1) / world_size * nbytes
+    world_size = whole("world_size", world_size)
+    return 2 * (world_size - 1) / world_size * number("nbytes", nbytes)
 
 
-def ring_reduce_scatter_nbytes_per_rank(nbytes: float, world_size: int) -> float:
-    """Bytes each rank sends in a ring ReduceScatter (or AllGather) of `nbytes` in all: (N-1)/N x S."""
-    _check_world_size(world_size)
-    return (world_size - 1) / world_size * nbytes
+def ring_reduce_scatter_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes each rank sends in a ring ReduceScatter (or AllGather) of `nbytes` in all: (N-1)/N x S.
+
+    >>> ring_reduce_scatter_bytes(8.0, 4)
+    6.0
+    """
+    world_size = whole("world_size", world_size)
+    return (world_size - 1) / world_size * number("nbytes", nbytes)
 
 
-def naive_allreduce_hub_nbytes(nbytes: float, world_size: int) -> float:
-    """Bytes the hub of a naive AllReduce receives, and again sends: (N-1) x S, linear in N."""
-    _check_world_size(world_size)
-    return (world_size - 1) * nbytes
+def naive_allreduce_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes the hub of a central AllReduce receives, and again sends: (N-1) x S, linear in N.
+
+    Every other rank sends its whole tensor to the hub and gets the sum back, so the hub's link is the
+    bottleneck as N grows (the contrast that motivates the ring; Thakur et al. 2005).
+
+    >>> naive_allreduce_bytes(14.0e9, 8)
+    98000000000.0
+    """
+    return (whole("world_size", world_size) - 1) * number("nbytes", nbytes)
+
+
+def allreduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency: float = 0.0,
+                      algorithm: str = "ring", *, gamma_seconds_per_byte: float = 0.0) -> float:
+    """Alpha-beta time of an AllReduce of `nbytes` on `world_size` ranks (Thakur et al. 2005, section 4).
+
+    `bandwidth` is bytes/s per direction per rank (beta = 1 / bandwidth), `latency` the seconds per message
+    (alpha), `gamma_seconds_per_byte` the reduction's cost per byte (0: arithmetic is free next to the link).
+      ring:               2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
+      naive (hub):        2(p-1) (alpha + n beta) + (p-1) n gamma: the hub receives, then sends, p-1 tensors
+      recursive_doubling: lg p (alpha + n beta + n gamma): fewer messages, more bytes; wins for small n
+
+    >>> allreduce_seconds(14.0e9, 8, bandwidth=24.5e9)          # the lesson's 24.5 GB over 24.5 GB/s
+    1.0
+    """
+    p, n = whole("world_size", world_size), number("nbytes", nbytes)
+    alpha = number("latency", latency)
+    beta = 1 / number("bandwidth", bandwidth, inclusive=False)
+    gamma = number("gamma_seconds_per_byte", gamma_seconds_per_byte)
+    algorithm = choice("algorithm", algorithm, ALLREDUCE_ALGORITHMS)
+    if algorithm == "ring":
+        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
+    if algorithm == "naive":
+        return 2 * (p - 1) * (alpha + n * beta) + (p - 1) * n * gamma
+    return math.ceil(math.log2(p)) * (alpha + n * (beta + gamma))
 
 
 def busbw_factor(collective: str, world_size: int) -> float:
-    """nccl-tests' bus-bandwidth factor for `collective` on `world_size` ranks."""
-    _check_world_size(world_size)
-    if collective not in _BUSBW_FACTORS:
-        raise ValueError(f"collective={collective!r}: use one of {', '.join(_BUSBW_FACTORS)}.")
-    return _BUSBW_FACTORS[collective](world_size)
+    """nccl-tests' bus-bandwidth factor for `collective` on `world_size` ranks (PERFORMANCE.md).
+
+    >>> busbw_factor("allreduce", 8)
+    1.75
+    """
+    world_size = whole("world_size", world_size)
+    return _BUSBW_FACTORS[choice("collective", collective, tuple(_BUSBW_FACTORS))](world_size)
 
 
-def algbw_gbps(nbytes: float, seconds: float) -> float:
-    """Algorithm bandwidth: the whole array's size over the time, in GB/s."""
-    return nbytes / seconds / GB
+def bus_bandwidth(collective: str, nbytes: float, seconds: float, world_size: int) -> float:
+    """nccl-tests' busbw in bytes/s: algbw (the whole array over the time) x the collective's factor.
 
+    busbw, unlike algbw, does not depend on the rank count for an ideal algorithm, so it is the figure to
+    compare with a link's speed (NVIDIA/nccl-tests doc/PERFORMANCE.md). Collectives: "allreduce"
+    2(n-1)/n; "reduce_scatter", "allgather", "alltoall" (n-1)/n; "broadcast", "reduce" 1.
 
-def busbw_gbps(collective: str, nbytes: float, seconds: float, world_size: int) -> float:
-    """Bus bandwidth in GB/s: algbw x factor; the figure to compare with a link's speed."""
-    return algbw_gbps(nbytes, seconds) * busbw_factor(collective, world_size)
-
-
-def ring_allreduce_seconds(nbytes: float, world_size: int, alpha_seconds: float,
-                           beta_seconds_per_byte: float, gamma_seconds_per_byte: float = 0.0) -> float:
-    """Alpha-beta time of a ring AllReduce: 2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma."""
-    p = world_size
-    return (2 * (p - 1) * alpha_seconds + 2 * (p - 1) / p * nbytes * beta_seconds_per_byte
-            + (p - 1) / p * nbytes * gamma_seconds_per_byte)
-
-
-def naive_allreduce_seconds(nbytes: float, world_size: int, alpha_seconds: float,
-                            beta_seconds_per_byte: float) -> float:
-    """Alpha-beta time of the hub AllReduce: the hub receives, then sends, N-1 whole tensors in turn."""
-    return 2 * (world_size - 1) * (alpha_seconds + nbytes * beta_seconds_per_byte)
-
-
-def recursive_doubling_allreduce_seconds(nbytes: float, world_size: int, alpha_seconds: float,
-                                         beta_seconds_per_byte: float,
-                                         gamma_seconds_per_byte: float = 0.0) -> float:
-    """lg(p) alpha + n lg(p) (beta + gamma): fewer steps, more bytes; wins for small messages."""
-    steps = math.ceil(math.log2(world_size)) if world_size > 1 else 0
-    return steps * (alpha_seconds + nbytes * (beta_seconds_per_byte + gamma_seconds_per_byte))
+    >>> bus_bandwidth("allreduce", 2e9, 1.0, 2) / GB              # GB/s
+    2.0
+    """
+    factor = busbw_factor(collective, world_size)
+    return number("nbytes", nbytes) / number("seconds", seconds, inclusive=False) * factor
 
 
 def fit_alpha_beta(nbytes: list[float], seconds: list[float], world_size: int) -> tuple[float, float]:
     """Least-squares (alpha, beta) of the ring AllReduce model to measured times.
 
-    The model is linear in alpha and beta: t = 2(p-1) alpha + 2(p-1)/p n beta (gamma folded into beta)."""
+    The model is linear in alpha and beta: t = 2(p-1) alpha + 2(p-1)/p n beta (gamma folded into beta).
+    1 / beta is the link's bandwidth in bytes/s, as `allreduce_seconds` takes it."""
     if len(nbytes) != len(seconds) or len(nbytes) < 2:
         raise ValueError("fit_alpha_beta needs at least two (nbytes, seconds) measurements of equal count.")
-    _check_world_size(world_size, minimum=2)
-    p = world_size
+    p = whole("world_size", world_size, minimum=2)
     xs = [2 * (p - 1) / p * n for n in nbytes]  # bytes each rank sends
     k = 2 * (p - 1)  # messages each rank sends
     count = len(xs)
@@ -104,8 +129,3 @@ def fit_alpha_beta(nbytes: list[float], seconds: list[float], world_size: int) -
     if alpha < 0:  # noise can push the intercept below zero; a latency cannot be negative
         return 0.0, sum(x * t for x, t in zip(xs, seconds, strict=True)) / sum(x * x for x in xs)
     return alpha, beta
-
-
-def _check_world_size(world_size: int, minimum: int = 1) -> None:
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < minimum:
-        raise ValueError(f"world_size must be a whole number >= {minimum}, got {world_size!r}.")

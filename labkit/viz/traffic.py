@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from labkit.plan.traffic import naive_allreduce_hub_nbytes, ring_allreduce_nbytes_per_rank
+from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
 
 
 def traffic_chart(nbytes: float, world_sizes=range(2, 17), measured: dict | None = None) -> go.Figure:
@@ -15,9 +15,9 @@ def traffic_chart(nbytes: float, world_sizes=range(2, 17), measured: dict | None
         raise ValueError("traffic_chart needs world sizes of 2 or more.")
     megabytes = 1e6
     figure = go.Figure()
-    figure.add_trace(go.Scatter(x=sizes, y=[naive_allreduce_hub_nbytes(nbytes, n) / megabytes for n in sizes],
+    figure.add_trace(go.Scatter(x=sizes, y=[naive_allreduce_bytes(nbytes, n) / megabytes for n in sizes],
                                 name="naive hub: (N-1) S", mode="lines+markers", line={"color": "#e45756"}))
-    figure.add_trace(go.Scatter(x=sizes, y=[ring_allreduce_nbytes_per_rank(nbytes, n) / megabytes for n in sizes],
+    figure.add_trace(go.Scatter(x=sizes, y=[ring_allreduce_bytes(nbytes, n) / megabytes for n in sizes],
                                 name="ring, every rank: 2(N-1)/N S", mode="lines+markers", line={"color": "#4c78a8"}))
     figure.add_trace(go.Scatter(x=[sizes[0], sizes[-1]], y=[2 * nbytes / megabytes] * 2, name="2 S",
                                 mode="lines", line={"color": "#4c78a8", "dash": "dot"}))

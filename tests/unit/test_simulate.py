@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from labkit import comm
 from labkit.comm import ring
 from labkit.comm.simulator import ALPHA_SECONDS, BETA_SECONDS_PER_BYTE, with_model_times
-from labkit.plan.traffic import naive_allreduce_hub_nbytes, ring_allreduce_nbytes_per_rank
+from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
 
 
 @settings(max_examples=40, deadline=None)
@@ -30,9 +30,9 @@ def test_traffic_matches_the_formulas(world_size):
     numel = 16 * 12  # divisible by every world size here
     nbytes = 4 * numel
     _, transports, _ = comm.run_simulated("ring_allreduce", [torch.zeros(numel) for _ in range(world_size)])
-    assert {t.sent_nbytes for t in transports} == {ring_allreduce_nbytes_per_rank(nbytes, world_size)}
+    assert {t.sent_nbytes for t in transports} == {ring_allreduce_bytes(nbytes, world_size)}
     _, transports, _ = comm.run_simulated("naive_allreduce", [torch.zeros(numel) for _ in range(world_size)])
-    assert transports[0].sent_nbytes == transports[0].received_nbytes == naive_allreduce_hub_nbytes(nbytes, world_size)
+    assert transports[0].sent_nbytes == transports[0].received_nbytes == naive_allreduce_bytes(nbytes, world_size)
 
 
 def test_ring_steps_phases_and_chunks():

@@ -1,0 +1,138 @@
+"""Bytes per GPU for training state, LoRA's trainable parameters, and a small transformer's parameter count.
+
+Data parallelism replicates the model, so it only works once weights, gradients and optimizer state fit on
+one GPU: the memory arithmetic comes before the choice of parallelism. Activations are extra (they depend
+on batch, sequence and recomputation; Korthikanti et al. 2022) and are not counted here.
+"""
+
+from __future__ import annotations
+
+from labkit.plan._checks import number, whole
+
+
+def training_memory(params: float, weight_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12,
+                    zero_stage: int = 0, dp: int = 1) -> dict[str, float]:
+    """Bytes per GPU of weights, gradients and optimizer state, with ZeRO sharding over `dp` ranks.
+
+    Defaults are the ZeRO paper's mixed-precision Adam: 2 (bf16/fp16 weights) + 2 (grads) + 12 (fp32 master
+    weights, Adam m and v) = 16 bytes/param. Stage 1 shards the optimizer state over dp, stage 2 also the
+    gradients, stage 3 also the weights: 4 + 12/dp, 2 + 14/dp, 16/dp bytes/param (Rajbhandari et al. 2020,
+    "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", figure 1 and section 5). Other conventions
+    (18 bytes with fp32 grads, DeepSpeed's 20) are a matter of passing other byte counts.
+
+    >>> training_memory(7e9)["total"]                          # the lesson's 7B model: 112 GB
+    112000000000.0
+    >>> training_memory(7e9, zero_stage=3, dp=8)["total"]      # everything sharded over 8 ranks
+    14000000000.0
+    """
+    count = number("params", params)
+    stage, ranks = whole("zero_stage", zero_stage, minimum=0), whole("dp", dp)
+    if stage > 3:
+        raise ValueError(f"zero_stage={zero_stage!r}: pass 0 (no sharding), 1, 2 or 3.")
+    per_param = {
+        "weights": number("weight_bytes", weight_bytes) / (ranks if stage >= 3 else 1),
+        "grads": number("grad_bytes", grad_bytes) / (ranks if stage >= 2 else 1),
+        "optimizer": number("optimizer_bytes", optimizer_bytes) / (ranks if stage >= 1 else 1),
+    }
+    memory = {part: count * nbytes for part, nbytes in per_param.items()}
+    return {**memory, "total": sum(memory.values())}
+
+
+def lora_params(shapes, rank: int) -> int:
+    """Trainable parameters of LoRA adapters of rank r on matrices given as (d_in, d_out): sum r(d_in + d_out).
+
+    Each frozen W (d_in x d_out) gets trainable A (d_in x r) and B (r x d_out); a rank above min(d_in, d_out)
+    adds parameters without adding expressiveness, so it is refused (Hu et al. 2021, "LoRA: Low-Rank
+    Adaptation of Large Language Models", section 4.1).
+
+    >>> lora_params([(4096, 4096), (4096, 11008)], rank=8)    # 8 x 8192 + 8 x 15104
+    186368
+    """
+    r = whole("rank", rank)
+    pairs = list(shapes)
+    if not pairs:
+        raise ValueError("shapes=[]: pass at least one (d_in, d_out) pair.")
+    total = 0
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise ValueError(f"shapes: {pair!r} is not a (d_in, d_out) pair; pass pairs of whole numbers.")
+        d_in, d_out = whole("shapes d_in", pair[0]), whole("shapes d_out", pair[1])
+        if r > min(d_in, d_out):
+            raise ValueError(f"rank={rank!r} exceeds min(d_in, d_out) = {min(d_in, d_out)} of {pair!r}: "
+                             "pass a smaller rank.")
+        total += r * (d_in + d_out)
+    return total
+
+
+def transformer_params(vocab: int, d_model: int, layers: int, d_ff: int, context: int | None = None,
+                       tied_embeddings: bool = True, bias: bool = True) -> int:
+    """Parameters of a GPT-style pre-LN decoder, module by module, as torch would count them.
+
+    Counted (d = d_model):
+      token embedding    nn.Embedding(vocab, d)                           vocab d
+      position embedding nn.Embedding(context, d), only if context given  context d
+      per layer, `layers` times:
+        ln_1             nn.LayerNorm(d), weight and bias                 2d
+        attention        nn.Linear(d, 3d) for q, k, v + nn.Linear(d, d)   4d^2 (+ 4d with bias)
+        ln_2             nn.LayerNorm(d), weight and bias                 2d
+        MLP              nn.Linear(d, d_ff) + nn.Linear(d_ff, d)          2 d d_ff (+ d_ff + d with bias)
+      final norm         nn.LayerNorm(d), weight and bias                 2d
+      LM head            nn.Linear(d, vocab, bias=False), only if not tied_embeddings   d vocab
+    `bias` switches the biases of the Linear layers only; LayerNorms always have both. Attention heads
+    split d without adding parameters. GPT-2 small (Radford et al. 2019) gives the known 124,439,808.
+
+    >>> transformer_params(vocab=50257, d_model=768, layers=12, d_ff=3072, context=1024)
+    124439808
+    """
+    v, d, n, f = (whole(name, value) for name, value in
+                  (("vocab", vocab), ("d_model", d_model), ("layers", layers), ("d_ff", d_ff)))
+    positions = 0 if context is None else whole("context", context)
+    for name, flag in (("tied_embeddings", tied_embeddings), ("bias", bias)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{name}={flag!r}: pass True or False.")
+    linear_biases = (3 * d + d + f + d) if bias else 0
+    per_layer = 2 * d + 4 * d * d + 2 * d + 2 * d * f + linear_biases
+    head = 0 if tied_embeddings else d * v
+    return v * d + positions * d + n * per_layer + 2 * d + head
+
+
+YOUR_CHOICE = "your choice"
+
+
+def attention_lora_shapes(d_model: int, layers: int) -> list[tuple[int, int]]:
+    """The (d_in, d_out) of the q, k, v and output projections of every layer: where LoRA usually goes."""
+    return [(whole("d_model", d_model), d_model)] * 4 * whole("layers", layers)
+
+
+def memory_options(params: float, devices: int, lora_rank: int = 0, zero_stage: int = 0, weight_bytes: float = 2,
+                   grad_bytes: float = 2, optimizer_bytes: float = 12, d_model: int = 4096,
+                   layers: int = 32) -> dict[str, dict[str, float]]:
+    """Bytes per GPU (as `training_memory`'s dicts) for the lesson's Step 6 ways out of the memory wall.
+
+    Keys: "replicated" (plain data parallelism), "ZeRO-1/2/3 over N", "LoRA r=..." (frozen weights, trainable
+    adapters on the attention projections of a model of `d_model` and `layers`, LLaMA-7B's 4096 and 32 by
+    default; Hu et al. 2021), "TP x PP over N" (weights, grads and optimizer state split N ways; Shoeybi et al.
+    2019) and YOUR_CHOICE, which applies `zero_stage` and `lora_rank` together (rank 0 = full fine-tuning).
+
+    >>> options = memory_options(7e9, 8)
+    >>> round(options["ZeRO-1 over 8"]["total"] / 1e9, 1)          # (4 + 12/8) x 7e9
+    38.5
+    """
+    n = whole("devices", devices)
+    rank = whole("lora_rank", lora_rank, minimum=0)
+    state = {"weight_bytes": weight_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes}
+
+    def lora(r: int, stage: int) -> dict[str, float]:
+        trainable = lora_params(attention_lora_shapes(d_model, layers), r)
+        frozen = training_memory(params, weight_bytes, 0, 0, zero_stage=stage, dp=n)
+        adapters = training_memory(trainable, **state, zero_stage=stage, dp=n)
+        return {part: frozen[part] + adapters[part] for part in frozen}
+
+    full = training_memory(params, **state)
+    options = {"replicated": full}
+    options.update({f"ZeRO-{s} over {n}": training_memory(params, **state, zero_stage=s, dp=n) for s in (1, 2, 3)})
+    options[f"LoRA r={rank or 16}"] = lora(rank or 16, 0)
+    options[f"TP x PP over {n}"] = {part: nbytes / n for part, nbytes in full.items()}
+    options[YOUR_CHOICE] = (lora(rank, zero_stage) if rank else
+                            training_memory(params, **state, zero_stage=zero_stage, dp=n))
+    return options

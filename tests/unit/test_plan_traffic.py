@@ -1,0 +1,127 @@
+"""The traffic and cost formulas, and the lesson's numbers they reproduce."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from labkit.plan.traffic import (
+    GB,
+    allreduce_seconds,
+    bus_bandwidth,
+    busbw_factor,
+    fit_alpha_beta,
+    naive_allreduce_bytes,
+    ring_allreduce_bytes,
+    ring_reduce_scatter_bytes,
+)
+
+sizes = st.floats(1.0, 1e12)
+ranks = st.integers(2, 4096)
+
+
+def test_lesson_seven_b_gradients_on_eight_gpus():
+    # 7.0e9 parameters x 2 bytes (BF16) = 14.0e9 bytes; 2 x 14.0e9 x 7/8 = 24.5e9 bytes per rank
+    assert ring_allreduce_bytes(7.0e9 * 2, 8) == pytest.approx(24.5e9)
+
+
+def test_hub_grows_linearly_and_reduce_scatter_is_half_the_ring():
+    s = 1e9
+    assert [naive_allreduce_bytes(s, n) for n in (1, 2, 4, 8)] == [0, s, 3 * s, 7 * s]
+    assert ring_reduce_scatter_bytes(s, 4) == 0.75 * s
+    assert ring_allreduce_bytes(s, 4) == 1.5 * s
+    assert ring_allreduce_bytes(s, 1) == 0.0
+
+
+@given(nbytes=sizes, world_size=ranks)
+def test_ring_stays_below_twice_the_tensor_and_approaches_it(nbytes, world_size):
+    per_rank = ring_allreduce_bytes(nbytes, world_size)
+    assert per_rank < 2 * nbytes
+    assert 2 * nbytes - per_rank == pytest.approx(2 * nbytes / world_size)  # the gap closes as 1/N
+    assert ring_allreduce_bytes(nbytes, world_size + 1) >= per_rank
+
+
+def test_alpha_beta_costs_by_hand():
+    alpha, bandwidth, n, rd = 1e-5, 1e9, 8e6, "recursive_doubling"
+    assert allreduce_seconds(n, 4, bandwidth, alpha) == pytest.approx(6 * alpha + 1.5 * n / bandwidth)
+    assert allreduce_seconds(n, 4, bandwidth, alpha, "naive") == pytest.approx(6 * (alpha + n / bandwidth))
+    assert allreduce_seconds(n, 16, bandwidth, alpha, rd) == pytest.approx(4 * (alpha + n / bandwidth))
+    assert allreduce_seconds(n, 5, bandwidth, alpha, rd) == pytest.approx(3 * (alpha + n / bandwidth))
+    assert allreduce_seconds(n, 1, bandwidth, alpha, rd) == 0.0
+
+
+def test_the_reduction_cost_adds_per_byte():
+    n, gamma = 8e6, 1e-10
+    extra = {"ring": 0.75 * n * gamma, "naive": 3 * n * gamma, "recursive_doubling": 2 * n * gamma}
+    for algorithm, cost in extra.items():
+        with_gamma = allreduce_seconds(n, 4, 1e9, algorithm=algorithm, gamma_seconds_per_byte=gamma)
+        assert with_gamma - allreduce_seconds(n, 4, 1e9, algorithm=algorithm) == pytest.approx(cost)
+
+
+def test_lesson_allreduce_takes_a_second_at_the_traffic_per_second():
+    assert allreduce_seconds(14.0e9, 8, bandwidth=24.5e9) == pytest.approx(1.0)
+
+
+def test_recursive_doubling_wins_small_messages_and_the_ring_large_ones():
+    alpha, bandwidth = 1e-5, 1e9
+    small = {a: allreduce_seconds(1e3, 16, bandwidth, alpha, a) for a in ("ring", "recursive_doubling")}
+    large = {a: allreduce_seconds(1e9, 16, bandwidth, alpha, a) for a in ("ring", "recursive_doubling")}
+    assert small["recursive_doubling"] < small["ring"] and large["recursive_doubling"] > large["ring"]
+
+
+@given(nbytes=sizes, world_size=ranks, bandwidth=st.floats(1e6, 1e12), faster=st.floats(1.01, 100),
+       algorithm=st.sampled_from(["ring", "naive", "recursive_doubling"]))
+def test_more_bandwidth_takes_less_time(nbytes, world_size, bandwidth, faster, algorithm):
+    slow = allreduce_seconds(nbytes, world_size, bandwidth, 1e-6, algorithm)
+    assert allreduce_seconds(nbytes, world_size, bandwidth * faster, 1e-6, algorithm) < slow
+
+
+def test_bus_bandwidth_follows_nccl_tests():
+    # 2 GB in 1 s on 4 ranks: algbw 2 GB/s; factors 2(n-1)/n = 1.5, (n-1)/n = 0.75, 1
+    expected = {"allreduce": 3e9, "reduce_scatter": 1.5e9, "allgather": 1.5e9, "alltoall": 1.5e9,
+                "broadcast": 2e9, "reduce": 2e9}
+    assert {c: bus_bandwidth(c, 2e9, 1.0, 4) for c in expected} == pytest.approx(expected)
+    assert bus_bandwidth("allreduce", 2e9, 1.0, 2) / GB == 2.0
+    assert busbw_factor("allreduce", 8) == 1.75
+
+
+def test_fit_recovers_the_parameters_it_was_made_with():
+    alpha, beta, n = 3e-4, 2e-9, 4
+    sizes_ = [2.0 ** k for k in range(10, 27, 2)]
+    times = [2 * (n - 1) * alpha + 2 * (n - 1) / n * s * beta for s in sizes_]
+    assert fit_alpha_beta(sizes_, times, n) == pytest.approx((alpha, beta), rel=1e-6)
+    model = [allreduce_seconds(s, n, bandwidth=1 / beta, latency=alpha) for s in sizes_]
+    assert model == pytest.approx(times)
+
+
+def test_fit_never_returns_a_negative_latency():
+    assert fit_alpha_beta([1e3, 1e6], [0.0, 1.0], 2)[0] == 0.0
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ring_allreduce_bytes(1.0, 0), "world_size=0"),
+    (lambda: ring_allreduce_bytes(1.0, True), "world_size=True"),
+    (lambda: ring_allreduce_bytes(1.0, 2.0), "world_size=2.0"),
+    (lambda: ring_allreduce_bytes(-1.0, 2), "nbytes=-1.0"),
+    (lambda: ring_reduce_scatter_bytes(math.nan, 2), "nbytes=nan"),
+    (lambda: naive_allreduce_bytes(1.0, -3), "world_size=-3"),
+    (lambda: allreduce_seconds(1.0, 2, 0.0), "bandwidth=0.0"),
+    (lambda: allreduce_seconds(1.0, 2, -1e9), "bandwidth=-1000000000.0"),
+    (lambda: allreduce_seconds(1.0, 2, math.inf), "bandwidth=inf"),
+    (lambda: allreduce_seconds(1.0, 2, 1e9, latency=-1e-6), "latency=-1e-06"),
+    (lambda: allreduce_seconds(1.0, 2, 1e9, algorithm="tree"), "algorithm='tree'"),
+    (lambda: allreduce_seconds(1.0, 2, 1e9, gamma_seconds_per_byte=-1.0), "gamma_seconds_per_byte"),
+    (lambda: allreduce_seconds(1.0, 0, 1e9), "world_size"),
+    (lambda: bus_bandwidth("all_reduce", 1.0, 1.0, 2), "collective='all_reduce'"),
+    (lambda: bus_bandwidth("gather", 1.0, 1.0, 2), "collective='gather'"),
+    (lambda: bus_bandwidth("allreduce", 1.0, 0.0, 2), "seconds=0.0"),
+    (lambda: bus_bandwidth("allreduce", -1.0, 1.0, 2), "nbytes"),
+    (lambda: bus_bandwidth("allreduce", 1.0, 1.0, 0), "world_size"),
+    (lambda: fit_alpha_beta([1.0], [1.0], 2), "at least two"),
+    (lambda: fit_alpha_beta([1, 1], [1, 2], 2), "more than one size"),
+    (lambda: fit_alpha_beta([1, 2], [1, 2], 1), "world_size=1"),
+])
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
