@@ -1,0 +1,52 @@
+"""Measurements the notebooks set next to labkit.plan's predictions: collective times and training-state bytes."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+
+def allreduce_seconds_by_size(sizes_nbytes: Iterable[int], allreduce: Callable | None = None,
+                              repeats: int = 9) -> list[float]:
+    """Inside a rank: seconds per call of `allreduce` (default torch's `dist.all_reduce`) on a float32 tensor
+    of each size. Sizes take turns, `repeats` rounds of back-to-back calls each (several calls for small
+    tensors), and the median round counts: on a shared laptop single calls swing by tens of percent, and
+    taking turns spreads slow moments over every size alike."""
+    import torch.distributed as dist
+
+    allreduce = allreduce or dist.all_reduce
+    sizes = list(sizes_nbytes)
+    tensors = [torch.randn(max(1, nbytes // 4)) for nbytes in sizes]
+    calls = [max(1, min(20, (8 << 20) // max(1, nbytes))) for nbytes in sizes]
+    rounds = [[] for _ in sizes]
+    for tensor in tensors:
+        allreduce(tensor)  # warm up: buffers, connections
+    for _ in range(repeats):
+        for tensor, count, seconds in zip(tensors, calls, rounds, strict=True):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(count):
+                allreduce(tensor)
+            seconds.append((time.perf_counter() - start) / count)
+    return [statistics.median(seconds) for seconds in rounds]
+
+
+def training_state_nbytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                          master_params: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    """Bytes held by the weights, the gradients and the optimizer (its per-parameter state and any fp32
+    `master_params`), keyed like labkit.plan.training_memory. Adam's scalar `step` counters are left out and
+    reported as "counters": a few bytes per tensor, not per parameter, which the per-parameter model ignores."""
+    params = list(model.parameters())  # a tied weight appears once
+    nbytes = {"weights": sum(p.numel() * p.element_size() for p in params),
+              "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+              "optimizer": sum(p.numel() * p.element_size() for p in master_params), "counters": 0}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                key = "counters" if value.dim() == 0 else "optimizer"
+                nbytes[key] += value.numel() * value.element_size()
+    nbytes["total"] = nbytes["weights"] + nbytes["grads"] + nbytes["optimizer"]
+    return nbytes
