@@ -1,0 +1,368 @@
+"""Data parallelism by hand: every rank holds a whole replica and its own slice of the batch, and the
+ranks average their gradients before each optimizer step, so that the replicas stay identical.
+
+    broadcast_parameters(model)   step 0: rank 0's parameters and buffers copied to every rank
+    average_gradients(model)      the naive way: one all_reduce per gradient, after the backward
+    BucketedDDP(model)            torch DDP's way: gradients in buckets (25 MiB), last layer first, each
+                                  bucket all-reduced as soon as it is full, while the backward goes on
+    count_allreduces()            how many all_reduces the two above made, and how many bytes
+
+Source: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020,
+section 3.2 (a naive solution, gradient bucketing, overlapping computation with communication, gradient
+accumulation with no_sync, unused parameters). Averages are SUM then divide: ReduceOp.AVG is missing or
+buggy on gloo in some torch releases. Every collective runs on the parameters' own device (CPU under
+gloo, the rank's GPU under NCCL); nothing here touches torch.cuda.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
+FIRST_BUCKET_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES: a small first bucket starts traffic early
+
+
+# --- Communication: every all_reduce of this module goes through _all_reduce_sum, and is counted ---
+
+@dataclass(eq=False)  # counters are told apart by identity (nested blocks), never by value
+class AllReduceCounter:
+    """All_reduces made by this module on this rank: `calls`, and `nbytes` (each tensor's size, summed)."""
+    calls: int = 0
+    nbytes: int = 0
+
+
+_counters: list[AllReduceCounter] = []
+
+
+@contextlib.contextmanager
+def count_allreduces():
+    """Count the all_reduces that average_gradients and BucketedDDP make inside the block, on this rank.
+
+    Example::
+
+        >>> import labkit, torch
+        >>> from labkit.models import mlp
+        >>> from labkit.parallel import average_gradients, count_allreduces
+        >>> def count():
+        ...     model = mlp()                                  # 6 parameters, 5508 float32 numbers
+        ...     model(torch.randn(8, 16)).sum().backward()
+        ...     with count_allreduces() as counted:
+        ...         average_gradients(model)
+        ...     return counted.calls, counted.nbytes
+        >>> labkit.run(count, world_size=2)
+        [(6, 22032), (6, 22032)]
+    """
+    counter = AllReduceCounter()
+    _counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _counters.remove(counter)
+
+
+def _all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):
+    for counter in _counters:
+        counter.calls += 1
+        counter.nbytes += tensor.numel() * tensor.element_size()
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
+
+
+def _check_same_model(model: nn.Module, src: int, caller: str) -> None:
+    """Raise ValueError on every rank when the ranks' models differ (names, shapes, dtypes, frozen or not):
+    a broadcast or bucket of mismatched tensors would hang or abort gloo instead of saying why."""
+    mine = [(f"parameter {n!r}", tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
+            for n, p in model.named_parameters()]
+    mine += [(f"buffer {n!r}", tuple(b.shape), str(b.dtype).replace("torch.", ""), False)
+             for n, b in model.named_buffers()]
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)  # the same list on every rank, so every rank raises the same error
+    problems = [f"rank {r}: {_first_difference(everyone[src], sig, src)}" for r, sig in enumerate(everyone)
+                if sig != everyone[src]]
+    if problems:
+        raise ValueError(f"{caller}: every rank needs the same model, but "
+                         f"{len(problems)} rank(s) differ from rank {src}. " + "; ".join(problems))
+
+
+def _first_difference(ref: list, other: list, src: int) -> str:
+    def show(entry):
+        return f"{entry[0]} {entry[1]} {entry[2]}" + ("" if entry[3] or entry[0].startswith("buffer") else " frozen")
+    count = "" if len(ref) == len(other) else f"{len(other)} parameters and buffers where rank {src} has {len(ref)}; "
+    for a, b in zip(ref, other, strict=False):
+        if a != b:
+            return f"{count}{show(b)} where rank {src} has {show(a)}"
+    if len(other) > len(ref):
+        return f"{count}{show(other[len(ref)])} is extra"
+    return f"{count}{show(ref[len(other)])} is missing"
+
+
+# --- Step 0 and the naive averaging ---
+
+def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
+    """Copy rank `src`'s parameters and buffers into every rank's model, so all replicas start identical.
+
+    Checks first that every rank has the same model (a clear ValueError otherwise, not a hang).
+
+    Example::
+
+        >>> import labkit
+        >>> from labkit.models import mlp
+        >>> from labkit.parallel import broadcast_parameters
+        >>> def first_weight():
+        ...     model = mlp(seed=labkit.rank())      # a different initialisation on every rank
+        ...     broadcast_parameters(model)          # now rank 0's everywhere
+        ...     return model[0].weight[0, 0].item()
+        >>> a, b = labkit.run(first_weight, world_size=2); a == b
+        True
+    """
+    _check_same_model(model, src, "broadcast_parameters")
+    _broadcast(model, src)
+
+
+def _broadcast(model: nn.Module, src: int) -> None:
+    for tensor in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(tensor.detach(), src)
+
+
+def average_gradients(model: nn.Module) -> None:
+    """Replace every gradient by its average over the ranks: one all_reduce (SUM, then divide by the world
+    size) per parameter, after the whole backward (Li et al. 2020, 3.2.1, "a naive solution"). Parameters
+    that are frozen or have no gradient are skipped, so every rank must have gradients for the same ones.
+
+    Example::
+
+        >>> import labkit, torch
+        >>> from labkit.models import mlp
+        >>> from labkit.parallel import average_gradients, broadcast_parameters
+        >>> def step():
+        ...     model = mlp()
+        ...     broadcast_parameters(model)
+        ...     model(torch.randn(8, 16) + labkit.rank()).sum().backward()   # different data per rank
+        ...     average_gradients(model)
+        ...     return model[0].bias.grad
+        >>> g0, g1 = labkit.run(step, world_size=2); torch.equal(g0, g1)
+        True
+    """
+    world = dist.get_world_size()
+    for param in model.parameters():
+        if param.requires_grad and param.grad is not None:
+            _all_reduce_sum(param.grad)
+            param.grad.div_(world)
+
+
+# --- Buckets overlapped with the backward ---
+
+@dataclass
+class Bucket:
+    """Parameters whose gradients travel in one all_reduce. `nbytes` is the message: the gradients plus
+    one "used" flag per parameter (how many ranks produced that gradient; see BucketedDDP)."""
+    index: int
+    names: list[str]
+    params: list[nn.Parameter] = field(repr=False)
+    numel: int
+    nbytes: int
+    ready: list[bool] = field(default_factory=list, repr=False)  # got its gradient in this synced backward
+    used: list[bool] = field(default_factory=list, repr=False)  # gradient arrived since the last sync
+    flat: torch.Tensor | None = field(default=None, repr=False)  # kept from step to step, as torch DDP does
+    work: object = field(default=None, repr=False)
+    done: object = field(default=None, repr=False)
+
+    def reset(self) -> None:
+        self.ready, self.used = [False] * len(self.params), [False] * len(self.params)
+        self.work = self.done = None
+
+
+@dataclass
+class Event:
+    """One mark on BucketedDDP.timeline, in seconds since the backward started. kind "grad": a parameter's
+    gradient became ready (start == end); "all_reduce": a bucket's, launched at start, completed at end;
+    "finish": finish() called at start, every gradient averaged at end."""
+    kind: str
+    name: str
+    bucket: int
+    start: float
+    end: float
+    nbytes: int
+
+
+_hooks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its wrapper's hook handles
+
+
+class BucketedDDP(nn.Module):
+    """A model whose gradients are averaged in buckets, each all-reduced as soon as the backward has filled
+    it, so communication overlaps the rest of the backward (Li et al. 2020, 3.2.2-3.2.3; torch's
+    DistributedDataParallel). After the backward, `finish()` (or `step(optimizer)`) waits for every bucket
+    and writes the averaged gradients back into `.grad`.
+
+    - Buckets hold at most `bucket_mb` MiB of gradients (a larger parameter gets one of its own); the first
+      at most `first_bucket_mb` (torch's 1 MiB; torch 2.13 DDP drops it when bucket_cap_mb is given). They
+      are filled in reverse parameter order, roughly the order the backward produces gradients, and
+      launched strictly in bucket order, so every rank issues the same collectives in the same order.
+    - Frozen parameters are in no bucket; a tied parameter (one tensor in two modules) is in one.
+    - Unused parameters: a bucket that a missing gradient keeps from filling is launched by finish(), with
+      zeros for the missing gradients. Each bucket also sums one flag per parameter, how many ranks produced
+      its gradient: used somewhere, every rank gets the average (sum / world size); used nowhere, its
+      `.grad` is left as it was (None). That is torch DDP with find_unused_parameters=True, except that a
+      stale `.grad` of an unused parameter counts as zero (torch sends it). Buckets after such a bucket lose
+      their overlap.
+    - `no_sync()`: backwards inside it only accumulate; the next synchronised backward reduces the sum.
+    - `timeline` lists the Events of the last synchronised backward, timed with time.perf_counter from the
+      moment the model's output received its gradient (else from the first ready gradient). Completion
+      times come from each all_reduce's future callback; under NCCL they mark when the host saw the work
+      complete, not the GPU.
+
+    Example::
+
+        >>> import labkit, torch, torch.nn.functional as F
+        >>> from labkit.models import make_classification, mlp
+        >>> from labkit.parallel import BucketedDDP
+        >>> def train(steps=3):
+        ...     x, y = make_classification()
+        ...     model = BucketedDDP(mlp(seed=labkit.rank()), bucket_mb=0.01)   # rank 0's weights everywhere
+        ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        ...     mine = slice(labkit.rank() * 32, (labkit.rank() + 1) * 32)     # this rank's half of 64
+        ...     for _ in range(steps):
+        ...         optimizer.zero_grad()
+        ...         F.cross_entropy(model(x[mine]), y[mine]).backward()         # buckets go out meanwhile
+        ...         model.step(optimizer)                                        # finish(), then step
+        ...     return len(model.buckets), model.module[0].weight.sum().item()
+        >>> (buckets, w0), (_, w1) = labkit.run(train, world_size=2)
+        >>> buckets > 1, w0 == w1                                                # identical replicas
+        (True, True)
+    """
+
+    def __init__(self, model: nn.Module, bucket_mb: float = 25.0, first_bucket_mb: float = FIRST_BUCKET_MB):
+        super().__init__()
+        if not bucket_mb > 0 or not first_bucket_mb > 0:
+            raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb}, "
+                             f"first_bucket_mb={first_bucket_mb}.")
+        self.module = model
+        self.timeline: list[Event] = []
+        self._sync, self._next, self._t0 = True, 0, None
+        _check_same_model(model, 0, "BucketedDDP")
+        _broadcast(model, 0)  # identical replicas, as torch DDP does at construction
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.buckets = _make_buckets(trainable[::-1], bucket_mb * MiB, min(first_bucket_mb, bucket_mb) * MiB)
+        for handle in _hooks.pop(model, []):  # a model wrapped again: the old wrapper's hooks go
+            handle.remove()
+        _hooks[model] = [p.register_post_accumulate_grad_hook(
+            lambda param, b=bucket, i=i, name=name: self._grad_ready(b, i, name, param))
+            for bucket in self.buckets for i, (name, p) in enumerate(zip(bucket.names, bucket.params, strict=True))]
+
+    def forward(self, *args, **kwargs):
+        if self._t0 is not None and torch.is_grad_enabled():
+            raise RuntimeError("BucketedDDP: forward before the last backward's gradients were averaged: call "
+                               "finish() or step(optimizer) after each synchronised backward.")
+        out = self.module(*args, **kwargs)
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad: self._start_clock())
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside only accumulate into `.grad`; the first backward after it averages the sum."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """finish(), then optimizer.step()."""
+        self.finish()
+        optimizer.step()
+
+    def _start_clock(self) -> None:
+        if self._sync and self._t0 is None:
+            self._t0, self.timeline = time.perf_counter(), []
+
+    def _grad_ready(self, bucket: Bucket, i: int, name: str, param: nn.Parameter) -> None:
+        bucket.used[i] = True
+        if not self._sync:
+            return
+        self._start_clock()
+        if bucket.ready[i] or bucket.work is not None:
+            raise RuntimeError(f"BucketedDDP: {name!r} received a second gradient before finish(): call finish() "
+                               "(or step) after each backward, and accumulate inside no_sync().")
+        bucket.ready[i] = True
+        now = time.perf_counter() - self._t0
+        self.timeline.append(Event("grad", name, bucket.index, now, now, param.numel() * param.element_size()))
+        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
+            self._launch(self.buckets[self._next])
+
+    def _launch(self, bucket: Bucket) -> None:
+        """All-reduce a flat copy of the bucket's gradients (zeros where a rank has none) and the used flags."""
+        params = bucket.params
+        have = [used and p.grad is not None for used, p in zip(bucket.used, params, strict=True)]
+        parts = [p.grad.reshape(-1) if ok else p.new_zeros(p.numel()) for ok, p in zip(have, params, strict=True)]
+        torch.cat([*parts, torch.tensor(have, dtype=bucket.flat.dtype, device=bucket.flat.device)], out=bucket.flat)
+        start = time.perf_counter() - self._t0
+        bucket.work = _all_reduce_sum(bucket.flat, async_op=True)
+        event = Event("all_reduce", f"bucket {bucket.index}", bucket.index, start, float("nan"), bucket.nbytes)
+        self.timeline.append(event)
+        t0 = self._t0
+        bucket.done = bucket.work.get_future().then(lambda _: setattr(event, "end", time.perf_counter() - t0))
+        self._next += 1
+
+    def finish(self) -> None:
+        """Launch the buckets the backward left (unused parameters), wait for all, and write the averages
+        (SUM / world size) into `.grad`. Call it once after every synchronised backward."""
+        if not self._sync:
+            raise RuntimeError("BucketedDDP.finish() inside no_sync(): gradients are averaged after the "
+                               "first backward outside it.")
+        if self._t0 is None:
+            self._t0, self.timeline = time.perf_counter(), []
+        finishing = Event("finish", "finish", -1, time.perf_counter() - self._t0, float("nan"), 0)
+        while self._next < len(self.buckets):  # bucket order, so the same collectives on every rank
+            self._launch(self.buckets[self._next])
+        world = dist.get_world_size()
+        for bucket in self.buckets:
+            bucket.work.wait()
+            bucket.done.wait()
+            counts = bucket.flat[bucket.numel:].tolist()
+            views = bucket.flat[:bucket.numel].split([p.numel() for p in bucket.params])
+            for p, count, view in zip(bucket.params, counts, views, strict=True):
+                if count > 0:  # used on some rank; else leave .grad alone, as torch DDP does
+                    if p.grad is None:
+                        p.grad = (view / world).view_as(p)
+                    else:
+                        torch.div(view.view_as(p), world, out=p.grad)
+            bucket.reset()
+        finishing.end = time.perf_counter() - self._t0
+        self.timeline.append(finishing)
+        self._next, self._t0 = 0, None
+
+
+def _make_buckets(named: list[tuple[str, nn.Parameter]], cap: float, first_cap: float) -> list[Bucket]:
+    """Group parameters (given in the order their gradients are expected) into buckets of one device and
+    dtype, each at most `cap` bytes (the first of each kind at most `first_cap`), in the order given."""
+    closed: list[list[int]] = []
+    open_: dict[tuple, list[int]] = {}
+    sizes: dict[tuple, int] = {}
+    had_one: set[tuple] = set()  # kinds whose first bucket is closed
+    for position, (_, p) in enumerate(named):
+        kind, nbytes = (p.device, p.dtype), p.numel() * p.element_size()
+        if kind in open_ and sizes[kind] + nbytes > (cap if kind in had_one else first_cap):
+            closed.append(open_.pop(kind))
+            had_one.add(kind)
+        if kind not in open_:
+            open_[kind], sizes[kind] = [], 0
+        open_[kind].append(position)
+        sizes[kind] += nbytes
+    groups = sorted(closed + list(open_.values()), key=min)  # launched in the order they should fill
+    buckets = []
+    for index, group in enumerate(groups):
+        params = [named[i][1] for i in group]
+        numel = sum(p.numel() for p in params)
+        buckets.append(Bucket(index, [named[i][0] for i in group], params, numel,
+                              (numel + len(params)) * params[0].element_size(),
+                              flat=params[0].new_empty(numel + len(params))))
+        buckets[-1].reset()
+    return buckets
