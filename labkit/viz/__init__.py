@@ -1,7 +1,10 @@
-"""Plotly figures for the course: the ring animation, the traffic chart, collective before/after grids."""
+"""Plotly figures for the course: collectives, the ring, traffic, planning, and training runs."""
 
 from labkit.viz.collectives import before_after
+from labkit.viz.plan import memory_bars, speedup_chart
 from labkit.viz.ring import contributions_by_step, ring_animation
 from labkit.viz.traffic import traffic_chart
+from labkit.viz.training import ddp_timeline, divergence_chart, loss_curves
 
-__all__ = ["before_after", "contributions_by_step", "ring_animation", "traffic_chart"]
+__all__ = ["before_after", "contributions_by_step", "ddp_timeline", "divergence_chart", "loss_curves", "memory_bars",
+           "ring_animation", "speedup_chart", "traffic_chart"]

@@ -1,0 +1,27 @@
+"""Figures of training runs: divergence, loss curves, and the DDP timeline."""
+
+import pytest
+
+from labkit.parallel.data import Event
+from labkit.viz import ddp_timeline, divergence_chart, loss_curves
+
+
+def test_divergence_chart_uses_a_log_axis_only_when_there_is_drift():
+    assert divergence_chart({"rank 1": [1e-3, 1e-2]}).layout.yaxis.type == "log"
+    flat = divergence_chart({"rank 1": [0.0, 0.0]})
+    assert flat.layout.yaxis.type == "linear" and list(flat.data[0].x) == [1, 2]
+
+
+def test_loss_curves_draw_one_line_per_run():
+    figure = loss_curves({"a": ([16, 32], [2.0, 1.5]), "b": ([32], [1.9])}, "t", "examples seen")
+    assert [trace.name for trace in figure.data] == ["a", "b"] and list(figure.data[0].y) == [2.0, 1.5]
+
+
+def test_ddp_timeline_has_ticks_for_gradients_and_bars_for_buckets_in_milliseconds():
+    events = [Event("grad", "2.weight", 0, 0.001, 0.001, 400), Event("all_reduce", "bucket 0", 0, 0.0012, 0.004, 404),
+              Event("grad", "0.weight", 1, 0.003, 0.003, 400), Event("finish", "finish", -1, 0.0035, 0.005, 0)]
+    figure = ddp_timeline(events)
+    ticks, *bars = figure.data
+    assert list(ticks.x) == pytest.approx([1.0, 3.0])
+    assert [bar.y[0] for bar in bars] == ["all_reduce bucket 0", "finish(): waiting"]
+    assert bars[0].base[0] == pytest.approx(1.2) and bars[0].x[0] == pytest.approx(2.8)
