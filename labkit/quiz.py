@@ -1,0 +1,173 @@
+"""The review quiz and flashcards of the lesson, as data (labkit/data/quiz.json) a widget can show.
+
+    load_questions()           Questions: the lesson's seven question phrasings and more, four options each
+    load_flashcards()          Flashcards: a prompt in front, one of the lesson's summary bullets on the back
+    load_distractor_families() the families of wrong answers the options are tagged with, and what each means
+
+A Question knows its answer: `question.check(i)` says whether option i is right and explains, and a wrong
+option carries its distractor family (the lesson's traps: "model parallelism" offered beside its own members,
+NCCL taken for a framework, gradient accumulation for a parallelism strategy, data parallelism for a model too
+large, Broadcast vs Reduce vs AllReduce, the two meanings of checkpointing...) and why it is wrong.
+
+Every load checks the file: four distinct options, exactly one correct, an explanation, a known family and a
+reason for every wrong option; a broken question raises ValueError naming its id.
+
+Example::
+
+    >>> from labkit.quiz import load_questions
+    >>> question = next(q for q in load_questions() if q.phrasing == 1)
+    >>> question.question
+    'Which operation synchronizes gradients across GPUs in data-parallel training?'
+    >>> [option.text for option in question.options]
+    ['Broadcast', 'AllReduce', 'Reduce', 'Gradient accumulation']
+    >>> question.check(1).correct, question.check(0).correct
+    (True, False)
+    >>> question.check(0).explanation.split(":")[0]              # a wrong pick: why it is wrong, then the answer
+    "Broadcast copies one rank's tensor to every rank"
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, replace
+from importlib.resources import files
+from pathlib import Path
+from typing import NamedTuple
+
+PHRASINGS = 7  # the lesson's "Question phrasings"
+
+
+@dataclass(frozen=True)
+class Option:
+    """One answer to choose. A wrong one names its distractor family and says why it is wrong."""
+    text: str
+    correct: bool
+    distractor: str | None = None
+    why: str = ""
+
+
+class Feedback(NamedTuple):
+    """What Question.check says: right or not, and the explanation to show."""
+    correct: bool
+    explanation: str
+
+
+@dataclass(frozen=True)
+class Question:
+    """A multiple-choice question. `phrasing` is the number (1-7) of the lesson's question phrasing it
+    reproduces word for word, or None."""
+    id: str
+    topic: str
+    question: str
+    options: tuple[Option, ...]
+    explanation: str
+    phrasing: int | None = None
+
+    @property
+    def answer(self) -> int:
+        """The index of the correct option."""
+        return next(i for i, option in enumerate(self.options) if option.correct)
+
+    def check(self, choice: int) -> Feedback:
+        """Is option `choice` (0-based) right? The explanation; for a wrong choice, why first, then the answer."""
+        if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < len(self.options):
+            raise ValueError(f"choice must be an option index from 0 to {len(self.options) - 1}, got {choice!r}.")
+        if choice == self.answer:
+            return Feedback(True, self.explanation)
+        picked, right = self.options[choice], self.options[self.answer]
+        return Feedback(False, f"{picked.why}\nAnswer: {right.text}. {self.explanation}")
+
+    def shuffled(self, seed: int) -> Question:
+        """The same question with its options in another order (the same for the same seed)."""
+        options = list(self.options)
+        random.Random(seed).shuffle(options)
+        return replace(self, options=tuple(options))
+
+
+@dataclass(frozen=True)
+class Flashcard:
+    """A prompt in front; on the back, one of the lesson's summary bullets."""
+    id: str
+    front: str
+    back: str
+
+
+def load_questions(path: str | Path | None = None) -> list[Question]:
+    """The quiz's questions, checked; from labkit/data/quiz.json unless `path` names another file."""
+    data = _load(path)
+    families = data["distractor_families"]
+    questions = [_question(raw, families) for raw in data["questions"]]
+    _unique([q.id for q in questions], "question")
+    _unique([q.phrasing for q in questions if q.phrasing is not None], "phrasing")
+    return questions
+
+
+def load_flashcards(path: str | Path | None = None) -> list[Flashcard]:
+    """The flashcards, checked (non-empty sides, unique ids)."""
+    cards = []
+    for raw in _load(path)["flashcards"]:
+        card = Flashcard(**raw)
+        if not all(isinstance(side, str) and side.strip() for side in (card.id, card.front, card.back)):
+            raise ValueError(f"flashcard {card.id!r}: id, front and back must be non-empty text.")
+        cards.append(card)
+    _unique([card.id for card in cards], "flashcard")
+    return cards
+
+
+def load_distractor_families(path: str | Path | None = None) -> dict[str, str]:
+    """Family tag -> what that kind of wrong answer gets wrong."""
+    return dict(_load(path)["distractor_families"])
+
+
+def _load(path) -> dict:
+    source = files("labkit").joinpath("data/quiz.json") if path is None else Path(path)
+    data = json.loads(source.read_text(encoding="utf-8"))
+    missing = {"distractor_families", "questions", "flashcards"} - set(data)
+    if missing:
+        raise ValueError(f"{source}: no {', '.join(sorted(missing))} in the quiz file.")
+    return data
+
+
+def _question(raw: dict, families: dict) -> Question:
+    name = raw.get("id")
+
+    def fail(problem: str):
+        raise ValueError(f"quiz question {name!r}: {problem}")
+
+    unknown = set(raw) - {"id", "topic", "question", "options", "explanation", "phrasing"}
+    if unknown:
+        fail(f"unknown fields {sorted(unknown)}.")
+    for field in ("id", "topic", "question", "explanation"):
+        if not isinstance(raw.get(field), str) or not raw[field].strip():
+            fail(f"{field} must be non-empty text.")
+    phrasing = raw.get("phrasing")
+    if phrasing is not None and (isinstance(phrasing, bool) or phrasing not in range(1, PHRASINGS + 1)):
+        fail(f"phrasing must be a number from 1 to {PHRASINGS} or null, got {phrasing!r}.")
+    try:
+        options = tuple(Option(**option) for option in raw.get("options", []))
+    except TypeError as exc:
+        fail(f"an option has wrong fields ({exc}).")
+    if len(options) != 4:
+        fail(f"needs 4 options, has {len(options)}.")
+    texts = [option.text.strip().lower() if isinstance(option.text, str) else "" for option in options]
+    if not all(texts) or len(set(texts)) != 4:
+        fail("its 4 options must be distinct, non-empty texts.")
+    if not all(isinstance(option.correct, bool) for option in options):
+        fail("every option's correct must be true or false.")
+    if sum(option.correct for option in options) != 1:
+        fail(f"needs exactly one correct option, has {sum(option.correct for option in options)}.")
+    for option in options:
+        if option.correct and (option.distractor or option.why):
+            fail(f"the correct option {option.text!r} has a distractor family or a why.")
+        if not option.correct and option.distractor not in families:
+            fail(f"wrong option {option.text!r} has distractor {option.distractor!r}, not one of {sorted(families)}.")
+        if not option.correct and not (isinstance(option.why, str) and option.why.strip()):
+            fail(f"wrong option {option.text!r} does not say why it is wrong.")
+    return Question(raw["id"], raw["topic"], raw["question"], options, raw["explanation"], phrasing)
+
+
+def _unique(values: list, what: str) -> None:
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise ValueError(f"quiz: {what} {', '.join(repeated)} appears more than once.")
