@@ -136,3 +136,23 @@ def _diagnose(outcomes: list[list[float]], world_size: int, numel: int, ring: bo
                     "the all-gather that passes the finished chunks around the ring is missing.")
         return f"rank {rank} got {got.tolist()}, expected {total.tolist()}."
     return None
+
+
+# The lesson's stack map: each NVIDIA component's purpose in one clause.
+STACK_MAP = {"NCCL": "communicates", "TensorRT-LLM": "optimizes", "Triton": "serves", "NIM": "packages",
+             "NeMo": "builds", "RAPIDS": "processes data"}
+
+
+def check_stack_map(answers: dict[str, str]) -> Verdict:
+    """Grade a matching of NVIDIA components to what they do ("NCCL" -> "communicates", ...)."""
+    missing = [name for name in STACK_MAP if not answers.get(name)]
+    if missing:
+        return Verdict(False, f"match every component; still open: {', '.join(missing)}.")
+    wrong = [name for name, verb in STACK_MAP.items() if answers[name] != verb]
+    if not wrong:
+        return Verdict(True, "NCCL communicates, TensorRT-LLM optimizes, Triton serves, NIM packages, NeMo builds, "
+                             "RAPIDS processes data.")
+    hint = " NCCL is a communication library: not a training framework, not a scheduler, not a server." \
+        if "NCCL" in wrong else ""
+    return Verdict(False, f"{len(STACK_MAP) - len(wrong)} of {len(STACK_MAP)} right; look again at "
+                          f"{', '.join(wrong)}.{hint}")

@@ -1,0 +1,90 @@
+"""The review: the stack-map matching exercise, the multiple-choice quiz, and flashcards, with feedback."""
+
+from __future__ import annotations
+
+import html
+import random
+
+import ipywidgets as widgets
+
+from labkit.exercises import STACK_MAP, check_stack_map
+from labkit.quiz import Flashcard, Question, load_flashcards, load_questions
+
+
+def stack_map_exercise(seed: int = 0) -> widgets.VBox:
+    """One drop-down per NVIDIA component; "Check" grades the matching with `check_stack_map`."""
+    verbs = sorted(STACK_MAP.values())
+    random.Random(seed).shuffle(verbs)
+    choosers = {name: widgets.Dropdown(options=["?", *verbs], value="?", description=name,
+                                       style={"description_width": "110px"}) for name in STACK_MAP}
+    feedback = widgets.HTML()
+    button = widgets.Button(description="Check", button_style="primary")
+
+    def check(_=None) -> None:
+        verdict = check_stack_map({name: c.value for name, c in choosers.items() if c.value != "?"})
+        feedback.value = verdict._repr_markdown_().replace("**", "")
+
+    button.on_click(check)
+    return widgets.VBox([*choosers.values(), button, feedback])
+
+
+def quiz(questions: list[Question] | None = None) -> widgets.VBox:
+    """Every question as radio buttons with a "Check" button: immediate feedback with the explanation, and a
+    running score of first attempts."""
+    questions = questions if questions is not None else load_questions()
+    first_tries: dict[str, bool] = {}
+    score = widgets.HTML()
+
+    def show_score() -> None:
+        right = sum(first_tries.values())
+        score.value = f"<b>Score: {right} of {len(first_tries)} answered right first time ({len(questions)} in all)</b>"
+
+    def card(number: int, question: Question) -> widgets.VBox:
+        choices = widgets.RadioButtons(options=[o.text for o in question.options], value=None,
+                                       layout=widgets.Layout(width="auto"))
+        feedback = widgets.HTML()
+        button = widgets.Button(description="Check")
+
+        def check(_=None) -> None:
+            if choices.index is None:
+                feedback.value = "Pick an answer first."
+                return
+            correct, explanation = question.check(choices.index)
+            first_tries.setdefault(question.id, correct)
+            mark = "✅ Correct." if correct else "❌ Not quite."
+            feedback.value = f"<b>{mark}</b> " + html.escape(explanation).replace("\n", "<br>")
+            show_score()
+
+        button.on_click(check)
+        return widgets.VBox([widgets.HTML(f"<b>{number}. {html.escape(question.question)}</b>"), choices, button,
+                             feedback])
+
+    show_score()
+    return widgets.VBox([score, *(card(i + 1, q) for i, q in enumerate(questions))])
+
+
+def flashcards(cards: list[Flashcard] | None = None) -> widgets.VBox:
+    """One card at a time: its prompt, "Flip" shows the lesson's summary bullet, "Next" moves on."""
+    cards = cards if cards is not None else load_flashcards()
+    state = {"card": 0, "back": False}
+    face = widgets.HTML()
+    flip, following = widgets.Button(description="Flip"), widgets.Button(description="Next")
+
+    def draw() -> None:
+        current = cards[state["card"]]
+        text, side = (current.back, "back") if state["back"] else (current.front, "front")
+        face.value = (f"<div style='border:1px solid #999;padding:12px;min-height:60px'><small>card "
+                      f"{state['card'] + 1} of {len(cards)}, {side}</small><br>{html.escape(text)}</div>")
+
+    def on_flip(_=None) -> None:
+        state["back"] = not state["back"]
+        draw()
+
+    def on_next(_=None) -> None:
+        state["card"], state["back"] = (state["card"] + 1) % len(cards), False
+        draw()
+
+    flip.on_click(on_flip)
+    following.on_click(on_next)
+    draw()
+    return widgets.VBox([face, widgets.HBox([flip, following])])
