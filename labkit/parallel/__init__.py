@@ -1,15 +1,43 @@
 """Parallelism by hand, checked against torch's own: data parallelism (`data`: gradient averaging,
-bucketed and overlapped with the backward as torch DDP does)."""
+bucketed and overlapped with the backward as torch DDP does), tensor parallelism (`tensor`: Megatron's
+column- and row-parallel layers) and pipeline parallelism (`pipeline`: GPipe and 1F1B schedules, an
+executor over point-to-point sends, and a simulator)."""
 
 from labkit.parallel.data import (
     AllReduceCounter,
     Bucket,
     BucketedDDP,
+    CollectiveCounter,
     Event,
     average_gradients,
     broadcast_parameters,
     count_allreduces,
+    count_collectives,
+)
+from labkit.parallel.pipeline import (
+    Action,
+    PipelineEvent,
+    PipelineResult,
+    measured_bubble,
+    peak_in_flight,
+    run_pipeline,
+    schedule,
+    simulate_pipeline,
+    stage_layers,
+)
+from labkit.parallel.tensor import (
+    ColumnParallelLinear,
+    ParallelMLP,
+    RowParallelLinear,
+    f,
+    g,
+    gather_last,
+    shard_sizes,
+    split_last,
 )
 
-__all__ = ["AllReduceCounter", "Bucket", "BucketedDDP", "Event", "average_gradients", "broadcast_parameters",
-           "count_allreduces"]
+__all__ = ["Action", "AllReduceCounter", "Bucket", "BucketedDDP", "CollectiveCounter", "ColumnParallelLinear", "Event",
+           "ParallelMLP", "PipelineEvent", "PipelineResult", "RowParallelLinear", "average_gradients",
+           "broadcast_parameters", "count_allreduces", "count_collectives", "f", "g", "gather_last", "measured_bubble",
+           "peak_in_flight", "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_last",
+           "stage_layers"]

@@ -1,0 +1,239 @@
+"""labkit.parallel.pipeline: the GPipe and 1F1B schedules (checked against torch.distributed.pipelining's),
+the executor on real gloo ranks (pipelined training equals one process's; activations held per stage), and
+the bubble: exact in the simulator, within 15% of (p-1)/(m+p-1) on real ranks with emulated compute."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import labkit
+from labkit.models import make_classification, mlp
+from labkit.parallel import (
+    Action,
+    count_collectives,
+    measured_bubble,
+    peak_in_flight,
+    run_pipeline,
+    schedule,
+    simulate_pipeline,
+    stage_layers,
+)
+from labkit.plan import bubble_fraction
+
+KINDS = ["gpipe", "1f1b"]
+
+
+# --- Schedules ---
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_stage_runs_each_forward_and_backward_once_backward_after_forward(kind):
+    for p in range(1, 6):
+        for m in range(1, 10):
+            plan = schedule(kind, p, m)
+            assert len(plan) == p
+            for r, actions in enumerate(plan):
+                assert sorted(actions, key=lambda a: (a.kind, a.microbatch)) == \
+                    [Action("B", i) for i in range(m)] + [Action("F", i) for i in range(m)], (kind, p, m, r)
+                assert all(actions.index(Action("F", i)) < actions.index(Action("B", i)) for i in range(m))
+                assert [a.microbatch for a in actions if a.kind == "F"] == list(range(m))  # in order
+                assert [a.microbatch for a in actions if a.kind == "B"] == list(range(m))
+                assert peak_in_flight(actions) == (m if kind == "gpipe" else min(p - r, m)), (kind, p, m, r)
+
+
+def test_the_two_orders_read_as_the_papers_draw_them():
+    assert [" ".join(map(str, a)) for a in schedule("gpipe", 2, 3)] == ["F0 F1 F2 B0 B1 B2"] * 2
+    assert [" ".join(map(str, a)) for a in schedule("1F1B", 4, 6)] == [  # warm-up min(p - r - 1, m) forwards
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5",
+        "F0 F1 F2 B0 F3 B1 F4 B2 F5 B3 B4 B5",
+        "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5",
+        "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"]
+    assert [" ".join(map(str, a)) for a in schedule("1f1b", 3, 1)] == ["F0 B0"] * 3
+
+
+@pytest.mark.parametrize("args, message", [
+    (("zero-bubble", 2, 4), "kind='zero-bubble': use one of 'gpipe', '1f1b'"),
+    (("gpipe", 0, 4), "stages=0: pass a whole number >= 1"),
+    (("1f1b", 2, 2.5), "microbatches=2.5: pass a whole number >= 1"),
+    (("1f1b", True, 2), "stages=True: pass a whole number >= 1"),
+])
+def test_bad_arguments_get_clear_errors(args, message):
+    with pytest.raises(ValueError, match=message):
+        schedule(*args)
+    with pytest.raises(ValueError, match=message):
+        simulate_pipeline(*args)
+
+
+def torch_order(kind: str, p: int, m: int) -> list[list[Action]]:
+    get_schedule_ops = pytest.importorskip(
+        "torch.distributed.pipelining._schedule_visualizer",
+        reason="torch's private pipeline-schedule visualizer is gone: nothing to cross-check against").get_schedule_ops
+    ops = get_schedule_ops({"gpipe": "GPipe", "1f1b": "1F1B"}[kind], p, m)
+    return [[Action(str(a.computation_type.value), a.microbatch_index) for a in stage
+             if a is not None and str(a.computation_type.value) in ("F", "B")]  # drop REDUCE_GRAD and padding
+            for stage in ops]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_action_order_equals_torchs_schedules(kind):
+    """torch 2.13's ScheduleGPipe and Schedule1F1B (pipeline_order, as get_schedule_ops lists it) against ours.
+    Schedule1F1B refuses m < p, so those are not compared. One known difference: torch's 1F1B order numbers
+    the LAST stage's forwards 1..m instead of 0..m-1 ("3F1 3B0 3F2 3B1 ..." for p=4): its
+    Schedule1F1B._get_pipeline_order starts the forward counter at 0 and increments it before each
+    steady-state forward, which assumes one warm-up forward, and the last stage has none. Torch's runtime
+    (_step_microbatches) counts from 0 and is not affected. With torch's numbering shifted back, the orders
+    are equal; should torch fix it, they are equal as they come."""
+    for p in range(1, 5):
+        for m in range(p if kind == "1f1b" else 1, 9):
+            theirs, ours = torch_order(kind, p, m), schedule(kind, p, m)
+            assert theirs[:-1] == ours[:-1], (kind, p, m)
+            last = theirs[-1]
+            if kind == "1f1b" and last != ours[-1]:
+                assert [a.microbatch for a in last if a.kind == "F"] == list(range(1, m + 1)), (p, m, last)
+                last = [Action(a.kind, a.microbatch - (a.kind == "F")) for a in last]
+            assert last == ours[-1], (kind, p, m, last)
+
+
+# --- The simulator ---
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_simulated_bubble_is_the_formula_exactly(kind):
+    for p in range(1, 6):
+        for m in range(1, 13):
+            for forward, backward in [(1.0, 2.0), (1.0, 1.0), (0.3, 0.5)]:
+                events = simulate_pipeline(kind, p, m, forward, backward)
+                assert measured_bubble(events) == pytest.approx(bubble_fraction(p, m), abs=1e-12), (kind, p, m)
+                assert max(e.end for e in events) == pytest.approx((m + p - 1) * (forward + backward))
+
+
+def test_simulated_timeline_respects_dependencies_and_each_stages_order():
+    for kind in KINDS:
+        events = simulate_pipeline(kind, 4, 6, forward_seconds=[1, 2, 1, 1], backward_seconds=2, send_seconds=0.25)
+        at = {(e.stage, e.kind, e.microbatch): e for e in events}
+        assert len(at) == len(events) == 4 * 6 * 2
+        for (r, kind_, i), e in at.items():
+            assert e.seconds == (([1, 2, 1, 1][r]) if kind_ == "F" else 2)
+            if kind_ == "F" and r > 0:
+                assert e.start >= at[(r - 1, "F", i)].end + 0.25
+            if kind_ == "B":
+                assert e.start >= at[(r, "F", i)].end
+                if r < 3:
+                    assert e.start >= at[(r + 1, "B", i)].end + 0.25
+        for r, actions in enumerate(schedule(kind, 4, 6)):
+            mine = [e for e in events if e.stage == r]
+            assert [(e.kind, e.microbatch) for e in mine] == [(a.kind, a.microbatch) for a in actions]
+            assert all(a.end <= b.start for a, b in zip(mine, mine[1:], strict=False))
+
+
+def test_stage_layers_balance_by_layer_count():
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layers(7, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+    with pytest.raises(ValueError, match=r"a model of 3 layer\(s\) cannot make 4 stages"):
+        stage_layers(3, 4)
+
+
+# --- The executor on real ranks: the same loss and gradients as one process ---
+
+BATCH = 20  # micro-batches of unequal sizes for m = 3, 6, 7, 8: the loss weights must handle them
+
+
+def train_step(kind, m, emulate=0.0):
+    x, y = make_classification(BATCH, dtype=torch.float64)
+    model = mlp(layers=3, dtype=torch.float64)  # 7 layers: stages of 2, 2, 2, 1 on 4 ranks
+    with count_collectives() as counted:
+        result = run_pipeline(model, kind, m, x, y, F.cross_entropy, emulate_compute_seconds=emulate)
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    return result, grads, counted
+
+
+def every_case(cases):
+    return [train_step(kind, m) for kind, m in cases]
+
+
+def reference():
+    x, y = make_classification(BATCH, dtype=torch.float64)
+    model = mlp(layers=3, dtype=torch.float64)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("p, microbatches", [(1, [1, 4]), (2, range(1, 9)), (3, [1, 3, 8]), (4, [1, 3, 8])])
+def test_pipelined_step_equals_one_process_and_holds_the_expected_activations(p, microbatches):
+    cases = [(kind, m) for kind in KINDS for m in microbatches]
+    per_rank = labkit.run(every_case, cases, world_size=p)
+    loss, grads = reference()
+    for c, (kind, m) in enumerate(cases):
+        seen = {}
+        for r, results in enumerate(per_rank):
+            result, mine, counted = results[c]
+            # one activation forward and one gradient back per micro-batch and boundary, all 64 wide
+            boundaries = (r < p - 1) + (r > 0)
+            assert dict(counted.calls) == ({"send": 2 * m} if boundaries == 2 else {"send": m} if boundaries else {})
+            assert counted.nbytes["send"] == boundaries * BATCH * 64 * 8
+            assert result.stage == r and result.layers == stage_layers(7, p)[r]
+            assert result.peak_in_flight == (m if kind == "gpipe" else min(p - r, m)), (kind, m, r)
+            assert [(e.kind, e.microbatch) for e in result.events] == \
+                [(a.kind, a.microbatch) for a in schedule(kind, p, m)[r]]
+            assert (result.loss is None) == (r < p - 1)
+            assert set(mine) == {f"{i}.{w}" for i in result.layers if i % 2 == 0 for w in ("weight", "bias")}
+            seen.update(mine)
+        assert per_rank[-1][c][0].loss == pytest.approx(loss, rel=1e-12, abs=0), (kind, m)
+        assert set(seen) == set(grads)
+        for name, grad in seen.items():
+            error = (grad - grads[name]).abs().max() / grads[name].abs().max()
+            assert error <= 1e-12, (kind, m, name, error.item())
+
+
+def too_short():
+    x, y = make_classification(8)
+    run_pipeline(mlp(layers=0), "gpipe", 2, x, y, F.cross_entropy)  # one Linear on two ranks
+
+
+def test_a_model_with_fewer_layers_than_ranks_gets_a_clear_error():
+    with pytest.raises(labkit.RankError, match=r"a model of 1 layer\(s\) cannot make 2 stages"):
+        labkit.run(too_short, world_size=2, timeout=30)
+
+
+def batch_not_in_dim_0():
+    model = nn.Sequential(nn.Linear(16, 8), nn.Flatten(0), nn.Unflatten(0, (-1, 8)), nn.Linear(8, 4))
+    x, y = make_classification(8)
+    run_pipeline(model, "gpipe", 2, x, y, F.cross_entropy)
+
+
+def test_activations_that_lose_the_batch_dimension_get_a_clear_error():
+    with pytest.raises(labkit.RankError) as raised:  # rank 1 waits for an activation that never comes
+        labkit.run(batch_not_in_dim_0, world_size=2, timeout=5)
+    assert "stage 0's output for micro-batch 0 (4 examples) is torch.float32 (32,): activations between stages " \
+        "must have the micro-batch in dim 0." in str(raised.value)
+
+
+# --- The bubble on real ranks, with emulated compute ---
+
+EMULATED = (0.04, 0.04)  # seconds per forward and per backward: ~1 ms of real overhead per action is small
+
+
+def timed(kind, m, attempts=3, tolerance=0.15):
+    """The measured bubble, retried: load on a shared machine only adds idle time, so the best of a few
+    runs is the one that measures the schedule."""
+    train_step(kind, m)  # warm: the first backward of a fresh process is slow
+    formula = bubble_fraction(labkit.world_size(), m)
+    best = None
+    for _ in range(attempts):
+        result, _, _ = train_step(kind, m, EMULATED)
+        gathered = [None] * labkit.world_size()
+        torch.distributed.all_gather_object(gathered, result.events)
+        bubble = measured_bubble([e for events in gathered for e in events])
+        best = bubble if best is None else min(best, bubble)
+        if abs(best - formula) <= tolerance * formula:
+            break
+    return best
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_measured_bubble_is_within_15_percent_of_the_formula(p):
+    m = 4
+    for kind in KINDS:
+        bubble = labkit.run(timed, kind, m, world_size=p)[0]
+        formula = bubble_fraction(p, m)
+        assert abs(bubble - formula) <= 0.15 * formula, (kind, p, m, bubble, formula)
