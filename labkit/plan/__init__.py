@@ -14,6 +14,7 @@ from labkit.plan.memory import (
     transformer_params,
 )
 from labkit.plan.pipeline import bubble_fraction
+from labkit.plan.strategy import parallelism_for
 from labkit.plan.time import bandwidth_for_speedup, data_parallel_speedup, step_seconds
 from labkit.plan.traffic import (
     GB,
@@ -40,6 +41,7 @@ __all__ = [
     "lora_params",
     "memory_options",
     "naive_allreduce_bytes",
+    "parallelism_for",
     "ring_allreduce_bytes",
     "scale_lr",
     "step_seconds",

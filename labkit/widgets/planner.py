@@ -95,3 +95,26 @@ def describe(params, per_device_batch, devices, accumulation_steps, examples, st
     ]
     body = "".join(f"<tr><td>{name}</td><td style='text-align:left'>{value}</td></tr>" for name, value in rows)
     return f"<table>{body}</table>"
+
+
+def what_is_running_out() -> widgets.VBox:
+    """Sliders for the training state, its largest layer and the GPU's memory; the strategy named, and why."""
+    style, wide = {"description_width": "200px"}, widgets.Layout(width="520px")
+    sliders = [widgets.FloatLogSlider(value=value, base=10, min=-1, max=4, step=0.05, description=text, style=style,
+                                      layout=wide, continuous_update=False)
+               for value, text in ((14.0, "training state, GB"), (0.5, "largest layer's state, GB"),
+                                   (80.0, "GPU memory, GB"))]
+    answer = widgets.HTML()
+
+    def redraw(_=None) -> None:
+        state, layer, gpu = (s.value * GB for s in sliders)
+        if layer > state:
+            answer.value = "A layer cannot hold more than the whole model: lower the largest layer."
+            return
+        name, why = plan.parallelism_for(state, layer, gpu)
+        answer.value = f"<b>{name}</b>: {why}."
+
+    for s in sliders:
+        s.observe(redraw, "value")
+    redraw()
+    return widgets.VBox([*sliders, answer])

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 
 import pytest
 
@@ -35,3 +36,11 @@ def test_uses_the_labkit_kernel_and_has_no_outputs(path):
     code = [c for c in notebook["cells"] if c["cell_type"] == "code"]
     assert all(not c["outputs"] and c["execution_count"] is None for c in code)
     assert any("assert " in "".join(c["source"]) for c in code), "claims are checked by code"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_ends_with_a_link_to_a_notebook_that_exists(path):
+    last = "".join(load(path)["cells"][-1]["source"])
+    links = re.findall(r"\]\((\d\d_[a-z0-9_]+\.ipynb)\)", last.split("## Check yourself")[-1])
+    assert links, "the last cell links to the next notebook"
+    assert all(os.path.exists(os.path.join(os.path.dirname(path), link)) for link in links)
