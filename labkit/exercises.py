@@ -148,7 +148,7 @@ def check_stack_map(answers: dict[str, str]) -> Verdict:
     missing = [name for name in STACK_MAP if not answers.get(name)]
     if missing:
         return Verdict(False, f"match every component; still open: {', '.join(missing)}.")
-    wrong = [name for name, verb in STACK_MAP.items() if answers[name] != verb]
+    wrong = [name for name, verb in STACK_MAP.items() if answers[name].strip().lower() != verb]
     if not wrong:
         return Verdict(True, "NCCL communicates, TensorRT-LLM optimizes, Triton serves, NIM packages, NeMo builds, "
                              "RAPIDS processes data.")

@@ -90,6 +90,6 @@ def char_batches(text: str, batch: int, length: int, steps: int, seed: int = 0):
     data = torch.tensor([vocab.index(c) for c in text])
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        starts = torch.randint(len(data) - length - 1, (batch,), generator=generator)
+        starts = torch.randint(len(data) - length, (batch,), generator=generator)
         windows = torch.stack([data[s:s + length + 1] for s in starts.tolist()])
         yield windows[:, :-1], windows[:, 1:]

@@ -55,7 +55,7 @@ def bandwidth_for_speedup(target_speedup: float, devices: int, compute_seconds: 
     Inverts `data_parallel_speedup` with comm = nbytes_per_rank / bandwidth: the step may take
     devices x compute / target seconds, so the exposed communication may take that minus compute, giving
         comm <= min(exposed / (1 - overlap), allowed step).
-    Returns math.inf when only infinitely fast links reach the target (target = devices, no overlap).
+    Returns math.inf when only infinitely fast links reach the target (target = devices, overlap < 1).
 
     >>> round(bandwidth_for_speedup(3, 8, 1.0, 24.5e9) / 1e9, 6)   # "your 8x becomes 3x": 14.7 GB/s
     14.7

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from labkit.plan import ring_allreduce_bytes
+from labkit.plan import GB, ring_allreduce_bytes
 from labkit.plan.time import data_parallel_speedup
 
-GB = 1e9
 PARTS = {"weights": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b"}
 
 

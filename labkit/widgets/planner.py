@@ -6,9 +6,9 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from labkit import plan
+from labkit.plan import GB
 from labkit.viz.plan import memory_bars, speedup_chart
 
-GB = 1e9
 # bytes per parameter as (weights, grads, optimizer state); REFERENCE.md "Memory" gives the sources.
 CONVENTIONS = {
     "16 B: bf16 weights and grads, fp32 master + Adam (ZeRO paper)": (2, 2, 12),
@@ -42,6 +42,8 @@ def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
                                        layout=wide),
         "zero_stage": slider(widgets.IntSlider, "ZeRO stage", value=0, min=0, max=3),
         "lora_rank": slider(widgets.IntSlider, "LoRA rank (0 = full)", value=0, min=0, max=256),
+        "d_model": slider(widgets.IntSlider, "LoRA: model width", value=4096, min=256, max=16384, step=256),
+        "layers": slider(widgets.IntSlider, "LoRA: layers", value=32, min=1, max=128),
         "gpu_memory_gb": slider(widgets.FloatSlider, "GPU memory GB", value=gpu_memory_gb, min=8, max=192, step=1),
     }
     summary = widgets.HTML()
@@ -49,11 +51,12 @@ def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
 
     def redraw(_=None) -> None:
         values = {name: control.value for name, control in controls.items()}
-        summary.value = describe(**values)
         weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[values["convention"]]
         options = plan.memory_options(values["params"], values["devices"], lora_rank=values["lora_rank"],
                                       zero_stage=values["zero_stage"], weight_bytes=weight_bytes,
-                                      grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+                                      grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                                      d_model=values["d_model"], layers=values["layers"])
+        summary.value = describe(values, options)
         memory_bars(options, values["gpu_memory_gb"] * GB, figure=memory)
         bandwidths = [10 ** (k / 10) * GB for k in range(-10, 31)]
         speedup_chart(values["devices"], values["step_compute_seconds"],
@@ -67,17 +70,16 @@ def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
     return widgets.VBox([widgets.HBox([left, summary]), widgets.HBox([memory, speed])])
 
 
-def describe(params, per_device_batch, devices, accumulation_steps, examples, step_compute_seconds, bandwidth_gb,
-             overlap, convention, zero_stage, lora_rank, gpu_memory_gb) -> str:
-    """The planner's summary as HTML: batch, steps, clock, traffic, memory verdict."""
-    weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[convention]
-    example = plan.worked_example(params=params, per_device_batch=per_device_batch, devices=devices,
-                                  accumulation_steps=accumulation_steps, examples=examples,
-                                  step_compute_seconds=step_compute_seconds, gradient_bytes_per_param=grad_bytes,
+def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
+    """The planner's summary as HTML, from its control `values` and `memory_options`' result: batch, steps,
+    clock, traffic, and whether your choice fits (with the ways out that do)."""
+    weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[values["convention"]]
+    scenario = ("params", "per_device_batch", "devices", "accumulation_steps", "examples", "step_compute_seconds",
+                "overlap")
+    example = plan.worked_example(**{name: values[name] for name in scenario}, gradient_bytes_per_param=grad_bytes,
                                   bytes_per_param=weight_bytes + grad_bytes + optimizer_bytes,
-                                  bandwidth=bandwidth_gb * GB, overlap=overlap)
-    options = plan.memory_options(params, devices, lora_rank=lora_rank, zero_stage=zero_stage,
-                                  weight_bytes=weight_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes)
+                                  bandwidth=values["bandwidth_gb"] * GB)
+    gpu_memory_gb, devices = values["gpu_memory_gb"], values["devices"]
     yours = options[plan.YOUR_CHOICE]["total"]
     fits = [name for name, option in options.items() if option["total"] <= gpu_memory_gb * GB]
     ways_out = ", ".join(fits) or "more GPUs, or a smaller model"

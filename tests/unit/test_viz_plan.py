@@ -32,3 +32,15 @@ def test_planner_recomputes_when_a_control_moves():
     before = speed.data[0].y
     controls["GPUs (data parallel)"].value = 4
     assert speed.data[0].y != before and "64 (1 GPU: 16)" in summary.value
+
+
+def test_planner_sizes_lora_by_the_model_it_is_told():
+    app = planner()
+    controls = {c.description: c for c in app.children[0].children[0].children}
+    memory = app.children[1].children[0]
+    controls["parameters"].value = 1e8
+    controls["LoRA: model width"].value = 512
+    controls["LoRA: layers"].value = 8
+    bars = dict(zip(memory.data[0].x, memory.data[0].y, strict=True))  # weights, GB
+    adapters = 16 * (512 + 512) * 4 * 8                                 # rank 16 on q, k, v, o of 8 layers
+    assert bars["LoRA r=16"] == pytest.approx(2 * (1e8 + adapters) / 1e9)
