@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-_MAX_DIMS = 8
+MAX_DIMS = 8  # a signature holds a shape of up to this many dimensions
 HEADER_TAG = 1 << 20  # for the signature exchange; data tags stay below it
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
@@ -173,9 +173,9 @@ def dtype_index(dtype: torch.dtype) -> int:
 def signature(tensor: torch.Tensor) -> list[int]:
     """[dtype index, ndim, shape padded to 8 dims with -1]: what must agree across ranks."""
     shape = list(tensor.shape)
-    if len(shape) > _MAX_DIMS:
+    if len(shape) > MAX_DIMS:
         shape = [tensor.numel()]  # compare the element count only
-    return [dtype_index(tensor.dtype), len(shape), *shape, *[-1] * (_MAX_DIMS - len(shape))]
+    return [dtype_index(tensor.dtype), len(shape), *shape, *[-1] * (MAX_DIMS - len(shape))]
 
 
 def describe_signature(sig: list[int]) -> str:

@@ -25,12 +25,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.comm.transport import DTYPES, default_transport, dtype_index
+from labkit.comm.transport import DTYPES, MAX_DIMS, default_transport, signature
 from labkit.parallel.data import record_collective
 from labkit.plan._checks import choice, number, whole
 
 KINDS = ("gpipe", "1f1b")
-_MAX_DIMS = 8  # activations of up to 8 dimensions cross a stage boundary
 
 
 @dataclass(frozen=True)
@@ -172,12 +171,11 @@ class PipelineResult:
 
 
 def _send_header(transport, tensor: torch.Tensor, dst: int):
-    """Post the send of the first activation's dtype and shape (tag 0), so that the receiver can post its
+    """Post the send of the first activation's signature (dtype and shape, tag 0), so that the receiver can post its
     receives ahead; later activations keep that shape but for the micro-batch size, in dim 0."""
-    if tensor.dim() > _MAX_DIMS:
-        raise ValueError(f"run_pipeline: activations of {tensor.dim()} dimensions; at most {_MAX_DIMS} cross.")
-    shape = [dtype_index(tensor.dtype), tensor.dim(), *tensor.shape, *[0] * (_MAX_DIMS - tensor.dim())]
-    return transport.isend(torch.tensor(shape, device=tensor.device), dst, 0)
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"run_pipeline: activations of {tensor.dim()} dimensions; at most {MAX_DIMS} cross.")
+    return transport.isend(torch.tensor(signature(tensor), device=tensor.device), dst, 0)
 
 
 def _send(transport, tensor: torch.Tensor, dst: int, tag: int):
@@ -248,7 +246,7 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     activations, grads, sends, events, peak, loss, transport = {}, {}, [], [], 0, 0.0, default_transport()
     y0 = None  # this stage's output for micro-batch 0: later ones must match it but for the size
     if not first:
-        header = _post_recv(transport, torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=device), rank - 1, 0)
+        header = _post_recv(transport, torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device), rank - 1, 0)
     dist.barrier()
     t0 = time.perf_counter()
     for action in actions:
