@@ -17,7 +17,8 @@ weights_only=True: `data_position` and `extra` hold tensors, numbers, strings, N
 so truncation and corruption are detected, and the newest `keep` checkpoints stay, so a bad one falls back
 to the one before. Without a process group both functions act as rank 0 of 1 (one process, one device).
 
-Source: REFERENCE.md "Checkpointing"; POSIX rename(2), fsync(2) of the file and of its directory.
+Sources: POSIX rename(2) and fsync(2), of the file and of its directory; torch.save/torch.load(weights_only=True)
+(https://pytorch.org/docs/stable/generated/torch.load.html).
 torch.distributed.checkpoint does this job at scale, sharded across ranks (FSDP, tensor parallelism).
 """
 

@@ -9,7 +9,8 @@ from labkit import plan
 from labkit.plan import GB
 from labkit.viz.plan import memory_bars, speedup_chart
 
-# bytes per parameter as (weights, grads, optimizer state); REFERENCE.md "Memory" gives the sources.
+# bytes per parameter as (weights, grads, optimizer state). Sources: 16 B, Rajbhandari et al. 2020 ("ZeRO", section
+# 3.1); 18 B, EleutherAI's "Transformer Math 101" (2023); 20 B, DeepSpeed's estimate_zero2_model_states_mem_needs.
 CONVENTIONS = {
     "16 B: bf16 weights and grads, fp32 master + Adam (ZeRO paper)": (2, 2, 12),
     "18 B: fp32 grads (Megatron-LM, EleutherAI cookbook)": (2, 4, 12),
