@@ -1,13 +1,15 @@
 """The review quiz and flashcards of the lesson, as data (labkit/data/quiz.json) a widget can show.
 
     load_questions()           Questions: the lesson's seven question phrasings and more, four options each
-    load_flashcards()          Flashcards: a prompt in front, one of the lesson's summary bullets on the back
+    load_flashcards()          Flashcards: a prompt in front, one of the lesson's summary bullets on the back,
+                               and where the bullet is imprecise, a separate note saying what is precisely true
     load_distractor_families() the families of wrong answers the options are tagged with, and what each means
 
 A Question knows its answer: `question.check(i)` says whether option i is right and explains, and a wrong
 option carries its distractor family (the lesson's traps: "model parallelism" offered beside its own members,
-NCCL taken for a framework, gradient accumulation for a parallelism strategy, data parallelism for a model too
-large, Broadcast vs Reduce vs AllReduce, the two meanings of checkpointing...) and why it is wrong.
+NCCL taken for a framework, gradient accumulation for a parallelism strategy, replicated data parallelism (DDP)
+for a model too large, Broadcast vs Reduce vs AllReduce, the two meanings of checkpointing...) and why it is
+wrong.
 
 Every load checks the file: four distinct options, exactly one correct, an explanation, a known family and a
 reason for every wrong option; a broken question raises ValueError naming its id.
@@ -87,10 +89,12 @@ class Question:
 
 @dataclass(frozen=True)
 class Flashcard:
-    """A prompt in front; on the back, one of the lesson's summary bullets."""
+    """A prompt in front; on the back, one of the lesson's summary bullets, verbatim. Where the bullet is
+    imprecise, `note` (not the lesson's words) says what is precisely true; empty otherwise."""
     id: str
     front: str
     back: str
+    note: str = ""
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:
@@ -104,13 +108,8 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
 
 
 def load_flashcards(path: str | Path | None = None) -> list[Flashcard]:
-    """The flashcards, checked (non-empty sides, unique ids)."""
-    cards = []
-    for raw in _load(path)["flashcards"]:
-        card = Flashcard(**raw)
-        if not all(isinstance(side, str) and side.strip() for side in (card.id, card.front, card.back)):
-            raise ValueError(f"flashcard {card.id!r}: id, front and back must be non-empty text.")
-        cards.append(card)
+    """The flashcards, checked (known fields, non-empty sides, a note that adds something, unique ids)."""
+    cards = [_flashcard(raw) for raw in _load(path)["flashcards"]]
     _unique([card.id for card in cards], "flashcard")
     return cards
 
@@ -165,6 +164,19 @@ def _question(raw: dict, families: dict) -> Question:
         if not option.correct and not (isinstance(option.why, str) and option.why.strip()):
             fail(f"wrong option {option.text!r} does not say why it is wrong.")
     return Question(raw["id"], raw["topic"], raw["question"], options, raw["explanation"], phrasing)
+
+
+def _flashcard(raw: dict) -> Flashcard:
+    name = raw.get("id")
+    unknown = set(raw) - {"id", "front", "back", "note"}
+    if unknown:
+        raise ValueError(f"flashcard {name!r}: unknown fields {sorted(unknown)}.")
+    if not all(isinstance(raw.get(side), str) and raw[side].strip() for side in ("id", "front", "back")):
+        raise ValueError(f"flashcard {name!r}: id, front and back must be non-empty text.")
+    note = raw.get("note", "")
+    if "note" in raw and not (isinstance(note, str) and note.strip() and note != raw["back"]):
+        raise ValueError(f"flashcard {name!r}: a note must be non-empty text that is not the back again.")
+    return Flashcard(raw["id"], raw["front"], raw["back"], note)
 
 
 def _unique(values: list, what: str) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 import labkit
 import labkit.quiz
+from labkit.plan import worked_example
 from labkit.quiz import Feedback, load_distractor_families, load_flashcards, load_questions
 
 ROOT = Path(labkit.__file__).parent
@@ -112,8 +113,83 @@ def test_the_umbrella_term_is_right_for_the_general_constraint_and_a_trap_for_a_
 def test_every_summary_bullet_is_a_flashcard():
     cards = load_flashcards()
     assert sorted(card.back for card in cards) == sorted(summary_bullets())
+    assert {card.id for card in cards if card.note} == {"dp-never-fixes-too-large", "tp-node-pp-bubble"}
     assert all(card.front.strip() and card.front != card.back for card in cards)
     assert len({card.id for card in cards}) == len(cards)
+
+
+def test_the_accumulation_answer_agrees_with_the_worked_example():
+    """16 passes per optimizer step, not 16x the time: 8 s against 1 s, 8x the 8-GPU epoch (notebook 08)."""
+    example = worked_example()
+    text = next(q for q in load_questions() if q.id == "accumulation-without-gpus").explanation
+    for claim in (
+        f"{example.per_device_batch} × 1 GPU × {example.accumulation_alternative_steps} accumulation steps = "
+        f"{example.accumulation_alternative_batch}",
+        f"{example.devices} GPUs with {example.accumulation_steps} accumulation steps each",
+        f"runs {example.accumulation_alternative_steps} passes one after another where a step without accumulation "
+        "runs 1",
+        f"{example.accumulation_alternative_step_seconds:g} s per optimizer step against "
+        f"{example.step_compute_seconds:g} s on {example.devices} GPUs",
+        f"{example.accumulation_alternative_slowdown:g}× the {example.devices}-GPU epoch",
+        f"single-GPU baseline at batch {example.baseline_batch}",
+        f"all {example.examples:,} examples",
+    ):
+        assert claim in text, claim
+    assert example.accumulation_alternative_batch == example.parallel_batch
+    assert example.accumulation_alternative_epoch_seconds == pytest.approx(example.baseline_epoch_seconds, rel=0.01)
+    # "16× the wall-clock" only as the lesson's words, never as the quiz's own claim
+    assert "16×" not in text.replace('the lesson\'s "16× the wall-clock"', "")
+
+
+def test_the_quiz_numbers_agree_with_the_worked_example():
+    example, questions = worked_example(), {q.id: q for q in load_questions()}
+    arithmetic = questions["effective-batch-arithmetic"].explanation
+    assert f"= {example.parallel_batch} examples per step: about {example.parallel_steps} steps" in arithmetic
+    assert f"against {example.baseline_steps:,} at the single-GPU effective batch of {example.baseline_batch}" \
+        in arithmetic
+    ring = questions["ring-traffic-7b"]
+    assert ring.options[ring.answer].text == f"{example.ring_bytes_per_rank / 1e9:g} GB"
+    assert f"{example.gradient_bytes / 1e9:.1f}e9 bytes" in ring.explanation
+    memory = questions["memory-16-bytes-per-parameter"]
+    assert memory.options[memory.answer].text.startswith(f"About {example.memory_bytes / 1e9:.0f} GB")
+    assert f"{example.memory_bytes / 1e9:.0f}e9 bytes" in memory.explanation
+    assert any(f"{example.memory_bytes / 1e9 / example.devices:.0f} GB per GPU" in o.text for o in memory.options)
+    scaling = questions["learning-rate-after-scaling-out"].question
+    assert f"from {example.baseline_batch} to {example.parallel_batch}" in scaling
+
+
+def every_text() -> list[tuple[str, str]]:
+    """(where, text) of every question, option, reason, explanation, family and flashcard note: all but the
+    flashcard backs, which are the lesson's bullets verbatim."""
+    texts = [(f"family {name}", text) for name, text in load_distractor_families().items()]
+    for q in load_questions():
+        texts += [(q.id, q.question), (q.id, q.explanation)]
+        texts += [(q.id, text) for o in q.options for text in (o.text, o.why)]
+    return texts + [(card.id, card.note) for card in load_flashcards()]
+
+
+def test_data_parallelism_is_said_to_pool_no_memory_only_when_replicated():
+    cards = {card.id: card for card in load_flashcards()}
+    note = cards["dp-never-fixes-too-large"].note
+    assert "replicated data parallelism" in note and "ZeRO" in note and "FSDP" in note
+    for where, text in every_text():
+        if re.search(r"pools no memory|never solves a model-too-large", text):
+            assert "DDP" in text and ("FSDP" in text or "ZeRO" in text), where
+    family = load_distractor_families()["dp-for-too-large"]
+    assert family.startswith("Replicated data parallelism (DDP)")
+
+
+def test_tensor_parallel_traffic_is_bandwidth_heavy_and_its_arithmetic_is_right():
+    cards = {card.id: card for card in load_flashcards()}
+    question = next(q for q in load_questions() if q.id == "tensor-parallel-inside-a-node")
+    for text in (cards["tp-node-pp-bubble"].note, question.explanation):
+        found = re.search(r"([\d,]+) tokens × ([\d,]+) × (\d) bytes \(BF16\) = (\d+) MB", text)
+        assert found, text
+        tokens, hidden, nbytes, megabytes = (int(g.replace(",", "")) for g in found.groups())
+        assert round(tokens * hidden * nbytes / 1e6) == megabytes == 67
+        assert "critical path" in text and "NVLink" in text
+    for where, text in every_text():  # the lesson's phrase is quoted as the lesson's, never claimed
+        assert "latency-sensitive" not in text and "latency-bound" not in text.replace('"latency-bound"', ""), where
 
 
 def test_check_says_right_or_wrong_and_explains():
@@ -168,6 +244,22 @@ def test_the_loader_rejects_a_broken_question_naming_it(tmp_path, breakage):
     change, message = BREAKAGES[breakage]
     with pytest.raises(ValueError, match=re.escape(f"quiz question 'allreduce-synchronizes-gradients': {message}")):
         load_questions(broken(tmp_path, change))
+
+
+CARD_BREAKAGES = {  # name: (change to the first flashcard, what the error says after "flashcard '<id>': ")
+    "an empty back": (lambda card: card.update(back=" "), "id, front and back must be non-empty text"),
+    "no front": (lambda card: card.pop("front"), "id, front and back must be non-empty text"),
+    "an empty note": (lambda card: card.update(note=""), "a note must be non-empty text that is not the back again"),
+    "the back as a note": (lambda card: card.update(note=card["back"]), "a note must be non-empty text"),
+    "a misspelt field": (lambda card: card.update(note_="x"), "unknown fields ['note_']"),
+}
+
+
+@pytest.mark.parametrize("breakage", CARD_BREAKAGES)
+def test_the_loader_rejects_a_broken_flashcard_naming_it(tmp_path, breakage):
+    change, message = CARD_BREAKAGES[breakage]
+    with pytest.raises(ValueError, match=re.escape(f"flashcard 'three-constraints': {message}")):
+        load_flashcards(broken(tmp_path, lambda question, data: change(data["flashcards"][0])))
 
 
 def test_the_loader_rejects_a_repeated_id(tmp_path):
