@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import html
-import random
 
 import ipywidgets as widgets
 
@@ -11,10 +10,13 @@ from labkit.exercises import STACK_MAP, check_stack_map
 from labkit.quiz import Flashcard, Question, load_flashcards, load_questions
 
 
-def stack_map_exercise(seed: int = 0) -> widgets.VBox:
-    """One drop-down per NVIDIA component; "Check" grades the matching with `check_stack_map`."""
+def stack_map_exercise() -> widgets.VBox:
+    """One drop-down per NVIDIA component; "Check" grades the matching with `check_stack_map`.
+
+    Nothing in the widget gives the key away before the student answers: every drop-down starts at "?" and
+    offers the same verbs in alphabetical order, so neither a value nor an option's position hints at the pairing.
+    """
     verbs = sorted(STACK_MAP.values())
-    random.Random(seed).shuffle(verbs)
     choosers = {name: widgets.Dropdown(options=["?", *verbs], value="?", description=name,
                                        style={"description_width": "110px"}) for name in STACK_MAP}
     feedback = widgets.HTML()
@@ -64,7 +66,8 @@ def quiz(questions: list[Question] | None = None) -> widgets.VBox:
 
 
 def flashcards(cards: list[Flashcard] | None = None) -> widgets.VBox:
-    """One card at a time: its prompt, "Flip" shows the lesson's summary bullet, "Next" moves on."""
+    """One card at a time: its prompt, "Flip" shows the lesson's summary bullet (and, set apart below it, the
+    card's note where the bullet is imprecise), "Next" moves on."""
     cards = cards if cards is not None else load_flashcards()
     state = {"card": 0, "back": False}
     face = widgets.HTML()
@@ -73,8 +76,10 @@ def flashcards(cards: list[Flashcard] | None = None) -> widgets.VBox:
     def draw() -> None:
         current = cards[state["card"]]
         text, side = (current.back, "back") if state["back"] else (current.front, "front")
+        note = (f"<hr><small><b>More precisely</b> (a note, not the lesson's words): {html.escape(current.note)}"
+                "</small>") if state["back"] and current.note else ""
         face.value = (f"<div style='border:1px solid #999;padding:12px;min-height:60px'><small>card "
-                      f"{state['card'] + 1} of {len(cards)}, {side}</small><br>{html.escape(text)}</div>")
+                      f"{state['card'] + 1} of {len(cards)}, {side}</small><br>{html.escape(text)}{note}</div>")
 
     def on_flip(_=None) -> None:
         state["back"] = not state["back"]
