@@ -1,35 +1,75 @@
-"""Which parallelism: ask what is running out, and the answer names the strategy (the lesson's L1)."""
+"""Which parallelism: ask what is running out, and the answer names the strategy (the lesson's L1 and Step 6).
+
+The lesson's three answers (time -> data, one layer -> tensor, too many layers -> pipeline) plus the one its
+worked 7B example ends on: when the model fits and only its training state (gradients, optimizer) does not,
+shard that state over the data-parallel ranks or train LoRA adapters before splitting the model.
+"""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from labkit.plan._checks import number
+from labkit.plan.memory import training_memory
+from labkit.plan.traffic import GB
 
-DATA, TENSOR, PIPELINE = "data parallelism", "tensor parallelism", "pipeline parallelism"
+DATA, SHARDED = "data parallelism", "sharded data parallelism or LoRA"
+TENSOR, PIPELINE = "tensor parallelism", "pipeline parallelism"
 
 
-def parallelism_for(state_nbytes: float, largest_layer_nbytes: float, gpu_nbytes: float) -> tuple[str, str]:
-    """The strategy for a model whose training state (weights, gradients, optimizer) takes `state_nbytes`,
-    whose largest layer's state takes `largest_layer_nbytes`, on GPUs of `gpu_nbytes`, and why.
+class Recommendation(NamedTuple):
+    """The strategy to reach for first, and why (with the bytes that decided it)."""
 
-    - Everything fits on one GPU: time is what runs out -> data parallelism (replicate, split the batch).
-    - One layer does not fit: split the matrix itself -> tensor parallelism.
-    - Every layer fits but the stack does not: too many layers -> pipeline parallelism.
-    Tensor and pipeline parallelism are both "model parallelism", the umbrella term; large runs combine all
-    three (3D parallelism) and shard the optimizer state too. Activations are left out.
+    strategy: str
+    why: str
 
-    >>> parallelism_for(112e9, 2e9, 80e9)[0]      # a 7B model's 16 bytes/param on an 80 GB GPU
-    'pipeline parallelism'
+
+def parallelism_for(params: float, largest_layer_params: float, gpu_nbytes: float, weight_bytes: float = 2,
+                    grad_bytes: float = 2, optimizer_bytes: float = 12) -> Recommendation:
+    """The first strategy for training `params` parameters, the largest layer holding `largest_layer_params`,
+    on GPUs of `gpu_nbytes`, and why. Bytes per parameter default to mixed-precision Adam's 2 + 2 + 12 = 16
+    (Rajbhandari et al. 2020, "ZeRO", section 3.1); activations are left out.
+
+    Asked in this order, the first yes decides:
+    1. The training state (weights + gradients + optimizer state) fits on one GPU: time is what runs out ->
+       data parallelism, replicated (PyTorch DDP): every GPU holds all of it, N GPUs pool no memory.
+    2. The weights fit, the training state does not: it is the state that runs out, not the model -> shard it
+       over the data-parallel ranks (ZeRO stages 1-3, PyTorch FSDP: sharded data parallelism, whose N GPUs do
+       pool memory) or freeze the weights and train LoRA adapters (Hu et al. 2021); no need to split the model.
+    3. One layer's training state does not fit: a pipeline stage could not hold it -> tensor parallelism
+       splits the layer's matrices (Shoeybi et al. 2019, "Megatron-LM").
+    4. Every layer fits but the weights of the stack do not: too many layers -> pipeline parallelism
+       (Huang et al. 2019, "GPipe"); ZeRO-3/FSDP, sharding the weights too, is the sharded alternative.
+    Tensor and pipeline parallelism are both "model parallelism"; large runs combine all of these.
+
+    >>> parallelism_for(7e9, 0.2e9, 80e9).strategy    # the lesson's 7B: 14 GB of weights, 112 GB of state
+    'sharded data parallelism or LoRA'
     """
-    state, layer = number("state_nbytes", state_nbytes), number("largest_layer_nbytes", largest_layer_nbytes)
+    count = number("params", params, inclusive=False)
+    layer = number("largest_layer_params", largest_layer_params, inclusive=False)
     gpu = number("gpu_nbytes", gpu_nbytes, inclusive=False)
-    if layer > state:
-        raise ValueError(f"largest_layer_nbytes={largest_layer_nbytes!r} exceeds state_nbytes={state_nbytes!r}: a "
-                         "layer is part of the model; pass the largest layer's share.")
+    if layer > count:
+        raise ValueError(f"largest_layer_params={largest_layer_params!r} exceeds params={params!r}: a layer is part "
+                         "of the model; pass the largest layer's share.")
+    per_param = {"weight_bytes": weight_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes}
+    full, layer_state = training_memory(count, **per_param), training_memory(layer, **per_param)["total"]
+    state, weights = full["total"], full["weights"]
+    on_gpu = f"one {gpu / GB:g} GB GPU"
     if state <= gpu:
-        return DATA, ("the model, its gradients and optimizer state fit on one GPU: time is what runs out, so "
-                      "replicate the model and split the batch")
-    if layer > gpu:
-        return TENSOR, ("one layer alone does not fit: split its weight matrices across GPUs (tightly coupled, "
-                        "inside a node)")
-    return PIPELINE, ("every layer fits but the stack does not: put consecutive layers on consecutive GPUs and "
-                      "keep them busy with micro-batches")
+        return Recommendation(DATA, (
+            f"the training state ({state / GB:.1f} GB) fits on {on_gpu}: time is what runs out, so replicate the "
+            "model and split the batch (replicated data parallelism, PyTorch DDP)"))
+    if weights <= gpu:
+        return Recommendation(SHARDED, (
+            f"the weights ({weights / GB:.1f} GB) fit on {on_gpu} but the training state ({state / GB:.1f} GB) "
+            "does not: the gradients and optimizer state run out, not one layer or the stack. Shard them over the "
+            "data-parallel ranks (ZeRO-1/2; ZeRO-3 and PyTorch FSDP shard the weights too) or freeze the weights "
+            "and train LoRA adapters; replicated data parallelism (DDP) alone pools no memory"))
+    if layer_state > gpu:
+        return Recommendation(TENSOR, (
+            f"one layer's training state ({layer_state / GB:.1f} GB) does not fit on {on_gpu}, so no pipeline "
+            "stage could hold it: split the layer's matrices across GPUs (tightly coupled, inside a node)"))
+    return Recommendation(PIPELINE, (
+        f"even the weights ({weights / GB:.1f} GB) exceed {on_gpu} while every layer fits (at most "
+        f"{layer_state / GB:.1f} GB of state): too many layers. Put consecutive layers on consecutive GPUs and keep "
+        "them busy with micro-batches (or shard the weights too with ZeRO-3/FSDP)"))

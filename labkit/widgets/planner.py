@@ -41,7 +41,7 @@ def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
                           readout_format=".0%"),
         "convention": widgets.Dropdown(options=list(CONVENTIONS), description="bytes per parameter", style=style,
                                        layout=wide),
-        "zero_stage": slider(widgets.IntSlider, "ZeRO stage", value=0, min=0, max=3),
+        "zero_stage": slider(widgets.IntSlider, "ZeRO stage (0 = DDP)", value=0, min=0, max=3),
         "lora_rank": slider(widgets.IntSlider, "LoRA rank (0 = full)", value=0, min=0, max=256),
         "d_model": slider(widgets.IntSlider, "LoRA: model width", value=4096, min=256, max=16384, step=256),
         "layers": slider(widgets.IntSlider, "LoRA: layers", value=32, min=1, max=128),
@@ -83,9 +83,11 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
     gpu_memory_gb, devices = values["gpu_memory_gb"], values["devices"]
     yours = options[plan.YOUR_CHOICE]["total"]
     fits = [name for name, option in options.items() if option["total"] <= gpu_memory_gb * GB]
-    ways_out = ", ".join(fits) or "more GPUs, or a smaller model"
+    ways_out = ", ".join(fits) or "more GPUs with ZeRO-3 or tensor x pipeline parallelism, or a smaller model"
+    replicated = values["zero_stage"] == 0 and values["lora_rank"] == 0
+    why = "replicated data parallelism (DDP) pools no memory; " if replicated else ""
     verdict = ("<b style='color:#54a24b'>fits</b>" if yours <= gpu_memory_gb * GB else
-               f"<b style='color:#e45756'>does not fit</b>, try: {ways_out}")
+               f"<b style='color:#e45756'>does not fit</b>: {why}try {ways_out}")
     rows = [
         ("effective batch", f"{example.parallel_batch:,} (1 GPU: {example.baseline_batch:,})"),
         ("steps per epoch", f"{example.parallel_steps:,} (1 GPU: {example.baseline_steps:,})"),
@@ -100,24 +102,29 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
     return f"<table>{body}</table>"
 
 
-def what_is_running_out() -> widgets.VBox:
-    """Sliders for the training state, its largest layer and the GPU's memory; the strategy named, and why."""
-    style, wide = {"description_width": "200px"}, widgets.Layout(width="520px")
-    sliders = [widgets.FloatLogSlider(value=value, base=10, min=-1, max=4, step=0.05, description=text, style=style,
-                                      layout=wide, continuous_update=False)
-               for value, text in ((14.0, "training state, GB"), (0.5, "largest layer's state, GB"),
-                                   (80.0, "GPU memory, GB"))]
+def what_is_running_out(params_billions: float = 7, largest_layer_billions: float = 0.2,
+                        gpu_memory_gb: float = 80) -> widgets.VBox:
+    """Sliders for the model's and its largest layer's parameters and the GPU's memory; the strategy that
+    `labkit.plan.parallelism_for` names first, and why (16 bytes per parameter: mixed-precision Adam)."""
+    style, wide = {"description_width": "220px"}, widgets.Layout(width="540px")
+    params = widgets.FloatLogSlider(value=params_billions, base=10, min=-1, max=3, step=0.05,
+                                    description="parameters, billions", style=style, layout=wide,
+                                    continuous_update=False)
+    layer = widgets.FloatLogSlider(value=largest_layer_billions, base=10, min=-3, max=3, step=0.05,
+                                   description="largest layer, billions of params", style=style, layout=wide,
+                                   continuous_update=False)
+    gpu = widgets.FloatSlider(value=gpu_memory_gb, min=8, max=192, step=1, description="GPU memory, GB", style=style,
+                              layout=wide, continuous_update=False)
     answer = widgets.HTML()
 
     def redraw(_=None) -> None:
-        state, layer, gpu = (s.value * GB for s in sliders)
-        if layer > state:
+        if layer.value > params.value:
             answer.value = "A layer cannot hold more than the whole model: lower the largest layer."
             return
-        name, why = plan.parallelism_for(state, layer, gpu)
-        answer.value = f"<b>{name}</b>: {why}."
+        strategy, why = plan.parallelism_for(params.value * 1e9, layer.value * 1e9, gpu.value * GB)
+        answer.value = f"<b>{strategy}</b>: {why}."
 
-    for s in sliders:
-        s.observe(redraw, "value")
+    for slider in (params, layer, gpu):
+        slider.observe(redraw, "value")
     redraw()
-    return widgets.VBox([*sliders, answer])
+    return widgets.VBox([params, layer, gpu, answer])

@@ -1,4 +1,4 @@
-"""What is running out names the strategy (the lesson's L1)."""
+"""What is running out names the strategy (the lesson's L1 and its worked 7B example's Step 6)."""
 
 import pytest
 
@@ -6,30 +6,60 @@ from labkit.plan import parallelism_for
 from labkit.widgets import what_is_running_out
 
 
-@pytest.mark.parametrize("state,layer,gpu,expected", [
-    (14e9, 0.5e9, 80e9, "data parallelism"),         # fits: time is what runs out
-    (112e9, 2e9, 80e9, "pipeline parallelism"),      # too many layers
-    (400e9, 100e9, 80e9, "tensor parallelism"),      # one layer too big
-    (80e9, 1e9, 80e9, "data parallelism"),           # exactly full still fits
+@pytest.mark.parametrize("params,layer,gpu,expected", [
+    (1e9, 0.05e9, 80e9, "data parallelism"),                    # 16 GB of state fits: time runs out
+    (5e9, 0.2e9, 80e9, "data parallelism"),                     # exactly 80 GB still fits
+    (7e9, 0.2e9, 150e9, "data parallelism"),                    # the 7B on a GPU of 150 GB
+    (70e9, 0.86e9, 80e9, "pipeline parallelism"),               # 140 GB of weights, 13.8 GB per layer: too many layers
+    (175e9, 6e9, 80e9, "tensor parallelism"),                   # one layer's state is 96 GB: one layer too big
+    (7e9, 0.2e9, 80e9, "sharded data parallelism or LoRA"),     # the lesson's 7B: 14 GB weights, 112 GB state
+    (40e9, 0.5e9, 80e9, "sharded data parallelism or LoRA"),    # weights exactly 80 GB still fit
 ])
-def test_the_constraint_names_the_strategy(state, layer, gpu, expected):
-    assert parallelism_for(state, layer, gpu)[0] == expected
+def test_the_constraint_names_the_strategy(params, layer, gpu, expected):
+    assert parallelism_for(params, layer, gpu).strategy == expected
+
+
+def test_the_7b_case_says_why_with_its_bytes():
+    strategy, why = parallelism_for(7e9, 0.2e9, 80e9)
+    assert strategy == "sharded data parallelism or LoRA"
+    assert "14.0 GB" in why and "112.0 GB" in why and "LoRA" in why and "FSDP" in why
+    assert "replicated data parallelism (DDP)" in why
+
+
+def test_each_answer_names_its_deciding_bytes():
+    assert "16.0 GB" in parallelism_for(1e9, 0.05e9, 80e9).why
+    assert "140.0 GB" in parallelism_for(70e9, 0.86e9, 80e9).why
+    assert "96.0 GB" in parallelism_for(175e9, 6e9, 80e9).why
+
+
+def test_bytes_per_parameter_move_the_boundary():
+    # 5e9 params: 80 GB at 16 bytes/param fits an 80 GB GPU, 90 GB at 18 (fp32 gradients) does not
+    assert parallelism_for(5e9, 0.2e9, 80e9, grad_bytes=4).strategy == "sharded data parallelism or LoRA"
+    # fp32 weights: 7e9 x 4 = 28 GB still fit
+    assert parallelism_for(7e9, 0.2e9, 80e9, weight_bytes=4).strategy == "sharded data parallelism or LoRA"
+    assert parallelism_for(25e9, 0.2e9, 80e9, weight_bytes=4).strategy == "pipeline parallelism"
 
 
 def test_nonsense_is_refused():
-    with pytest.raises(ValueError, match="largest_layer_nbytes"):
+    with pytest.raises(ValueError, match="largest_layer_params"):
         parallelism_for(1e9, 2e9, 80e9)
     with pytest.raises(ValueError, match="gpu_nbytes"):
         parallelism_for(1e9, 1e8, 0)
+    with pytest.raises(ValueError, match="params"):
+        parallelism_for(0, 0, 80e9)
 
 
 def test_widget_follows_its_sliders():
     app = what_is_running_out()
-    state, layer, gpu, answer = app.children
-    assert "data parallelism" in answer.value
-    state.value = 200.0
+    params, layer, gpu, answer = app.children
+    assert "sharded data parallelism or LoRA" in answer.value and "112.0 GB" in answer.value
+    params.value = 1.0
+    assert "<b>data parallelism</b>" in answer.value
+    params.value, layer.value = 70.0, 0.86
     assert "pipeline parallelism" in answer.value
-    layer.value = 100.0
+    layer.value = 6.0
     assert "tensor parallelism" in answer.value
-    layer.value = 300.0
+    gpu.value = 192.0
+    assert "sharded data parallelism" in answer.value            # 140 GB of weights fit on 192 GB
+    layer.value = 100.0
     assert "cannot hold more" in answer.value

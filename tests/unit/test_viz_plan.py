@@ -44,3 +44,12 @@ def test_planner_sizes_lora_by_the_model_it_is_told():
     bars = dict(zip(memory.data[0].x, memory.data[0].y, strict=True))  # weights, GB
     adapters = 16 * (512 + 512) * 4 * 8                                 # rank 16 on q, k, v, o of 8 layers
     assert bars["LoRA r=16"] == pytest.approx(2 * (1e8 + adapters) / 1e9)
+
+
+def test_planner_says_replicated_data_parallelism_pools_no_memory():
+    app = planner()
+    controls = {c.description: c for c in app.children[0].children[0].children}
+    summary = app.children[0].children[1]
+    assert "replicated data parallelism (DDP) pools no memory" in summary.value and "ZeRO-3 over 8" in summary.value
+    controls["ZeRO stage (0 = DDP)"].value = 1                  # 38.5 GB per GPU: sharded, it fits
+    assert "fits" in summary.value and "pools no memory" not in summary.value
