@@ -12,6 +12,7 @@ import math
 from labkit.plan._checks import choice, number, whole
 
 GB = 1e9
+MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
 
 # busbw = algbw x factor (nccl-tests PERFORMANCE.md): the per-rank share of traffic a link must carry.
 _BUSBW_FACTORS = {
@@ -83,6 +84,25 @@ def allreduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency:
     if algorithm == "naive":
         return 2 * (p - 1) * (alpha + n * beta) + (p - 1) * n * gamma
     return math.ceil(math.log2(p)) * (alpha + n * (beta + gamma))
+
+
+def ddp_bucket_count(gradient_nbytes: float, bucket_mb: float = 25.0) -> int:
+    """AllReduces per training step of torch DDP, one per gradient bucket: gradients packed into buckets of
+    `bucket_mb` MiB (torch's bucket_cap_mb, default 25), ceil(gradient_nbytes / bucket bytes).
+
+    DDP synchronises the gradients once per step, but in one AllReduce per bucket, each launched during the
+    backward as soon as its bucket is full, so that it overlaps the rest of the backward (Li et al.,
+    "PyTorch Distributed", VLDB 2020, section 3.2.2). The count assumes tensors small next to a bucket:
+    torch never splits a tensor, so a bucket closes early when the next tensor does not fit, a tensor
+    larger than a bucket travels alone, and by default the first 1 MiB of gradients gets a bucket of its own.
+
+    >>> ddp_bucket_count(7e9 * 2)          # the lesson's 7B model, BF16 gradients: 14 GB / 25 MiB = 534.06
+    535
+    >>> ddp_bucket_count(3 * MiB, bucket_mb=1.5)
+    2
+    """
+    nbytes = number("gradient_nbytes", gradient_nbytes)
+    return math.ceil(nbytes / (number("bucket_mb", bucket_mb, inclusive=False) * MiB))
 
 
 def busbw_factor(collective: str, world_size: int) -> float:

@@ -11,6 +11,7 @@ from labkit.plan.traffic import (
     allreduce_seconds,
     bus_bandwidth,
     busbw_factor,
+    ddp_bucket_count,
     fit_alpha_beta,
     naive_allreduce_bytes,
     ring_allreduce_bytes,
@@ -125,3 +126,26 @@ def test_fit_never_returns_a_negative_latency():
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("tensors, numel, cap_numel, buckets",
+                         [(12, 1000, 4000, 3), (10, 1000, 3500, 4), (7, 300, 1000, 3), (5, 64, 64, 5)])
+def test_ddp_bucket_count_against_the_buckets_ddp_builds(tensors, numel, cap_numel, buckets):
+    # labkit's BucketedDDP packs like torch DDP, never splitting a tensor: with every tensor smaller than a
+    # bucket it needs at least the formula's count (10 x 1000 in 3500: 3 per bucket, 4 buckets, not 3), and
+    # exactly that many when the tensor size divides the bucket size
+    import torch
+
+    from labkit.parallel.data import _make_buckets
+    params = [(str(i), torch.nn.Parameter(torch.zeros(numel))) for i in range(tensors)]
+    cap = cap_numel * 4
+    built = len(_make_buckets(params, cap, cap))
+    formula = ddp_bucket_count(tensors * numel * 4, bucket_mb=cap / 2**20)
+    assert built == buckets and formula <= built
+    assert formula == built or cap_numel % numel != 0
+
+
+def test_ddp_bucket_count_rejects_an_empty_bucket():
+    assert ddp_bucket_count(0) == 0
+    with pytest.raises(ValueError, match="bucket_mb"):
+        ddp_bucket_count(1e9, bucket_mb=0)
