@@ -11,6 +11,7 @@ import random
 import resource
 import shutil
 import signal
+import subprocess
 import sys
 import warnings
 
@@ -341,7 +342,9 @@ def test_missing_directory_empty_directory_and_a_file(tmp_path):
 
 
 def test_keeps_the_newest_k_and_removes_what_crashed_saves_left(tmp_path):
-    (tmp_path / ".step-000005.pt.99.beef.tmp").write_bytes(b"partial")
+    crashed = subprocess.Popen([sys.executable, "-c", "pass"])
+    crashed.wait()  # a writer whose process is gone: its temporary file is a crashed save's
+    (tmp_path / f".step-000005.pt.{crashed.pid}.beef.tmp").write_bytes(b"partial")
     for step in (10, 20, 30, 40, 50):
         save_checkpoint(tmp_path, mlp(), None, step, step, keep=3)
     assert names(tmp_path) == ["step-000030.pt", "step-000040.pt", "step-000050.pt"]
