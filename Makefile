@@ -2,17 +2,26 @@
 # Both set up .venv on first use (Python 3.10+, no conda needed) and skip that afterwards.
 
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# A package index for torch, e.g. https://download.pytorch.org/whl/cpu (no CUDA download on a
-# laptop) or https://download.pytorch.org/whl/cu130 (a particular CUDA build). See README.md.
-TORCH_INDEX ?=
+# Where torch comes from. "auto": on Linux without an NVIDIA driver, PyTorch's CPU index (no multi-GB CUDA
+# download on a laptop); elsewhere PyPI's default build. Or name an index, e.g. https://download.pytorch.org/whl/cu130,
+# or set it empty for PyPI's default everywhere. See README.md.
+TORCH_INDEX ?= auto
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+NVIDIA_DRIVER := $(shell [ -e /proc/driver/nvidia/version ] || command -v nvidia-smi >/dev/null 2>&1 && echo yes)
+TORCH_FROM := $(if $(filter auto,$(TORCH_INDEX)),$(if $(and $(filter Linux,$(shell uname -s)),$(if $(NVIDIA_DRIVER),,no)),$(CPU_INDEX)),$(TORCH_INDEX))
+# pip's progress bars when a person watches a terminal; quiet in CI and in logs.
+PIP_PROGRESS := $(shell [ -t 2 ] && [ -z "$$CI" ] && echo on || echo off)
+# make lab opens your own copy of the course (created once, never overwritten): your edits and outputs stay
+# yours, and `git pull` never conflicts with them. `make refresh NOTEBOOK=03_ring_allreduce` resets one.
+LAB_DIR ?= my-notebooks
 CELL_TIMEOUT ?= 180
 ARTIFACTS := test-artifacts
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab test test-fast lint unit notebooks browser bench gpu-check clean
+.PHONY: help setup lab copy refresh test test-fast lint unit notebooks browser bench gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
@@ -23,12 +32,29 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || \
 		{ echo "make: the lab needs Python 3.10 or newer; set PYTHON=/path/to/python3.11"; exit 1; }
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --progress-bar off $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -e '.[lab,test]'
+	@echo "make: installing PyTorch $(if $(TORCH_FROM),from $(TORCH_FROM),from PyPI)$(if $(and $(filter auto,$(TORCH_INDEX)),$(TORCH_FROM)), (no NVIDIA driver found: the CPU build; TORCH_INDEX= for PyPI's)), then the lab"
+	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) --no-deps $(if $(TORCH_FROM),--extra-index-url $(TORCH_FROM)) \
+		$$(sed -n 's/^ *"\(torch==[^"]*\)",$$/\1/p' pyproject.toml)
+	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) -e '.[lab,test]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
 	touch $(STAMP)
 
-lab: setup ## open the course in JupyterLab (http://127.0.0.1, token required)
-	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=notebooks
+lab: setup copy ## open your copy of the course in JupyterLab (http://127.0.0.1, token required)
+	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=$(LAB_DIR) \
+		--KernelSpecManager.allowed_kernelspecs=labkit
+
+copy: ## your copy of the course (my-notebooks/): adds the notebooks it lacks, never overwrites one
+	@mkdir -p $(LAB_DIR)
+	@for nb in notebooks/*.ipynb; do [ -e "$(LAB_DIR)/$${nb##*/}" ] || { cp "$$nb" $(LAB_DIR)/ && echo "make: $(LAB_DIR)/$${nb##*/} (new)"; }; done
+
+refresh: ## make refresh NOTEBOOK=03_ring_allreduce: your copy back to the course's (the old one kept as a backup)
+	@test -n "$(NOTEBOOK)" && test -f "notebooks/$(NOTEBOOK:.ipynb=).ipynb" || \
+		{ echo "make: say which notebook, e.g. make refresh NOTEBOOK=03_ring_allreduce (see notebooks/)"; exit 2; }
+	@mkdir -p $(LAB_DIR)
+	@mine="$(LAB_DIR)/$(NOTEBOOK:.ipynb=).ipynb"; \
+		if [ -e "$$mine" ]; then backup="$${mine%.ipynb}.backup-$$(date +%Y%m%d-%H%M%S).ipynb"; mv "$$mine" "$$backup"; \
+			echo "make: your version is kept as $$backup"; fi; \
+		cp "notebooks/$(NOTEBOOK:.ipynb=).ipynb" "$$mine" && echo "make: $$mine is the course's version again"
 
 test: test-fast browser ## everything: lint, unit and distributed tests, every notebook (nbval and browser)
 	@echo "make test: all checks passed. Screenshots of every notebook: $(ARTIFACTS)/screenshots/"
@@ -57,5 +83,5 @@ gpu-check: setup ## on a CUDA machine: devices, backend choice, labkit's kernels
 	$(BIN)/python -m labkit.gpu_check
 
 clean: ## remove .venv, caches and test artifacts
-	rm -rf $(VENV) $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis *.egg-info
+	rm -rf .venv $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis *.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

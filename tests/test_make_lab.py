@@ -50,8 +50,8 @@ def test_make_lab_serves_on_loopback_and_refuses_requests_without_the_token(tmp_
         f"c.ServerApp.port = {port}\nc.ServerApp.port_retries = 0\n"
     )
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(tmp_path), "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
-    lab = subprocess.Popen(["make", "lab"], cwd=ROOT, env=env, start_new_session=True, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    lab = subprocess.Popen(["make", "lab", f"LAB_DIR={tmp_path / 'mine'}"], cwd=ROOT, env=env,
+                           start_new_session=True, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     server: list[psutil.Process] = []
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in lab.stdout], daemon=True).start()
@@ -72,7 +72,8 @@ def test_make_lab_serves_on_loopback_and_refuses_requests_without_the_token(tmp_
         assert status(f"http://127.0.0.1:{port}/api/status", token) == 200
         kernelspecs = urllib.request.urlopen(urllib.request.Request(
             f"http://127.0.0.1:{port}/api/kernelspecs", headers={"Authorization": f"token {token}"}))
-        assert "labkit" in json.load(kernelspecs)["kernelspecs"]
+        assert set(json.load(kernelspecs)["kernelspecs"]) == {"labkit"}, "one obvious kernel"
+        assert (tmp_path / "mine" / "00_setup.ipynb").exists(), "make lab opens the student's own copy"
         server += [p for p in psutil.Process(lab.pid).children(recursive=True) if "jupyter" in " ".join(p.cmdline())]
         listening = {c.laddr.ip for p in server for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
         assert listening == {"127.0.0.1"}
@@ -81,3 +82,46 @@ def test_make_lab_serves_on_loopback_and_refuses_requests_without_the_token(tmp_
         lab.wait(timeout=30)
     _, alive = psutil.wait_procs(server, timeout=10)  # psutil tells a reused pid from the same process
     assert server and not alive, "JupyterLab outlived `make lab`"
+
+
+def make(*args, env=None, check=True):
+    result = subprocess.run(["make", "--no-print-directory", *args], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, **(env or {})})
+    assert not check or result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def test_setup_picks_the_cpu_build_only_where_there_is_no_nvidia_driver(tmp_path):
+    dry_run = ("-n", "-W", "pyproject.toml", "setup")
+    without_driver = make(*dry_run, env={"PATH": f"{tmp_path}:{os.environ['PATH']}"}).stdout
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    with_driver = make(*dry_run, env={"PATH": f"{tmp_path}:{os.environ['PATH']}"}).stdout
+    if not os.path.exists("/proc/driver/nvidia/version"):
+        assert "--extra-index-url https://download.pytorch.org/whl/cpu" in without_driver
+        assert "no NVIDIA driver found" in without_driver
+    assert "download.pytorch.org" not in with_driver and "from PyPI" in with_driver
+    chosen = make(*dry_run, "TORCH_INDEX=https://download.pytorch.org/whl/cu130").stdout
+    assert "--extra-index-url https://download.pytorch.org/whl/cu130" in chosen
+    assert "--progress-bar off" in without_driver  # no terminal here: pip stays quiet
+
+
+def test_the_students_copy_is_made_once_and_never_overwritten(tmp_path):
+    mine = tmp_path / "mine"
+    make(f"LAB_DIR={mine}", "copy")
+    course = sorted(os.listdir(os.path.join(ROOT, "notebooks")))
+    assert sorted(p for p in os.listdir(mine) if p.endswith(".ipynb")) == [p for p in course if p.endswith(".ipynb")]
+    edited = mine / "03_ring_allreduce.ipynb"
+    edited.write_text("my work")
+    (mine / "01_training_step.ipynb").unlink()  # as if 01 were new in a git pull
+    make(f"LAB_DIR={mine}", "copy")
+    assert edited.read_text() == "my work" and (mine / "01_training_step.ipynb").exists()
+
+    refreshed = make(f"LAB_DIR={mine}", "refresh", "NOTEBOOK=03_ring_allreduce").stdout
+    backups = list(mine.glob("03_ring_allreduce.backup-*.ipynb"))
+    assert len(backups) == 1 and backups[0].read_text() == "my work" and backups[0].name in refreshed
+    with open(os.path.join(ROOT, "notebooks", "03_ring_allreduce.ipynb")) as f:
+        assert edited.read_text() == f.read()
+    unnamed = make(f"LAB_DIR={mine}", "refresh", check=False)
+    assert unnamed.returncode != 0 and "make refresh NOTEBOOK=" in unnamed.stdout
