@@ -5,8 +5,13 @@ until the kernel is idle, then check that no cell failed (except cells tagged `r
 no widget failed to display, that every plotly figure the notebook made is drawn, and that the page
 threw no errors. Animations must move when played; widgets must change their figure when moved.
 A screenshot of each notebook goes to test-artifacts/screenshots/.
+
+What a student must see in one notebook in particular (the quiz's options all selectable, the planner's values
+readable at 1280 px, ...) is checked by a `checks_*.py` module beside this file: it names its `NOTEBOOK` and
+defines `check(page, cells)`, called after the notebook ran and before its widgets are moved.
 """
 
+import importlib
 import json
 import re
 import urllib.request
@@ -16,6 +21,8 @@ import pytest
 from playwright.sync_api import Page
 
 NOTEBOOKS = sorted(p.name for p in (Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb"))
+CHECKS = [importlib.import_module(f"{__package__}.{p.stem}" if __package__ else p.stem)
+          for p in sorted(Path(__file__).parent.glob("checks_*.py"))]
 RUN_SECONDS = 300
 PLOTLY = "application/vnd.plotly.v1+json"
 WIDGET_REPR = re.compile(r"\b[A-Z][A-Za-z]*\((value|children|layout|description)=")
@@ -76,6 +83,9 @@ def test_notebook_in_jupyterlab(page: Page, lab_url: str, screenshots: Path, nam
 
     save_screenshot(page, screenshots / f"{Path(name).stem}.png")
     page.set_viewport_size({"width": 1280, "height": 900})
+    for module in CHECKS:
+        if module.NOTEBOOK == name:
+            module.check(page, cells)
     play_every_animation(page)
     move_every_slider(page)
     assert not errors, errors
