@@ -5,6 +5,8 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# JupyterLab defaults for the course (code wraps at the notebook's width), installed into the environment.
+OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 # Where torch comes from. "auto": on Linux without an NVIDIA driver, PyTorch's CPU index (no multi-GB CUDA
 # download on a laptop); elsewhere PyPI's default build. Or name an index, e.g. https://download.pytorch.org/whl/cu130,
 # or set it empty for PyPI's default everywhere. See README.md.
@@ -26,7 +28,7 @@ ARTIFACTS := test-artifacts
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
 
-setup: $(STAMP) ## create .venv and install the lab into it (once; again only if pyproject.toml changes)
+setup: $(STAMP) $(OVERRIDES) ## create .venv and install the lab into it (once; again only if pyproject.toml changes)
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || \
@@ -38,6 +40,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) -e '.[lab,test]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
 	touch $(STAMP)
+
+$(OVERRIDES): jupyter/overrides.json $(STAMP)
+	mkdir -p $(dir $@) && cp jupyter/overrides.json $@
 
 lab: setup copy ## open your copy of the course in JupyterLab (http://127.0.0.1, token required)
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=$(LAB_DIR) \

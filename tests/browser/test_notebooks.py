@@ -41,6 +41,9 @@ NOTEBOOK_STATE = """() => {
   };
 }"""
 
+WIDER_THAN_THE_COLUMN = """() => [...document.querySelectorAll('.jp-CodeCell .cm-scroller')]
+  .filter(e => e.scrollWidth > e.clientWidth + 1).length"""
+
 CELL_OUTPUTS = """() => window.jupyterapp.shell.currentWidget.content.widgets
   .filter(c => c.model.type === 'code')
   .map(c => ({tags: c.model.getMetadata('tags') || [], outputs: c.model.outputs.toJSON()}))"""
@@ -67,6 +70,7 @@ def test_notebook_in_jupyterlab(page: Page, lab_url: str, screenshots: Path, nam
     page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
     page.set_viewport_size({"width": 1280, "height": 900})
     cells = run_all(page, lab_url, name)
+    assert page.evaluate(WIDER_THAN_THE_COLUMN) == 0, "a code cell scrolls sideways at 1280 px: wrap it"
 
     failed = [i for i, cell in enumerate(cells) if "raises-exception" not in cell["tags"]
               and any(o["output_type"] == "error" for o in cell["outputs"])]
