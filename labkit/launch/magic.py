@@ -44,8 +44,12 @@ class RanksMagics(Magics):
                 self._show(rank, value)
 
     def _cell_filename(self) -> str:
-        """A name for this cell's code, unique even when the execution count repeats."""
-        count = self.shell.execution_count
+        """A name for this cell's code, unique even when the execution count repeats.
+
+        The count is the one the notebook shows as In[N]: IPython has already compiled this cell under it
+        (9.x counts up before running a cell, 8.x after, so `execution_count` alone is off by one on 9.x)."""
+        compiled = getattr(self.shell.compile, "_filename_map", None) or {}
+        count = max(compiled.values(), default=self.shell.execution_count)
         name, copy = f"<ranks-cell-{count}>", 1
         while name in linecache.cache:
             copy += 1

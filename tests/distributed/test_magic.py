@@ -41,6 +41,14 @@ def test_error_in_one_rank_shows_the_cells_line(ip):
     assert "line 4" in message and "raise ValueError('only me')" in message  # line 1 is %%ranks
 
 
+def test_an_error_names_the_cell_the_notebook_shows(ip):
+    for _ in range(2):  # a cell count that has moved on, as in a notebook
+        ip.run_cell("x = 1", store_history=True)
+    result = ip.run_cell("%%ranks 2\nraise KeyError('here')", store_history=True)
+    assert isinstance(result.error_in_exec, labkit.RankError)
+    assert f"Cell In[{result.execution_count}], line 2" in str(result.error_in_exec)
+
+
 def test_bad_arguments_are_usage_errors(ip):
     assert not run(ip, "%%ranks\nx = 1").success
     result = run(ip, "%%ranks 0\nx = 1")
