@@ -1,0 +1,64 @@
+"""The course's figures share one palette and one kind of log axis.
+
+Plotly labels a log axis's minor ticks when the data spans only a few decades ("8 9 1 2 3"), which reads
+as a broken count. `log_axis` labels decades only, or 1, 2 and 5 of each decade over a short span, as bare
+numbers (1k, 10k, 1M): the unit goes in the axis title, e.g. "message size (bytes)".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+# Vega's "tableau10" order: colour-blind-friendlier than plotly's default and the same in every notebook.
+PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
+BLUE, ORANGE, GREEN, RED, TEAL, PURPLE, PINK, BROWN = PALETTE
+GREY = "#888888"
+
+_SHORT_SPAN = 3  # fewer decades than this: label 1, 2 and 5 of each; otherwise decades only
+_SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
+
+
+def log_axis(title: str, values: Iterable[float] = ()) -> dict:
+    """Settings for a log axis: `figure.update_xaxes(**log_axis("message size (bytes)", sizes))`.
+
+    With the data's `values`, ticks fall on 1-2-5 numbers (or on decades when the values span 3 decades or
+    more) and the range widens to the round numbers either side, so at least two ticks are labelled.
+    Without values, plotly places the ticks but labels decades only (dtick=1). Minor gridlines stay
+    unlabelled."""
+    axis = {"type": "log", "title_text": title, "minor": {"showgrid": True, "gridcolor": "#f0f0f0"}}
+    positive = [v for v in values if v > 0]
+    if not positive:
+        return axis | {"dtick": 1}
+    ticks = log_ticks(min(positive), max(positive))
+    return axis | {"tickvals": ticks, "ticktext": [short_number(t) for t in ticks],
+                   "range": [math.log10(ticks[0]), math.log10(ticks[-1])]}
+
+
+def log_ticks(low: float, high: float) -> list[float]:
+    """Round numbers from the one at or below `low` to the one at or above `high` (at least two): 1, 2, 5 x 10^k
+    when high/low is under 10^3, else 10^k only."""
+    if not 0 < low <= high:
+        raise ValueError(f"log_ticks needs 0 < low <= high, got low={low}, high={high}.")
+    mantissas = (1, 2, 5) if math.log10(high / low) < _SHORT_SPAN else (1,)
+    first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    candidates = [float(f"{m}e{k}") for k in range(first, last + 2) for m in mantissas]
+    below = max(t for t in candidates if t <= low * (1 + 1e-9))
+    above = min(t for t in candidates if t >= high * (1 - 1e-9) and t > below)
+    return [t for t in candidates if below <= t <= above]
+
+
+def short_number(value: float) -> str:
+    """A tick label: 1, 20, 500, 1k, 2M, 5G, 0.01, 1e-5 (SI prefixes from a thousand up)."""
+    for size, prefix in _SI:
+        if abs(value) >= size:
+            return f"{value / size:g}{prefix}"
+    return f"{value:g}".replace("e-0", "e-")
+
+
+def integer_colorbar(low: int, high: int, title: str) -> dict:
+    """A colour bar for a whole-number count from `low` to `high`: ticks on integers only (at most 16), never
+    the fractions plotly would pick for a continuous scale."""
+    step = math.ceil((high - low + 1) / 16)
+    return {"title": {"text": title}, "tickmode": "array", "tickvals": list(range(low, high + 1, step)),
+            "ticktext": [str(v) for v in range(low, high + 1, step)]}
