@@ -131,14 +131,52 @@ def test_dead_rank_is_named_with_its_signal_and_stderr(how, expected):
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
 
 
-def test_keyboard_interrupt_returns_quickly_and_the_next_call_works():
+class Interrupter:
+    """Ctrl-C for tests: SIGINT to this process after a delay. Python raises KeyboardInterrupt on
+    SIGINT only if the process did not start with SIGINT ignored, as a background job of a
+    non-interactive shell (CI) does; so the handler is installed here, as ipykernel does while it
+    runs a cell."""
+
+    def __init__(self):
+        self.sent_at = None
+        self._stop = threading.Event()
+        self._threads = []
+
+    def after(self, seconds: float) -> None:
+        self._start(lambda: self._stop.wait(seconds) or True)
+
+    def _start(self, ready) -> None:
+        def wait_then_interrupt():
+            while not (ready() or self._stop.is_set()):
+                pass
+            if not self._stop.is_set():
+                self.sent_at = time.monotonic()
+                os.kill(os.getpid(), signal.SIGINT)
+        self._threads.append(threading.Thread(target=wait_then_interrupt, daemon=True))
+        self._threads[-1].start()
+
+    def close(self) -> None:
+        self._stop.set()  # a SIGINT not sent yet must not hit a later test
+        for thread in self._threads:
+            thread.join()
+
+
+@pytest.fixture
+def interrupter():
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupter = Interrupter()
+    yield interrupter
+    interrupter.close()
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_keyboard_interrupt_returns_quickly_and_the_next_call_works(interrupter):
     def long_call():
         if labkit.rank() == 0:
             time.sleep(30)  # in Python: stops at once
         else:
             dist.barrier()  # blocked in C++ waiting for rank 0
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    interrupter.after(1.0)
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         labkit.run(long_call, world_size=2, timeout=60)
@@ -146,11 +184,10 @@ def test_keyboard_interrupt_returns_quickly_and_the_next_call_works():
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
 
 
-def test_interrupting_python_code_keeps_a_healthy_pool():
+def test_interrupting_python_code_keeps_a_healthy_pool(interrupter):
     labkit.run(rank_sum, world_size=2)
     pids_before = labkit.run(os.getpid, world_size=2)
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
+    interrupter.after(1.0)
     with pytest.raises(KeyboardInterrupt):
         labkit.run(time.sleep, 30, world_size=2)
     assert labkit.run(os.getpid, world_size=2) == pids_before
