@@ -115,6 +115,11 @@ class ForkServer:
         except (EOFError, OSError):
             self._lost()
             return ("lost",)
+        except BaseException:
+            # Ctrl-C halfway through a message: what follows on the socket can no longer be framed,
+            # so give this server up; the next pool starts a new one, and closing this one ends its ranks.
+            self._lost()
+            raise
         if message[0] == "exited":
             self.exit_status[message[1]] = message[2]
         return message

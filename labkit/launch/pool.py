@@ -6,6 +6,11 @@ has failed and the others had a moment to follow, the timeout passes, or the use
 Whatever happens, the ranks' output is shown first and one clear exception follows. A pool that
 may be out of step (a rank died, was stopped, or issued operations its peers never matched) is
 closed, so the next call starts from a clean one.
+
+Ctrl-C asks every rank to stop this very call (worker.py says how). The pool is kept only if every
+rank then answers the call within a grace period, every process group counted the same number of
+operations on each of its ranks during the call, and a tiny all_reduce still works; if anything
+interrupts that decision, the pool is closed.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from labkit.launch.errors import (
 )
 from labkit.launch.forkserver import ForkServer, describe_exit
 from labkit.launch.output import STREAMS, RankOutput
-from labkit.launch.worker import STACK_REQUEST, health_probe
+from labkit.launch.worker import STACK_REQUEST, health_probe, interrupt_request
 
 SETTLE_SECONDS = 1.5  # after one rank fails, how long the others get to finish or fail too
 INTERRUPT_GRACE_SECONDS = 1.5  # after Ctrl-C, how long ranks get to stop by themselves
@@ -144,8 +149,9 @@ class Pool:
     def call(self, payload: bytes, timeout_seconds: float, check_health: bool = True) -> list:
         """Run the pickled `(fn, args, kwargs)` on every rank; results in rank order.
 
-        After a failure that every rank survived, a tiny collective checks that the group is still in
-        step (not, say, one rank a collective ahead after a timeout); if not, the pool is closed."""
+        After a failure or an interrupt that every rank survived, the ranks' operation counts and a
+        tiny collective check that the group is still in step (not, say, one rank a collective ahead);
+        if not, the pool is closed."""
         call_id = next(_call_ids)
         message = pickle.dumps((call_id, timeout_seconds, payload))
         deadline = time.monotonic() + timeout_seconds
@@ -170,10 +176,19 @@ class Pool:
             if not all_finished() and some_failed():
                 self._pump(min(deadline, time.monotonic() + SETTLE_SECONDS), all_finished)
         except KeyboardInterrupt:
-            self._stop_after_interrupt(finished)
+            try:
+                if not check_health:
+                    raise  # the health probe itself was interrupted: nothing left to judge the pool by
+                self._stop_after_interrupt(call_id, finished)
+            except BaseException:
+                self.close()  # a second Ctrl-C, or a stream left broken: give up the pool
+                raise
             raise
-        running = [r for r in self.ranks if not finished(r)]
+        except BaseException:
+            self.close()  # e.g. a test timeout's exception: the ranks may still run this call
+            raise
         try:
+            running = [r for r in self.ranks if not finished(r)]
             return self._conclude(call_id, running, timeout_seconds, check_health)
         except (RankError, TypeError):
             raise  # the call's own verdict; _conclude has decided whether the pool stays
@@ -196,7 +211,7 @@ class Pool:
         if not failures:
             return [_load(replies[r]) for r in range(self.world_size)]
         if not (running or any(r.gone for r in self.ranks)) and check_health:
-            self._check_health()
+            self._keep_if_in_step(replies)
         else:
             self.close()
         restarted = "" if not self.closed else (
@@ -232,23 +247,26 @@ class Pool:
                 stacks[r.rank] = None
         return stacks
 
-    def _stop_after_interrupt(self, finished) -> None:
-        """Ctrl-C: ask the running ranks to stop; keep the pool only if all did, in step."""
-        running = [r for r in self.ranks if not finished(r)]
-        self._server.signal([r.pid for r in running], signal.SIGINT)
-        try:
-            self._pump(time.monotonic() + INTERRUPT_GRACE_SECONDS, lambda: all(finished(r) for r in self.ranks))
-        except BaseException:  # noqa: BLE001 - a second Ctrl-C, or a stream left broken: give up the pool
-            self.close()
-            return
+    def _stop_after_interrupt(self, call_id: int, finished) -> None:
+        """Ctrl-C: ask every rank still running to stop call `call_id`; keep the pool only if each
+        rank answered that call and they stopped in step. Anything raised here closes the pool."""
+        for r in self.ranks:
+            if not finished(r):
+                try:
+                    r.control.send_bytes(interrupt_request(call_id))
+                except OSError:
+                    self._mark_gone(r)
+        self._pump(time.monotonic() + INTERRUPT_GRACE_SECONDS, lambda: all(finished(r) for r in self.ranks))
         self._flush_output()
         stuck = [r.rank for r in self.ranks if not finished(r)]
+        replies = {r.rank: next(m for m in r.inbox if m[0] == call_id) for r in self.ranks
+                   if any(m[0] == call_id for m in r.inbox)}
         for r in self.ranks:
             r.inbox.clear()
         if stuck or any(r.gone for r in self.ranks):
             self.close()
         else:
-            self._check_health()
+            self._keep_if_in_step(replies)
         if self.closed:
             why = f"{rank_list(stuck)} did not stop" if stuck else "the ranks stopped out of step"
             print(f"labkit: interrupted; {why}, so the pool was stopped "
@@ -256,12 +274,19 @@ class Pool:
         else:
             print("labkit: interrupted; every rank stopped cleanly and the pool is kept.", file=sys.stderr)
 
-    def _check_health(self) -> None:
-        """Close the pool unless a tiny all_reduce still works on it."""
+    def _keep_if_in_step(self, replies: dict[int, tuple]) -> None:
+        """Close the pool unless every rank answered, each process group issued as many operations
+        on each of its ranks during the call, and a tiny all_reduce still works.
+
+        The all_reduce alone can be fooled: if rank 1 left an all_reduce unmatched, rank 0's probe
+        completes against it. The counts cannot: they are read on each rank, with no collective."""
+        if len(replies) != self.world_size or not _same_steps([reply[4] for reply in replies.values()]):
+            self.close()
+            return
         try:
             total = self.call(_HEALTH_PROBE, HEALTH_CHECK_SECONDS, check_health=False)
-        except (RankError, KeyboardInterrupt):
-            total = None
+        except RankError:
+            total = None  # the probe call has closed the pool already
         if total != [float(self.world_size)] * self.world_size:
             self.close()
 
@@ -277,6 +302,8 @@ class Pool:
                 kind, r = key.data
                 if kind == "server":
                     self._server.read_reports()
+                    if not self._server.alive:  # its socket would stay readable at end of file
+                        self._selector.unregister(key.fd)
                 elif kind == "job":
                     self._receive(r)
                 else:
@@ -332,19 +359,32 @@ class Pool:
             return
         self.closed = True
         pids = [r.pid for r in self.ranks]
-        if self._server.alive:  # otherwise its ranks have died with it
-            self._server.signal(pids, signal.SIGKILL)
-            self._server.wait_for_exit(pids, 3.0)
-        for r in self.ranks:
-            r.job.close()
-            r.control.close()
-            for fd in r.pipes.values():
-                os.close(fd)
-        self._selector.close()
+        try:
+            if self._server.alive:  # otherwise its ranks have died with it
+                self._server.signal(pids, signal.SIGKILL)
+                self._server.wait_for_exit(pids, 3.0)
+        finally:  # even if Ctrl-C cut the wait short: a rank whose control socket closes ends itself
+            for r in self.ranks:
+                r.job.close()
+                r.control.close()
+                for fd in r.pipes.values():
+                    os.close(fd)
+            self._selector.close()
+
+
+def _same_steps(steps: list[dict[str, int] | None]) -> bool:
+    """True if every rank counted its operations, and those in one group issued the same number."""
+    if any(s is None for s in steps):
+        return False
+    per_group: dict[str, set[int]] = {}
+    for counts in steps:
+        for group, count in counts.items():
+            per_group.setdefault(group, set()).add(count)
+    return all(len(counts) == 1 for counts in per_group.values())
 
 
 def _failure_from_reply(rank: int, reply: tuple) -> Failure:
-    _, status, data, when = reply
+    _, status, data, when, _ = reply
     if status == "unpicklable":
         return Failure(rank, "unpicklable", data, time=when)
     if status == "interrupted":

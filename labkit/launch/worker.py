@@ -4,8 +4,16 @@ A worker talks to the owner (the notebook's kernel, or a script) over two socket
 socket its main thread receives cloudpickled `(fn, args, kwargs)`, runs it and sends back the
 result. On the control socket a second thread answers "where are you?" with the main thread's
 stack, even while that thread waits inside a collective (c10d releases the GIL while it waits),
-and ends the process when the owner goes away. Output goes to fds 1 and 2, pipes the owner
-drains; after each call a marker line on both says "everything before me belongs to that call".
+takes interrupts, and ends the process when the owner goes away. Output goes to fds 1 and 2, pipes
+the owner drains; after each call a marker line on both says "everything before me belongs to that
+call".
+
+An interrupt names the call it is meant for. A bare SIGINT carries no such name: one that reached a
+rank a moment too early was lost, and one that came late stopped the next call. So the owner sends
+"interrupt <call id>" on the control socket; the control thread notes the id and signals the main
+thread, whose handler raises KeyboardInterrupt only while that very call runs; a call that starts
+after its interrupt came stops before the user's code. Each reply also says how many operations
+each process group issued during the call, so the owner can tell whether the ranks stopped in step.
 """
 
 from __future__ import annotations
@@ -27,9 +35,17 @@ from labkit.launch.errors import describe_exception, describe_stack
 from labkit.launch.output import end_of_call_marker
 
 STACK_REQUEST = b"stack"
+_INTERRUPT_REQUEST = b"interrupt "
 GROUP_TIMEOUT_MARGIN_SECONDS = 15.0
 
 _cell_namespace: dict = {"__name__": "__main__"}
+_running_call: int | None = None  # the call whose payload and user code the main thread runs now
+_interrupt_for: int | None = None  # the latest call the owner asked to stop, until the stop is raised
+
+
+def interrupt_request(call_id: int) -> bytes:
+    """The control message asking a rank to stop call `call_id` (and no other)."""
+    return _INTERRUPT_REQUEST + str(call_id).encode()
 
 
 def main(spec: dict, job_fd: int, control_fd: int) -> None:
@@ -51,7 +67,7 @@ def _prepare_process(spec: dict) -> None:
     os.environ.update(spec["env"])
     os.chdir(spec["cwd"])
     sys.path[:] = spec["sys_path"]
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # see _run
+    signal.signal(signal.SIGINT, _on_interrupt)  # only the owner's control message raises: see _run
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     import torch
@@ -80,6 +96,31 @@ def _serve_control(control: Connection, main_thread: int) -> None:
         if request == STACK_REQUEST:
             frame = sys._current_frames().get(main_thread)
             control.send_bytes(pickle.dumps(describe_stack(frame) if frame else []))
+        elif request.startswith(_INTERRUPT_REQUEST):
+            _interrupt(int(request[len(_INTERRUPT_REQUEST):]), main_thread)
+
+
+def _interrupt(call_id: int, main_thread: int) -> None:
+    """Note which call to stop, then wake the main thread: a signal ends its sleep or select with
+    EINTR and runs `_on_interrupt` there (Python runs signal handlers in the main thread only)."""
+    global _interrupt_for
+    _interrupt_for = call_id
+    signal.pthread_kill(main_thread, signal.SIGINT)
+
+
+def _on_interrupt(signum, frame) -> None:
+    """SIGINT handler: raise KeyboardInterrupt in the user's code if its call is the one to stop."""
+    if _running_call is not None and _take_interrupt(_running_call):
+        raise KeyboardInterrupt
+
+
+def _take_interrupt(call_id: int) -> bool:
+    """True once if the owner asked to stop `call_id`; the request is used up by raising it."""
+    global _interrupt_for
+    if _interrupt_for != call_id:
+        return False
+    _interrupt_for = None
+    return True
 
 
 def _serve_calls(job: Connection) -> None:
@@ -88,28 +129,34 @@ def _serve_calls(job: Connection) -> None:
             call_id, timeout_seconds, payload = pickle.loads(job.recv_bytes())
         except (EOFError, OSError):
             os._exit(0)
-        _follow_call_timeout(timeout_seconds)
-        reply = _run(payload)
+        before = sequence_numbers()
+        reply = _run(call_id, timeout_seconds, payload)
+        steps = _steps_since(before)
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(1, end_of_call_marker(call_id))
         os.write(2, end_of_call_marker(call_id))
-        job.send_bytes(pickle.dumps((call_id, *reply, time.time())))
+        job.send_bytes(pickle.dumps((call_id, *reply, time.time(), steps)))
 
 
-def _run(payload: bytes) -> tuple[str, object]:
-    """Run one call: ("ok", pickled result) or ("error" | "interrupted", description)."""
+def _run(call_id: int, timeout_seconds: float, payload: bytes) -> tuple[str, object]:
+    """Run one call: ("ok", pickled result) or ("error" | "interrupted", description).
+
+    An interrupt for this call raises KeyboardInterrupt anywhere between the two assignments to
+    `_running_call`, and nowhere else: a rank idle or sending its result is never disturbed."""
+    global _running_call
     from labkit.launch import serialize
 
     try:
-        fn, args, kwargs = serialize.loads(payload)
-        # Ctrl-C in the notebook reaches a rank as SIGINT, and must stop only the user's code: outside
-        # it, SIGINT is ignored, so a rank busy sending its result or idle is never disturbed.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
+            _running_call = call_id
+            if _take_interrupt(call_id):  # it came before the call did
+                raise KeyboardInterrupt
+            _follow_call_timeout(timeout_seconds)
+            fn, args, kwargs = serialize.loads(payload)
             result = fn(*args, **kwargs)
         finally:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            _running_call = None
     except KeyboardInterrupt as exc:
         return "interrupted", _forget(exc)
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: a rank must not exit on a whim
@@ -148,6 +195,41 @@ def _follow_call_timeout(call_timeout_seconds: float) -> None:
 
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=wanted))
         _group_timeout_seconds = wanted
+
+
+def sequence_numbers() -> dict[str, int] | None:
+    """How many operations each of this rank's process groups has issued, per backend: c10d counts
+    them on the rank that issues them, whether or not a peer ever matched them. None where c10d
+    cannot say."""
+    try:
+        return {key: backend._get_sequence_number_for_group() for key, backend in _group_backends()}
+    except Exception:  # noqa: BLE001 - a group c10d cannot count: the owner then trusts nothing
+        return None
+
+
+_backends: tuple[tuple, list] = ((), [])
+
+
+def _group_backends() -> list:
+    """("group name/device type", backend) for each of this rank's groups; looked up again only
+    when the groups change, since c10d's `_get_backend` costs about 10 us and every call asks."""
+    global _backends
+    import torch
+    import torch.distributed as dist
+
+    groups = tuple(dist.distributed_c10d._world.pg_names.items())
+    if groups != _backends[0]:
+        _backends = (groups, [(f"{name}/{device_type}", group._get_backend(torch.device(device_type)))
+                              for group, name in groups for device_type in group._device_types])
+    return _backends[1]
+
+
+def _steps_since(before: dict[str, int] | None) -> dict[str, int] | None:
+    """Operations each group issued since `before`: equal on every member rank when they are in step."""
+    after = sequence_numbers()
+    if before is None or after is None:
+        return None
+    return {key: count - before.get(key, 0) for key, count in after.items()}
 
 
 def health_probe() -> float:

@@ -132,18 +132,26 @@ def test_dead_rank_is_named_with_its_signal_and_stderr(how, expected):
 
 
 class Interrupter:
-    """Ctrl-C for tests: SIGINT to this process after a delay. Python raises KeyboardInterrupt on
-    SIGINT only if the process did not start with SIGINT ignored, as a background job of a
-    non-interactive shell (CI) does; so the handler is installed here, as ipykernel does while it
-    runs a cell."""
+    """Ctrl-C for tests: SIGINT to this process after a delay, or once ranks have written marker
+    files (a chosen moment, not a guessed one). Python raises KeyboardInterrupt on SIGINT only if
+    the process did not start with SIGINT ignored, as a background job of a non-interactive shell
+    (CI) does; so the handler is installed here, as ipykernel does while it runs a cell."""
 
-    def __init__(self):
+    def __init__(self, folder):
+        self.folder = str(folder)
         self.sent_at = None
         self._stop = threading.Event()
         self._threads = []
 
     def after(self, seconds: float) -> None:
         self._start(lambda: self._stop.wait(seconds) or True)
+
+    def when_ranks_reach(self, count: int) -> None:
+        """Interrupt once `count` ranks have called `reach(folder)`."""
+        def ready():
+            self._stop.wait(0.01)
+            return len(os.listdir(self.folder)) >= count
+        self._start(ready)
 
     def _start(self, ready) -> None:
         def wait_then_interrupt():
@@ -155,6 +163,9 @@ class Interrupter:
         self._threads.append(threading.Thread(target=wait_then_interrupt, daemon=True))
         self._threads[-1].start()
 
+    def seconds_since_sent(self) -> float:
+        return time.monotonic() - self.sent_at
+
     def close(self) -> None:
         self._stop.set()  # a SIGINT not sent yet must not hit a later test
         for thread in self._threads:
@@ -162,12 +173,17 @@ class Interrupter:
 
 
 @pytest.fixture
-def interrupter():
+def interrupter(tmp_path):
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    interrupter = Interrupter()
+    interrupter = Interrupter(tmp_path)
     yield interrupter
     interrupter.close()
     signal.signal(signal.SIGINT, previous)
+
+
+def reach(folder: str) -> None:
+    """On a rank: say "I am here" to the interrupter."""
+    open(os.path.join(folder, f"rank-{labkit.rank()}"), "w").close()
 
 
 def test_keyboard_interrupt_returns_quickly_and_the_next_call_works(interrupter):
@@ -191,6 +207,97 @@ def test_interrupting_python_code_keeps_a_healthy_pool(interrupter):
     with pytest.raises(KeyboardInterrupt):
         labkit.run(time.sleep, 30, world_size=2)
     assert labkit.run(os.getpid, world_size=2) == pids_before
+
+
+class SlowToUnpickle:
+    """An argument that takes seconds to arrive on a rank, like a module imported under load: the
+    rank has the call but has not reached the user's code yet."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+
+    def __reduce__(self):
+        return arrive_slowly, (self.folder,)
+
+
+def arrive_slowly(folder: str) -> str:
+    reach(folder)
+    time.sleep(3)
+    return folder
+
+
+def sleep_long(_):
+    time.sleep(30)
+
+
+def test_an_interrupt_before_the_users_code_starts_is_not_lost(interrupter):
+    pids_before = labkit.run(os.getpid, world_size=2)
+    interrupter.when_ranks_reach(2)
+    with pytest.raises(KeyboardInterrupt):
+        labkit.run(sleep_long, SlowToUnpickle(interrupter.folder), world_size=2)
+    assert interrupter.seconds_since_sent() < 3
+    assert labkit.run(os.getpid, world_size=2) == pids_before  # both ranks stopped: the pool is kept
+
+
+def test_a_sigint_not_sent_for_this_call_does_not_stop_it():
+    def f():
+        os.kill(os.getpid(), signal.SIGINT)  # as a late SIGINT meant for an earlier call would
+        time.sleep(0.5)
+        return labkit.rank()
+    assert labkit.run(f, world_size=2) == [0, 1]
+
+
+def test_an_interrupt_for_an_earlier_call_does_not_stop_this_one():
+    from labkit.launch import pool as pool_module
+    from labkit.launch.owner import _owner
+    from labkit.launch.worker import interrupt_request
+    labkit.run(rank_sum, world_size=2, backend="gloo")
+    earlier = next(pool_module._call_ids) - 1  # the id rank_sum ran as
+    ranks = _owner.pools[(2, "gloo")].ranks
+    timer = threading.Timer(0.5, lambda: [r.control.send_bytes(interrupt_request(earlier)) for r in ranks])
+    timer.start()
+    try:
+        assert labkit.run(lambda: time.sleep(1.5) or labkit.rank(), world_size=2, backend="gloo") == [0, 1]
+    finally:
+        timer.join()
+
+
+def test_ranks_interrupted_out_of_step_are_replaced_at_once(interrupter, capfd):
+    def one_rank_ahead(folder):
+        if labkit.rank() == 1:
+            dist.all_reduce(torch.ones(1), async_op=True)  # posted, never matched by rank 0
+        reach(folder)
+        time.sleep(30)
+    pids_before = labkit.run(os.getpid, world_size=2)
+    interrupter.when_ranks_reach(2)
+    with pytest.raises(KeyboardInterrupt):
+        labkit.run(one_rank_ahead, interrupter.folder, world_size=2)
+    # rank 0's probe all_reduce would complete against rank 1's pending one, and rank 1's probe wait
+    # out its 3 s timeout; the operation counts tell at once
+    assert interrupter.seconds_since_sent() < 2.5
+    assert "stopped out of step" in capfd.readouterr().err
+    assert labkit.run(os.getpid, world_size=2) != pids_before
+    assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
+
+
+def slow_health_probe(folder: str) -> float:
+    reach(folder)
+    time.sleep(30)
+    return float(labkit.world_size())
+
+
+def test_ctrl_c_during_the_health_check_after_a_failure_is_not_swallowed(interrupter, monkeypatch):
+    from labkit.launch import pool, serialize
+    monkeypatch.setattr(pool, "_HEALTH_PROBE", serialize.dumps((slow_health_probe, (interrupter.folder,), {})))
+
+    def fail_everywhere():
+        raise ValueError("every rank fails alike, so the pool's health is checked")
+    interrupter.when_ranks_reach(2)
+    with pytest.raises(KeyboardInterrupt):
+        labkit.run(fail_everywhere, world_size=2)
+    assert interrupter.seconds_since_sent() < 3
+    monkeypatch.undo()
+    assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
 
 
 def group_timeout_seconds():
