@@ -1,125 +1,157 @@
-"""The graders accept the reference solutions and reject the usual mistakes, with a hint that names them."""
+"""The graders' machinery: the notebooks' solutions pass, the guard counts each message once and always goes
+away, and the ring's expected bytes are the lesson's formula. The catalogue of mistakes is in
+test_grader_catalogue.py."""
 
+import itertools
+
+import pytest
 import torch
 import torch.distributed as dist
 
 import labkit
-from labkit.exercises import Verdict, check_naive_allreduce, check_ring_allreduce
+from labkit import comm
+from labkit.comm.transport import TorchTransport
+from labkit.exercises import (
+    ForbiddenCall,
+    Verdict,
+    _Guard,
+    check_naive_allreduce,
+    check_ring_allreduce,
+    rank_input,
+    ring_nbytes_per_rank,
+)
+from labkit.plan.traffic import ring_allreduce_bytes
 
 
-def hub_gathers_and_sums(t):
-    incoming = torch.empty_like(t)
-    for src in range(1, labkit.world_size()):
-        dist.recv(incoming, src)
-        t += incoming
-
-
-def naive_reference(t):
-    if labkit.rank() == 0:
-        hub_gathers_and_sums(t)
-        for dst in range(1, labkit.world_size()):
+def notebook_02_solution(t):
+    """The solution in notebook 02's folded cell."""
+    rank, n = labkit.rank(), labkit.world_size()
+    if rank == 0:
+        incoming = torch.empty_like(t)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            t += incoming
+        for dst in range(1, n):
             dist.send(t, dst)
     else:
         dist.send(t, 0)
         dist.recv(t, 0)
 
 
-def naive_never_sends_back(t):
-    if labkit.rank() == 0:
-        hub_gathers_and_sums(t)
-    else:
-        dist.send(t, 0)
-
-
-def naive_sums_twice(t):
-    if labkit.rank() == 0:
-        naive_reference(t)
-    else:
-        dist.send(t, 0)
-        result = torch.empty_like(t)
-        dist.recv(result, 0)
-        t += result
-
-
-def naive_wrong_hub(t):
+def notebook_03_solution(t):
+    """The solution in notebook 03's folded cell."""
     rank, n = labkit.rank(), labkit.world_size()
-    if rank == 0:  # the hub code runs on rank 0 ...
-        naive_reference(t)
-    else:  # ... but the others send to the last rank, which waits for rank 0 like everyone else
-        dist.send(t, n - 1 if rank != n - 1 else 0)
-        dist.recv(t, 0)
-
-
-def naive_hub_forgets_itself(t):
-    if labkit.rank() == 0:
-        t.zero_()  # the hub drops its own contribution
-    naive_reference(t)
-
-
-def naive_uses_all_reduce(t):
-    dist.all_reduce(t)
-
-
-def scatter_reduce(chunks):
-    rank, n = labkit.rank(), labkit.world_size()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         send, receive = (rank - step - 1) % n, (rank - step - 2) % n
         incoming = torch.empty_like(chunks[receive])
-        pending = dist.isend(chunks[send], (rank + 1) % n)
-        dist.recv(incoming, (rank - 1) % n)
+        pending = dist.isend(chunks[send], right)
+        dist.recv(incoming, left)
         pending.wait()
         chunks[receive] += incoming
-
-
-def all_gather(chunks):
-    rank, n = labkit.rank(), labkit.world_size()
     for step in range(n - 1):
         send, receive = (rank - step) % n, (rank - step - 1) % n
-        pending = dist.isend(chunks[send], (rank + 1) % n)
-        dist.recv(chunks[receive], (rank - 1) % n)
+        pending = dist.isend(chunks[send], right)
+        dist.recv(chunks[receive], left)
         pending.wait()
 
 
-def ring_reference(t):
-    chunks = list(t.tensor_split(labkit.world_size()))
-    scatter_reduce(chunks)
-    all_gather(chunks)
+def test_the_notebooks_solutions_pass_and_say_what_was_checked():
+    naive = check_naive_allreduce(notebook_02_solution)
+    assert naive and isinstance(naive, Verdict) and "rank 0 at one end" in naive.message, naive
+    assert repr(naive).startswith("Correct! ") and naive._repr_markdown_().startswith("**✅ Correct!**")
+    ring = check_ring_allreduce(notebook_03_solution)
+    assert ring and "only to its right neighbour" in ring.message and "2(N-1)/N x S" in ring.message, ring
 
 
-def ring_without_allgather(t):
-    scatter_reduce(list(t.tensor_split(labkit.world_size())))
+def test_a_grader_wants_the_function_itself():
+    verdict = check_naive_allreduce(42)
+    assert not verdict and "pass your function itself" in verdict.message
+    assert repr(verdict).startswith("Not yet. ")
 
 
-def ring_even_sizes_only(t):
-    size = t.numel() // labkit.world_size()
-    chunks = [t[i * size:(i + 1) * size] for i in range(labkit.world_size())]  # drops the remainder
-    scatter_reduce(chunks)
-    all_gather(chunks)
+@pytest.mark.parametrize("world_size", [2, 3, 4, 6, 8])
+def test_ring_bytes_are_the_lesson_s_formula_when_n_divides(world_size):
+    numel = 12 * world_size
+    orders = list(itertools.permutations(range(world_size)))[:30] if world_size > 4 else \
+        itertools.permutations(range(world_size))
+    for order in orders:
+        assert ring_nbytes_per_rank(numel, world_size, 4, order) == \
+            [ring_allreduce_bytes(4 * numel, world_size)] * world_size
 
 
-def test_naive_reference_passes():
-    verdict = check_naive_allreduce(naive_reference)
-    assert verdict.passed and isinstance(verdict, Verdict), verdict
+@pytest.mark.parametrize(("numel", "world_size"), [(7, 3), (10, 4), (2, 4), (5, 2), (13, 5)])
+def test_ring_bytes_for_uneven_chunks_are_each_chunk_sent_2n_minus_2_times_in_all(numel, world_size):
+    sizes = [len(c) for c in torch.arange(numel).tensor_split(world_size)]
+    per_rank = ring_nbytes_per_rank(numel, world_size, element_size=1)
+    assert sum(per_rank) == 2 * (world_size - 1) * numel  # every chunk goes N-1 times in each phase
+    assert per_rank == [2 * numel - sizes[r] - sizes[(r + 1) % world_size] for r in range(world_size)]
+    assert max(per_rank) - min(per_rank) <= 2  # chunks differ by one element at most
 
 
-def test_naive_mistakes_get_their_hint():
-    assert "the result never reached it" in check_naive_allreduce(naive_never_sends_back).message
-    assert "summed twice" in check_naive_allreduce(naive_sums_twice).message
-    wrong_hub = check_naive_allreduce(naive_wrong_hub)
-    assert not wrong_hub and "never finished" in wrong_hub.message and "same hub" in wrong_hub.message
-    assert "switched off" in check_naive_allreduce(naive_uses_all_reduce).message
-    forgot = check_naive_allreduce(naive_hub_forgets_itself).message
-    assert "expected" in forgot and "tensor_split" not in forgot  # no ring advice for a hub
-    assert "pass your function itself" in check_naive_allreduce(42).message
+def test_the_guard_switches_off_collectives_and_always_restores_them():
+    """In this process, without a process group: what the guard replaces, it puts back, even on an error."""
+    import torch.distributed.distributed_c10d as c10d
+
+    watched = [(dist, "all_reduce"), (c10d, "all_reduce"), (dist, "all_gather_object"), (dist, "gather"),
+               (dist.ProcessGroup, "allreduce"), (dist.ProcessGroup, "send"), (dist.ProcessGroup, "recv"),
+               (torch._C._distributed_c10d.Backend, "allreduce"), (TorchTransport, "_post_send")]
+    before = {(owner, name): vars(owner)[name] for owner, name in watched}
+    with pytest.raises(ValueError, match="the student's own error"):
+        with _Guard() as guard:
+            assert all(vars(owner)[name] is not before[owner, name] for owner, name in watched)
+            for call in (lambda: dist.all_reduce(torch.ones(1)), lambda: c10d.all_gather_object([], 1),
+                         lambda: torch.ops.c10d.allreduce_([torch.ones(1)]),
+                         lambda: torch.ops._c10d_functional.all_reduce(torch.ones(1), "sum", "0")):
+                with pytest.raises(ForbiddenCall, match="is switched off while this exercise is graded"):
+                    call()
+            raise ValueError("the student's own error")
+    assert guard.forbidden == ["torch.distributed.all_reduce", "torch.distributed.distributed_c10d.all_gather_object",
+                               "torch.ops.c10d.allreduce_", "torch.ops._c10d_functional.all_reduce"]
+    assert all(vars(owner)[name] is before[owner, name] for owner, name in watched)
+    assert isinstance(torch.ops.c10d.allreduce_, torch._ops.OpOverloadPacket)
 
 
-def test_ring_reference_passes():
-    verdict = check_ring_allreduce(ring_reference)
-    assert verdict.passed, verdict
+def count_each_way_of_sending():
+    """Rank 0 sends four messages of 12 bytes, each a different way; rank 1 receives them."""
+    t = torch.arange(3.0) if labkit.rank() == 0 else torch.empty(3)
+    with _Guard() as guard:
+        if labkit.rank() == 0:
+            dist.send(t, 1)
+            dist.isend(t, 1).wait()
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 1)]):
+                work.wait()
+            dist.group.WORLD.send([t], 1, 0).wait()
+        else:
+            dist.recv(t, 0)
+            dist.irecv(t, 0).wait()
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, 0)]):
+                work.wait()
+            dist.group.WORLD.recv([t], 0, 0).wait()
+    return guard.sends, guard.recvs, t.tolist()
 
 
-def test_ring_mistakes_get_their_hint():
-    assert "all-gather" in check_ring_allreduce(ring_without_allgather).message
-    assert "tensor_split" in check_ring_allreduce(ring_even_sizes_only).message
-    not_a_ring = check_ring_allreduce(naive_reference)  # the right answer, through a hub
-    assert not not_a_ring and "this is not a ring" in not_a_ring.message
+def test_every_message_is_counted_once_with_its_peer_and_bytes():
+    (sent, received, _), (sent_by_1, received_by_1, t) = labkit.run(count_each_way_of_sending, world_size=2)
+    assert sent == [(1, 12)] * 4 and received == []
+    assert sent_by_1 == [] and received_by_1 == [(0, 12)] * 4 and t == [0.0, 1.0, 2.0]
+
+
+def guarded_error_then_collectives():
+    """On a rank: the guard is gone after the student's code raised inside it, and the group still works."""
+    t = rank_input(labkit.rank(), 4, device=labkit.device())
+    try:
+        with _Guard():
+            raise RuntimeError("the student's code failed")
+    except RuntimeError:
+        pass
+    dist.all_reduce(t)
+    dist.group.WORLD.allreduce([t]).wait()
+    comm.ring_allreduce(t)
+    return t.tolist()
+
+
+def test_after_a_failure_inside_the_guard_collectives_work_again_on_the_ranks():
+    total = sum(rank_input(r, 4) for r in range(3))  # the first all-reduce; each next one multiplies by 3
+    assert labkit.run(guarded_error_then_collectives, world_size=3) == [(9 * total).tolist()] * 3

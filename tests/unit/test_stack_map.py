@@ -1,12 +1,54 @@
-"""The stack-map grader: NCCL communicates, TensorRT-LLM optimizes, ..."""
+"""The stack-map grader: strict about what it accepts, forgiving about case and spacing, and it never gives the
+answer away in a failing verdict."""
+
+import pytest
 
 from labkit.exercises import STACK_MAP, check_stack_map
 
 
-def test_stack_map_grader_accepts_the_lesson_s_map_and_names_what_is_wrong():
+def assert_rejected(answers, phrase):
+    verdict = check_stack_map(answers)
+    assert not verdict and phrase in verdict.message, verdict
+    leaked = [f"{name} {verb}" for name, verb in STACK_MAP.items() if f"{name} {verb}" in verdict.message]
+    assert not leaked, f"a failing verdict gives away {leaked}: {verdict.message}"
+
+
+def test_the_lesson_s_map_passes_with_any_case_and_spacing():
     assert check_stack_map(dict(STACK_MAP))
-    assert check_stack_map({name: f" {verb.upper()} " for name, verb in STACK_MAP.items()})  # case, spaces
-    swapped = {**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"}
-    verdict = check_stack_map(swapped)
-    assert not verdict and "NCCL, NeMo" in verdict.message and "not a training framework" in verdict.message
-    assert "still open: RAPIDS" in check_stack_map({k: v for k, v in STACK_MAP.items() if k != "RAPIDS"}).message
+    assert check_stack_map({name: f" {verb.upper()} " for name, verb in STACK_MAP.items()})
+    assert check_stack_map({**STACK_MAP, "RAPIDS": "Processes   Data"})
+    renamed = {" nccl": "communicates", "tensorrt llm": "optimizes", "TRITON ": "serves", "nim": "packages",
+               "Nemo": "builds", "rapids": "processes data"}
+    assert check_stack_map(renamed)
+
+
+def test_wrong_answers_are_named_without_the_right_ones():
+    verdict = check_stack_map({**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"})
+    assert not verdict and "4 of 6 right" in verdict.message and "NCCL, NeMo" in verdict.message
+    assert "not a training framework" in verdict.message
+    assert_rejected({**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"}, "look again at NCCL, NeMo")
+
+
+def test_a_shuffled_map_is_rejected_and_called_shuffled():
+    names, verbs = list(STACK_MAP), list(STACK_MAP.values())
+    shuffled = dict(zip(names, verbs[1:] + verbs[:1], strict=True))  # every answer used once, each one off
+    assert_rejected(shuffled, "0 of 6 right")
+    assert_rejected(shuffled, "Each answer is used once, but not with its component.")
+
+
+@pytest.mark.parametrize(("answers", "phrase"), [
+    ({k: v for k, v in STACK_MAP.items() if k != "RAPIDS"}, "still open: RAPIDS"),
+    ({}, "still open: NCCL, TensorRT-LLM, Triton, NIM, NeMo, RAPIDS"),
+    ({**STACK_MAP, "Triton": "  "}, "still open: Triton"),
+    ({**STACK_MAP, "Triton": None}, "still open: Triton"),
+    (list(STACK_MAP.items()), "pass a dict that maps each component to what it does"),
+    ("NCCL communicates", "pass a dict"),
+    (None, "got NoneType"),
+    ({**STACK_MAP, "CUDA": "computes"}, "'CUDA' is not one of the components"),
+    ({**STACK_MAP, 7: "serves"}, "7 is not one of the components"),
+    ({**STACK_MAP, "nccl": "communicates"}, "NCCL is answered twice"),
+    ({**STACK_MAP, "NIM": 3}, "give NIM's answer as text"),
+    ({**STACK_MAP, "NeMo": "trains"}, "'trains' for NeMo: not one of the choices"),
+])
+def test_partial_malformed_or_unknown_answers_are_rejected_with_what_is_wrong(answers, phrase):
+    assert_rejected(answers, phrase)

@@ -1,0 +1,555 @@
+"""Every grader against a catalogue of wrong solutions, each rejected with a message that names the mistake,
+and right solutions written in different ways, all accepted.
+
+Several wrong ones give the right answer (a ring that passes the whole tensor around, a ring that runs to
+the left, a hub that is not rank 0, a hub through the rendezvous store, torch's own collectives): only the
+grader's traffic check and its guard catch them.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as functional
+import torch.distributed.distributed_c10d as c10d
+
+import labkit
+from labkit import comm
+from labkit.exercises import check_naive_allreduce, check_ring_allreduce
+
+DEADLOCK_SECONDS = 3.0  # a wrong solution that hangs is stopped after this long (right ones take milliseconds)
+
+
+def me():
+    return labkit.rank(), labkit.world_size()
+
+
+def bounds(numel, n):
+    """(start, length) of each chunk, the sizes tensor_split gives: the first numel % n are one longer."""
+    base, extra = divmod(numel, n)
+    lengths = [base + (i < extra) for i in range(n)]
+    return [(sum(lengths[:i]), lengths[i]) for i in range(n)]
+
+
+# ---- ring: right solutions, four ways ------------------------------------------------------------------
+
+def ring_isend_irecv(t):
+    """The lesson's numbering; every step posts isend and irecv, then waits for both."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send, receive = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[receive])
+        for work in (dist.isend(chunks[send], right), dist.irecv(incoming, left)):
+            work.wait()
+        chunks[receive] += incoming
+    for step in range(n - 1):
+        send, receive = (rank - step) % n, (rank - step - 1) % n
+        for work in (dist.isend(chunks[send], right), dist.irecv(chunks[receive], left)):
+            work.wait()
+
+
+def exchange_by_parity(outgoing, incoming, right, left, rank):
+    """Blocking send and recv that cannot deadlock: even ranks send first, odd ranks receive first."""
+    if rank % 2 == 0:
+        dist.send(outgoing, right)
+        dist.recv(incoming, left)
+    else:
+        dist.recv(incoming, left)
+        dist.send(outgoing, right)
+
+
+def ring_blocking_by_parity(t):
+    """Another numbering (send chunk r - s, as many tutorials do: rank r completes chunk r + 1), blocking calls."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send, receive = (rank - step) % n, (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[receive])
+        exchange_by_parity(chunks[send], incoming, right, left, rank)
+        chunks[receive] += incoming
+    for step in range(n - 1):
+        send, receive = (rank - step + 1) % n, (rank - step) % n
+        exchange_by_parity(chunks[send], chunks[receive], right, left, rank)
+
+
+def ring_narrow_and_copy(t):
+    """Chunks as t.narrow views; every chunk is received into a buffer, then added or copied in."""
+    rank, n = me()
+    chunks = [t.narrow(0, start, length) for start, length in bounds(t.numel(), n)]
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for phase in ("reduce-scatter", "all-gather"):
+        for step in range(n - 1):
+            offset = 1 if phase == "reduce-scatter" else 0
+            send, receive = (rank - step - offset) % n, (rank - step - offset - 1) % n
+            buffer = torch.zeros(chunks[receive].numel())
+            pending = dist.isend(chunks[send], right)
+            dist.recv(buffer, left)
+            pending.wait()
+            if phase == "reduce-scatter":
+                chunks[receive].add_(buffer)
+            else:
+                chunks[receive].copy_(buffer)
+
+
+def ring_batch_isend_irecv(t):
+    """Each step's send and receive posted together with dist.batch_isend_irecv."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        reducing = step < n - 1
+        s = step if reducing else step - (n - 1)
+        send, receive = ((rank - s - 1) % n, (rank - s - 2) % n) if reducing else ((rank - s) % n, (rank - s - 1) % n)
+        incoming = torch.empty_like(chunks[receive])
+        ops = [dist.P2POp(dist.isend, chunks[send], right), dist.P2POp(dist.irecv, incoming, left)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        if reducing:
+            chunks[receive] += incoming
+        else:
+            chunks[receive].copy_(incoming)
+
+
+# ---- ring: wrong solutions -------------------------------------------------------------------------------
+
+def ring_whole_tensor(t):
+    """Right answer: every rank passes the inputs around whole, N-1 times. (N-1) x S bytes per rank."""
+    rank, n = me()
+    passing, incoming = t.clone(), torch.empty_like(t)
+    for _ in range(n - 1):
+        pending = dist.isend(passing, (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+        pending.wait()
+        t += incoming
+        passing.copy_(incoming)
+
+
+def ring_to_the_left(t):
+    """Right answer, mirrored: sends to rank - 1, receives from rank + 1."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    left, right = (rank - 1) % n, (rank + 1) % n
+    for step in range(n - 1):
+        send, receive = (rank + step + 1) % n, (rank + step + 2) % n
+        incoming = torch.empty_like(chunks[receive])
+        pending = dist.isend(chunks[send], left)
+        dist.recv(incoming, right)
+        pending.wait()
+        chunks[receive] += incoming
+    for step in range(n - 1):
+        send, receive = (rank + step) % n, (rank + step + 1) % n
+        pending = dist.isend(chunks[send], left)
+        dist.recv(chunks[receive], right)
+        pending.wait()
+
+
+def ring_segmented(t):
+    """Right answer and bytes, but every chunk goes as two messages: 4(N-1) of them."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        reducing = step < n - 1
+        s = step if reducing else step - (n - 1)
+        send, receive = ((rank - s - 1) % n, (rank - s - 2) % n) if reducing else ((rank - s) % n, (rank - s - 1) % n)
+        incoming = torch.empty_like(chunks[receive])
+        for out, into in zip(chunks[send].tensor_split(2), incoming.tensor_split(2), strict=True):
+            pending = dist.isend(out, right)
+            dist.recv(into, left)
+            pending.wait()
+        if reducing:
+            chunks[receive] += incoming
+        else:
+            chunks[receive].copy_(incoming)
+
+
+def ring_off_by_one_chunk(t):
+    """Adds what it receives into the chunk it just sent, one chunk off."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    for step in range(n - 1):
+        send = (rank - step - 1) % n
+        incoming = torch.empty_like(chunks[send])
+        pending = dist.isend(chunks[send].clone(), (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+        pending.wait()
+        chunks[send] += incoming
+    ring_all_gather(chunks)
+
+
+def ring_reduce_scatter(chunks):
+    rank, n = me()
+    for step in range(n - 1):
+        send, receive = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[receive])
+        pending = dist.isend(chunks[send], (rank + 1) % n)
+        dist.recv(incoming, (rank - 1) % n)
+        pending.wait()
+        chunks[receive] += incoming
+
+
+def ring_all_gather(chunks):
+    rank, n = me()
+    for step in range(n - 1):
+        send, receive = (rank - step) % n, (rank - step - 1) % n
+        pending = dist.isend(chunks[send], (rank + 1) % n)
+        dist.recv(chunks[receive], (rank - 1) % n)
+        pending.wait()
+
+
+def ring_without_all_gather(t):
+    ring_reduce_scatter(list(t.tensor_split(labkit.world_size())))
+
+
+def ring_even_sizes_only(t):
+    n = labkit.world_size()
+    size = t.numel() // n
+    chunks = [t[i * size:(i + 1) * size] for i in range(n)]  # drops the remainder
+    ring_reduce_scatter(chunks)
+    ring_all_gather(chunks)
+
+
+def ring_sums_twice(t):
+    result = t.clone()
+    ring_isend_irecv(result)
+    t += result
+
+
+def ring_not_in_place(t):
+    result = t.clone()
+    ring_isend_irecv(result)
+    return result
+
+
+def ring_new_memory(t):
+    result = t.clone()
+    ring_isend_irecv(result)
+    t.set_(result)
+
+
+def ring_blocking_sends_deadlock(t):
+    """Every rank's blocking send waits for a recv that its neighbour has not reached."""
+    rank, n = me()
+    incoming = torch.empty_like(t)
+    dist.send(t, (rank + 1) % n)
+    dist.recv(incoming, (rank - 1) % n)
+
+
+def ring_from_any_source(t):
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    for step in range(n - 1):
+        send, receive = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[receive])
+        pending = dist.isend(chunks[send], (rank + 1) % n)
+        dist.recv(incoming)  # from whoever sends
+        pending.wait()
+        chunks[receive] += incoming
+    ring_all_gather(chunks)
+
+
+def ring_catches_the_guard(t):
+    try:
+        dist.all_reduce(t)
+    except Exception:  # noqa: BLE001 - the point: swallowing the guard's error does not help
+        ring_isend_irecv(t)
+
+
+def labkit_ring(t):
+    comm.ring_allreduce(t)
+
+
+def torch_all_reduce(t):
+    dist.all_reduce(t)
+
+
+def world_group_allreduce(t):
+    dist.group.WORLD.allreduce([t]).wait()
+
+
+def c10d_all_reduce(t):
+    c10d.all_reduce(t)
+
+
+def backend_allreduce(t):
+    dist.group.WORLD._get_backend(t.device).allreduce([t]).wait()
+
+
+def c10d_operator(t):
+    group = c10d._get_default_group()
+    torch.ops.c10d.allreduce_([t], group, dist.ReduceOp.SUM, None, False)[1].wait()
+
+
+def functional_all_reduce(t):
+    t.copy_(functional.all_reduce(t, "sum", dist.group.WORLD))
+
+
+def all_gather_object_sum(t):
+    everyone = [None] * labkit.world_size()
+    dist.all_gather_object(everyone, t)
+    t.copy_(sum(everyone))
+
+
+def gather_then_scatter(t):
+    rank, n = me()
+    pieces = [torch.empty_like(t) for _ in range(n)] if rank == 0 else None
+    dist.gather(t, pieces, dst=0)
+    dist.scatter(t, [sum(pieces)] * n if rank == 0 else None, src=0)
+
+
+def torch_reduce_scatter_all_gather(t):
+    n = labkit.world_size()
+    mine = torch.empty_like(t.tensor_split(n)[labkit.rank()])
+    dist.reduce_scatter(mine, list(t.tensor_split(n)))
+    dist.all_gather(list(t.tensor_split(n)), mine)
+
+
+def reduce_then_broadcast(t):
+    dist.reduce(t, dst=0)
+    dist.broadcast(t, src=0)
+
+
+# ---- hub: right solutions, four ways ---------------------------------------------------------------------
+
+def hub_blocking(t):
+    """The lesson's solution: blocking recv and send."""
+    rank, n = me()
+    if rank == 0:
+        incoming = torch.empty_like(t)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            t += incoming
+        for dst in range(1, n):
+            dist.send(t, dst)
+    else:
+        dist.send(t, 0)
+        dist.recv(t, 0)
+
+
+def hub_isend_irecv(t):
+    """Everything posted at once, then waited for."""
+    rank, n = me()
+    if rank == 0:
+        incoming = [torch.empty_like(t) for _ in range(1, n)]
+        for work in [dist.irecv(buffer, src) for src, buffer in enumerate(incoming, start=1)]:
+            work.wait()
+        t += sum(incoming)
+        for work in [dist.isend(t, dst) for dst in range(1, n)]:
+            work.wait()
+    else:
+        dist.isend(t, 0).wait()
+        dist.irecv(t, 0).wait()
+
+
+def hub_buffer_then_copy(t):
+    """The sum is built in a new tensor and copied into t at the end, on every rank."""
+    rank, n = me()
+    result = t.clone()
+    if rank == 0:
+        for src in range(1, n):
+            incoming = torch.zeros_like(t)
+            dist.recv(incoming, src)
+            result = result + incoming
+        for dst in range(1, n):
+            dist.send(result, dst)
+    else:
+        dist.send(t, 0)
+        dist.recv(result, 0)
+    t.copy_(result)
+
+
+def hub_batch_isend_irecv(t):
+    rank, n = me()
+    if rank == 0:
+        incoming = [torch.empty_like(t) for _ in range(1, n)]
+        receives = [dist.P2POp(dist.irecv, buffer, src) for src, buffer in enumerate(incoming, start=1)]
+        for work in dist.batch_isend_irecv(receives):
+            work.wait()
+        t += sum(incoming)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, dst) for dst in range(1, n)]):
+            work.wait()
+    else:
+        result = torch.empty_like(t)
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, 0), dist.P2POp(dist.irecv, result, 0)]):
+            work.wait()
+        t.copy_(result)
+
+
+# ---- hub: wrong solutions --------------------------------------------------------------------------------
+
+def hub_never_sends_back(t):
+    rank, n = me()
+    if rank == 0:
+        incoming = torch.empty_like(t)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            t += incoming
+    else:
+        dist.send(t, 0)
+
+
+def hub_leaves_sum_twice(t):
+    rank, _ = me()
+    if rank == 0:
+        hub_blocking(t)
+    else:
+        dist.send(t, 0)
+        result = torch.empty_like(t)
+        dist.recv(result, 0)
+        t += result
+
+
+def hub_ranks_disagree(t):
+    """Rank 0 runs the hub code, the others send to the last rank, which waits for rank 0: a hang."""
+    rank, n = me()
+    if rank == 0:
+        hub_blocking(t)
+    else:
+        dist.send(t, n - 1 if rank != n - 1 else 0)
+        dist.recv(t, 0)
+
+
+def hub_is_the_last_rank(t):
+    """Right answer, consistent, but through rank N-1."""
+    rank, n = me()
+    hub = n - 1
+    if rank == hub:
+        incoming = torch.empty_like(t)
+        for src in range(n - 1):
+            dist.recv(incoming, src)
+            t += incoming
+        for dst in range(n - 1):
+            dist.send(t, dst)
+    else:
+        dist.send(t, hub)
+        dist.recv(t, hub)
+
+
+def hub_forgets_itself(t):
+    if labkit.rank() == 0:
+        t.zero_()  # the hub drops its own contribution
+    hub_blocking(t)
+
+
+def hub_not_in_place(t):
+    result = t.clone()
+    hub_blocking(result)
+    return result
+
+
+def hub_through_the_store(t):
+    """Right answer, through the rendezvous store: not one message."""
+    rank, n = me()
+    store = c10d._get_default_store()
+    key = f"catalogue/{n}/{t.numel()}/"
+    store.set(key + str(rank), json.dumps(t.tolist()))
+    t.copy_(sum(torch.tensor(json.loads(store.get(key + str(r)))) for r in range(n)))
+
+
+def hub_sends_objects(t):
+    rank, n = me()
+    if rank == 0:
+        for src in range(1, n):
+            box = [None]
+            dist.recv_object_list(box, src)
+            t += box[0]
+        for dst in range(1, n):
+            dist.send(t, dst)
+    else:
+        dist.send_object_list([t], 0)
+        dist.recv(t, 0)
+
+
+def hub_broadcasts_objects(t):
+    rank, n = me()
+    if rank == 0:
+        incoming = torch.empty_like(t)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            t += incoming
+    else:
+        dist.send(t, 0)
+    box = [t]
+    dist.broadcast_object_list(box, src=0)
+    t.copy_(box[0])
+
+
+def labkit_hub(t):
+    comm.naive_allreduce(t)
+
+
+RING_RIGHT = [ring_isend_irecv, ring_blocking_by_parity, ring_narrow_and_copy, ring_batch_isend_irecv]
+HUB_RIGHT = [hub_blocking, hub_isend_irecv, hub_buffer_then_copy, hub_batch_isend_irecv]
+
+COLLECTIVES = [  # (wrong solution, what its verdict must say): the same for the ring and the hub
+    (torch_all_reduce, "called torch.distributed.all_reduce"),
+    (world_group_allreduce, "called ProcessGroup.allreduce"),
+    (c10d_all_reduce, "called torch.distributed.distributed_c10d.all_reduce"),
+    (backend_allreduce, "backend's allreduce"),
+    (c10d_operator, "called torch.ops.c10d.allreduce_"),
+    (functional_all_reduce, "called torch.ops._c10d_functional.all_reduce"),
+    (all_gather_object_sum, "called torch.distributed.all_gather_object"),
+    (gather_then_scatter, "called torch.distributed.gather"),
+    (torch_reduce_scatter_all_gather, "called torch.distributed.reduce_scatter"),
+    (reduce_then_broadcast, "called torch.distributed.reduce."),
+]
+RING_WRONG = COLLECTIVES + [
+    (labkit_ring, "labkit.comm's ring_allreduce and naive_allreduce are the course's own answer"),
+    (ring_catches_the_guard, "torch.distributed.all_reduce (and caught the error"),
+    (ring_whole_tensor, "carried the whole tensor"),
+    (ring_to_the_left, "its left neighbour only: your ring runs the wrong way"),
+    (hub_blocking, "rank 0 sent to rank(s) [2]. In a ring each rank sends only to its right neighbour"),
+    (ring_segmented, "sent 8 messages"),
+    (ring_off_by_one_chunk, "of t.tensor_split(3) are wrong"),
+    (ring_without_all_gather, "the all-gather that passes the finished chunks around the ring is missing"),
+    (ring_even_sizes_only, "split with t.tensor_split(N)"),
+    (ring_sums_twice, "summed twice"),
+    (ring_not_in_place, "must work in place"),
+    (ring_new_memory, "pointed at new memory"),
+    (ring_blocking_sends_deadlock, "a blocking dist.send waits for its recv"),
+    (ring_from_any_source, "A dist.recv without src takes a message from any rank"),
+]
+HUB_WRONG = COLLECTIVES + [
+    (labkit_hub, "labkit.comm's ring_allreduce and naive_allreduce are the course's own answer"),
+    (hub_never_sends_back, "the result never reached it"),
+    (hub_leaves_sum_twice, "summed twice"),
+    (hub_ranks_disagree, "the same hub, rank 0"),
+    (hub_is_the_last_rank, "every message has rank 0, the hub, at one end"),
+    (hub_forgets_itself, "the sum is missing rank 0's input"),
+    (hub_not_in_place, "must work in place"),
+    (hub_through_the_store, "rank 1 sent 0 bytes to rank 0, expected 20"),
+    (hub_sends_objects, "a pickled Python object in two messages"),
+    (hub_broadcasts_objects, "called torch.distributed.broadcast_object_list"),
+]
+
+
+def ids(entries):
+    return [fn.__name__ for fn, _ in entries]
+
+
+@pytest.mark.parametrize("solution", RING_RIGHT, ids=lambda fn: fn.__name__)
+def test_ring_grader_accepts_right_solutions_written_differently(solution):
+    verdict = check_ring_allreduce(solution)
+    assert verdict.passed, verdict
+
+
+@pytest.mark.parametrize("solution", HUB_RIGHT, ids=lambda fn: fn.__name__)
+def test_hub_grader_accepts_right_solutions_written_differently(solution):
+    verdict = check_naive_allreduce(solution)
+    assert verdict.passed, verdict
+
+
+@pytest.mark.parametrize(("mistake", "phrase"), RING_WRONG, ids=ids(RING_WRONG))
+def test_ring_grader_rejects_each_mistake_and_names_it(mistake, phrase):
+    verdict = check_ring_allreduce(mistake, timeout_seconds=DEADLOCK_SECONDS)
+    assert not verdict and phrase in verdict.message and "rank " in verdict.message, verdict
+
+
+@pytest.mark.parametrize(("mistake", "phrase"), HUB_WRONG, ids=ids(HUB_WRONG))
+def test_hub_grader_rejects_each_mistake_and_names_it(mistake, phrase):
+    verdict = check_naive_allreduce(mistake, timeout_seconds=DEADLOCK_SECONDS)
+    assert not verdict and phrase in verdict.message and "rank " in verdict.message, verdict
