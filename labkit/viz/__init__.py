@@ -3,9 +3,9 @@
 from labkit.viz.collectives import before_after
 from labkit.viz.pipeline import bubble_chart, pipeline_timeline
 from labkit.viz.plan import memory_bars, speedup_chart
-from labkit.viz.ring import contributions_by_step, ring_animation
+from labkit.viz.ring import contributions_by_hop, ring_animation
 from labkit.viz.traffic import traffic_chart
 from labkit.viz.training import ddp_timeline, divergence_chart, loss_curves
 
-__all__ = ["before_after", "bubble_chart", "contributions_by_step", "ddp_timeline", "divergence_chart", "loss_curves",
+__all__ = ["before_after", "bubble_chart", "contributions_by_hop", "ddp_timeline", "divergence_chart", "loss_curves",
            "memory_bars", "pipeline_timeline", "ring_animation", "speedup_chart", "traffic_chart"]
