@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-COLORS = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
+from labkit.viz.style import BLUE, PALETTE, RED, log_axis
 
 
 def divergence_chart(differences: dict[str, list[float]], title: str = "How far each replica drifts from rank 0"
                      ) -> go.Figure:
     """One line per replica: its largest parameter difference from rank 0 after each step. Zeros (identical
-    replicas) cannot go on a log axis, so the axis is linear when every value is zero."""
+    replicas) cannot go on a log axis, so the axis is linear when every value is zero; a log axis labels only
+    round numbers (viz.style.log_axis)."""
     figure = go.Figure()
     for i, (name, values) in enumerate(differences.items()):
         figure.add_scatter(x=list(range(1, len(values) + 1)), y=values, name=name, mode="lines+markers",
-                           line={"color": COLORS[i % len(COLORS)]})
-    nonzero = any(v > 0 for values in differences.values() for v in values)
-    figure.update_layout(title=title, xaxis_title="optimizer step", yaxis_title="max |parameter - rank 0's|",
-                         yaxis_type="log" if nonzero else "linear", height=380)
+                           line={"color": PALETTE[i % len(PALETTE)]})
+    drifts = [v for values in differences.values() for v in values]
+    figure.update_layout(title=title, xaxis_title="optimizer step", height=380)
+    yaxis_title = "max |parameter - rank 0's|"
+    if any(v > 0 for v in drifts):
+        figure.update_yaxes(**log_axis(yaxis_title, drifts))
+    else:
+        figure.update_yaxes(type="linear", title_text=yaxis_title)
     return figure
 
 
@@ -25,7 +30,7 @@ def loss_curves(curves: dict[str, tuple[list[float], list[float]]], title: str, 
     """One line per run: `curves[name] = (x values, losses)`."""
     figure = go.Figure()
     for i, (name, (x, losses)) in enumerate(curves.items()):
-        figure.add_scatter(x=x, y=losses, name=name, mode="lines", line={"color": COLORS[i % len(COLORS)]})
+        figure.add_scatter(x=x, y=losses, name=name, mode="lines", line={"color": PALETTE[i % len(PALETTE)]})
     figure.update_layout(title=title, xaxis_title=xaxis_title, yaxis_title="training loss", height=400)
     return figure
 
@@ -36,16 +41,16 @@ def ddp_timeline(events, title: str = "One backward pass: gradients ready, bucke
     figure = go.Figure()
     grads = [e for e in events if e.kind == "grad"]
     figure.add_scatter(x=[e.start * 1e3 for e in grads], y=["backward: gradient ready"] * len(grads),
-                       mode="markers", marker={"symbol": "line-ns-open", "size": 18, "color": "#4c78a8"},
+                       mode="markers", marker={"symbol": "line-ns-open", "size": 18, "color": BLUE},
                        text=[e.name for e in grads], hovertemplate="%{text} at %{x:.2f} ms<extra></extra>",
                        name="gradient ready")
     for e in (e for e in events if e.kind != "grad"):
         row = "finish(): waiting" if e.kind == "finish" else f"all_reduce bucket {e.bucket}"
         figure.add_bar(base=[e.start * 1e3], x=[(e.end - e.start) * 1e3], y=[row], orientation="h",
-                       marker_color="#e45756" if e.kind == "finish" else COLORS[(e.bucket + 1) % len(COLORS)],
+                       marker_color=RED if e.kind == "finish" else PALETTE[(e.bucket + 1) % len(PALETTE)],
                        name=row, showlegend=False,
                        hovertemplate=f"{row}: from %{{base:.2f}} ms, %{{x:.2f}} ms long, {e.nbytes / 1e6:.2f} MB"
                                      "<extra></extra>")
-    figure.update_layout(title=title, xaxis_title="milliseconds since the backward started", barmode="overlay",
+    figure.update_layout(title=title, xaxis_title="time since the backward started (ms)", barmode="overlay",
                          height=200 + 30 * len({e.bucket for e in events}), yaxis={"autorange": "reversed"})
     return figure

@@ -12,6 +12,16 @@ def test_divergence_chart_uses_a_log_axis_only_when_there_is_drift():
     assert flat.layout.yaxis.type == "linear" and list(flat.data[0].x) == [1, 2]
 
 
+def test_divergence_chart_labels_round_numbers_only():
+    yaxis = divergence_chart({"rank 1": [0.0, 3e-8, 4e-6], "rank 2": [0.0, 2e-8, 9e-5]}).layout.yaxis
+    assert list(yaxis.ticktext) == ["1e-8", "1e-7", "1e-6", "1e-5", "0.0001"]    # 3 decades or more: decades only
+
+
+def test_ddp_timeline_names_its_unit_in_the_axis_title():
+    events = [Event("grad", "w", 0, 0.001, 0.001, 4), Event("all_reduce", "bucket 0", 0, 0.001, 0.002, 4)]
+    assert ddp_timeline(events).layout.xaxis.title.text.endswith("(ms)")
+
+
 def test_loss_curves_draw_one_line_per_run():
     figure = loss_curves({"a": ([16, 32], [2.0, 1.5]), "b": ([32], [1.9])}, "t", "examples seen")
     assert [trace.name for trace in figure.data] == ["a", "b"] and list(figure.data[0].y) == [2.0, 1.5]
