@@ -5,6 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
+from labkit.viz.style import BLUE, RED
 
 
 def traffic_chart(nbytes: float, world_sizes=range(2, 17), measured: dict | None = None) -> go.Figure:
@@ -16,17 +17,17 @@ def traffic_chart(nbytes: float, world_sizes=range(2, 17), measured: dict | None
     megabytes = 1e6
     figure = go.Figure()
     figure.add_trace(go.Scatter(x=sizes, y=[naive_allreduce_bytes(nbytes, n) / megabytes for n in sizes],
-                                name="naive hub: (N-1) S", mode="lines+markers", line={"color": "#e45756"}))
+                                name="naive hub: (N-1) S", mode="lines+markers", line={"color": RED}))
     figure.add_trace(go.Scatter(x=sizes, y=[ring_allreduce_bytes(nbytes, n) / megabytes for n in sizes],
-                                name="ring, every rank: 2(N-1)/N S", mode="lines+markers", line={"color": "#4c78a8"}))
+                                name="ring, every rank: 2(N-1)/N S", mode="lines+markers", line={"color": BLUE}))
     figure.add_trace(go.Scatter(x=[sizes[0], sizes[-1]], y=[2 * nbytes / megabytes] * 2, name="2 S",
-                                mode="lines", line={"color": "#4c78a8", "dash": "dot"}))
-    for name, color in (("hub", "#e45756"), ("ring", "#4c78a8")):
+                                mode="lines", line={"color": BLUE, "dash": "dot"}))
+    for name, color in (("hub", RED), ("ring", BLUE)):
         points = (measured or {}).get(name)
         if points:
             figure.add_trace(go.Scatter(x=list(points), y=[b / megabytes for b in points.values()],
                                         name=f"{name}, counted on real ranks", mode="markers",
                                         marker={"symbol": "x", "size": 11, "color": color}))
     figure.update_layout(title=f"Bytes sent by the busiest rank, AllReduce of S = {nbytes / megabytes:g} MB",
-                         xaxis_title="ranks N", yaxis_title="MB sent", height=420)
+                         xaxis_title="ranks N", yaxis_title="bytes sent (MB)", height=420)
     return figure
