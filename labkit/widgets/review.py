@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import string
 
 import ipywidgets as widgets
 
@@ -31,8 +32,12 @@ def stack_map_exercise() -> widgets.VBox:
 
 
 def quiz(questions: list[Question] | None = None) -> widgets.VBox:
-    """Every question as radio buttons with a "Check" button: immediate feedback with the explanation, and a
-    running score of first attempts."""
+    """Every question with one row per option and a "Check" button: immediate feedback with the explanation, and
+    a running score of first attempts.
+
+    Each row is a letter button beside the option's text, the text wrapping inside its own row at any width.
+    (ipywidgets' RadioButtons gives each label one line of fixed height: a long option spills over the next one
+    and loses its radio button.) Every option looks the same until it is picked."""
     questions = questions if questions is not None else load_questions()
     first_tries: dict[str, bool] = {}
     score = widgets.HTML()
@@ -42,27 +47,62 @@ def quiz(questions: list[Question] | None = None) -> widgets.VBox:
         score.value = f"<b>Score: {right} of {len(first_tries)} answered right first time ({len(questions)} in all)</b>"
 
     def card(number: int, question: Question) -> widgets.VBox:
-        choices = widgets.RadioButtons(options=[o.text for o in question.options], value=None,
-                                       layout=widgets.Layout(width="auto"))
+        choices = OptionRows([option.text for option in question.options])
         feedback = widgets.HTML()
         button = widgets.Button(description="Check")
 
         def check(_=None) -> None:
-            if choices.index is None:
-                feedback.value = "Pick an answer first."
+            if choices.picked is None:
+                feedback.value = "Pick a letter first."
                 return
-            correct, explanation = question.check(choices.index)
+            correct, explanation = question.check(choices.picked)
             first_tries.setdefault(question.id, correct)
             mark = "✅ Correct." if correct else "❌ Not quite."
             feedback.value = f"<b>{mark}</b> " + html.escape(explanation).replace("\n", "<br>")
             show_score()
 
         button.on_click(check)
-        return widgets.VBox([widgets.HTML(f"<b>{number}. {html.escape(question.question)}</b>"), choices, button,
-                             feedback])
+        header = widgets.HTML(f"<div style='line-height:1.4;padding:4px 0'><b>{number}. "
+                              f"{html.escape(question.question)}</b></div>",
+                              layout=widgets.Layout(width="100%"))
+        header.add_class("labkit-quiz-question")
+        return widgets.VBox([header, choices, button, feedback], layout=widgets.Layout(width="100%"))
 
     show_score()
-    return widgets.VBox([score, *(card(i + 1, q) for i, q in enumerate(questions))])
+    return widgets.VBox([score, *(card(i + 1, q) for i, q in enumerate(questions))],
+                        layout=widgets.Layout(width="100%"))
+
+
+class OptionRows(widgets.VBox):
+    """Single choice among texts of any length: one full-width row per option, a letter toggle and the wrapped
+    text. `picked` is the index of the pressed letter, or None; pressing a letter releases the others."""
+
+    TEXT_STYLE = "white-space:normal;overflow-wrap:anywhere;line-height:1.4;padding:4px 0 4px 6px"  # wraps in its row
+
+    def __init__(self, texts: list[str]):
+        self.picked: int | None = None
+        self.letters = [widgets.ToggleButton(description=letter, tooltip=f"pick {letter}",
+                                             layout=widgets.Layout(width="40px", min_width="40px"))
+                        for letter in string.ascii_uppercase[:len(texts)]]
+        rows = []
+        for i, (letter, text) in enumerate(zip(self.letters, texts, strict=True)):
+            letter.observe(lambda change, i=i: self._press(i, change["new"]), names="value")
+            label = widgets.HTML(f"<div style='{self.TEXT_STYLE}'>{html.escape(text)}</div>",
+                                 layout=widgets.Layout(flex="1 1 0%", min_width="0", width="auto"))
+            row = widgets.HBox([letter, label], layout=widgets.Layout(width="100%", align_items="center"))
+            row.add_class("labkit-quiz-option")
+            rows.append(row)
+        super().__init__(rows, layout=widgets.Layout(width="100%"))
+
+    def _press(self, index: int, pressed: bool) -> None:
+        if pressed:
+            self.picked = index
+            for i, letter in enumerate(self.letters):
+                letter.value = i == index
+        elif self.picked == index:
+            self.picked = None
+        for i, letter in enumerate(self.letters):
+            letter.button_style = "info" if i == self.picked else ""
 
 
 def flashcards(cards: list[Flashcard] | None = None) -> widgets.VBox:

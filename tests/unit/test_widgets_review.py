@@ -1,5 +1,7 @@
 """The review widgets give the feedback their graders and the quiz data say."""
 
+import html
+
 from labkit.exercises import STACK_MAP
 from labkit.quiz import Flashcard, load_flashcards, load_questions
 from labkit.widgets import flashcards, quiz, stack_map_exercise
@@ -25,21 +27,58 @@ def test_stack_map_exercise_grades_the_matching():
     assert "Not yet" in feedback.value and "NCCL" in feedback.value
 
 
+def pick(card, index: int) -> None:
+    """Press the letter of option `index` in one question's card."""
+    _, options, _, _ = card.children
+    options.children[index].children[0].value = True
+
+
 def test_quiz_scores_first_attempts_and_explains():
     questions = load_questions()[:2]
     app = quiz(questions)
     score, first, second = app.children
-    _, choices, button, feedback = first.children
-    choices.index = (questions[0].answer + 1) % 4
+    *_, button, feedback = first.children
+    button.click()
+    assert feedback.value == "Pick a letter first." and "0 of 0" in score.value
+    pick(first, (questions[0].answer + 1) % 4)
     button.click()
     assert "Not quite" in feedback.value and "Answer:" in feedback.value
-    choices.index = questions[0].answer
+    pick(first, questions[0].answer)
     button.click()
     assert "Correct" in feedback.value and "0 of 1" in score.value
-    _, choices, button, _ = second.children
-    choices.index = questions[1].answer
-    button.click()
+    pick(second, questions[1].answer)
+    second.children[2].click()
     assert "1 of 2" in score.value
+
+
+def test_every_option_is_a_row_of_its_own_alike_until_picked():
+    """One row per option, a letter button beside the whole text, set to wrap: nothing in how the rows are
+    drawn tells the right one from the others (RadioButtons drew long labels over the next option)."""
+    for question in load_questions():
+        header, options, _, _ = quiz([question]).children[1].children
+        assert html.escape(question.question) in header.value
+        rows = options.children
+        assert len(rows) == len(question.options)
+        looks = set()
+        for letter_name, row, option in zip("ABCD", rows, question.options, strict=True):
+            letter, text = row.children
+            assert letter.description == letter_name and "labkit-quiz-option" in row._dom_classes
+            assert html.escape(option.text) in text.value and "white-space:normal" in text.value
+            looks.add((letter.value, letter.button_style, letter.layout.width, row.layout.width,
+                       text.value.replace(html.escape(option.text), "")))
+        assert len(looks) == 1, (question.id, looks)
+
+
+def test_pressing_a_letter_releases_the_others():
+    app = quiz(load_questions()[:1])
+    _, options, _, _ = app.children[1].children
+    letters = [row.children[0] for row in options.children]
+    letters[2].value = True
+    letters[0].value = True
+    assert [letter.value for letter in letters] == [True, False, False, False] and options.picked == 0
+    assert [letter.button_style for letter in letters] == ["info", "", "", ""]
+    letters[0].value = False
+    assert options.picked is None and not any(letter.value or letter.button_style for letter in letters)
 
 
 def test_flashcards_flip_to_the_lesson_s_bullet_and_move_on():

@@ -1,0 +1,87 @@
+"""Notebook 10 as a student sees it: every quiz option a row of its own with a button to pick it, and the
+monitored_barrier demo free of error boxes.
+
+At 1280 px, with the file browser open and again with it collapsed (and at 900 px with it open, where long
+options wrap), for every question of the quiz: each option shows its whole text beside a letter button that is
+visible and on top (nothing drawn over it), no two option rows overlap, and no option's text overflows its row.
+(ipywidgets' RadioButtons drew long options over the next one, without their radio button: the right answer gave
+itself away.) The monitored_barrier cell succeeds by design, so gloo's C++ log line must not show as a stderr box
+there.
+"""
+
+from playwright.sync_api import Page
+
+from labkit.quiz import load_questions
+
+NOTEBOOK = "10_nccl_and_review.ipynb"
+STDERR = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
+
+OPTION_ROWS = """() => {
+  const rows = [...document.querySelectorAll('.jp-Notebook .labkit-quiz-option')];
+  const boxes = rows.map(row => { const r = row.getBoundingClientRect();  // all measured at one scroll position
+                                  return {left: r.left, top: r.top, right: r.right, bottom: r.bottom}; });
+  return rows.map((row, i) => {
+    const button = row.querySelector('button');
+    const text = row.querySelector('.widget-html-content');
+    let onTop = false, shown = false;
+    if (button) {
+      button.scrollIntoView({block: 'center'});
+      const r = button.getBoundingClientRect(), style = getComputedStyle(button);
+      shown = r.width > 0 && r.height > 0 && style.visibility === 'visible' && style.display !== 'none'
+              && Number(style.opacity) > 0;
+      const hit = document.elementFromPoint(r.left + r.width / 2, r.top + r.height / 2);
+      onTop = hit !== null && button.contains(hit);
+    }
+    const overflows = [row, text, text && text.parentElement].filter(e => e && (
+      e.scrollWidth > e.clientWidth + 1 || e.scrollHeight > e.clientHeight + 1)).map(e => e.className);
+    return {row: boxes[i], button: Boolean(button), shown, onTop, overflows,
+            text: text ? text.innerText.trim() : ''};
+  });
+}"""
+
+BARRIER_CELL = """() => {
+  const cells = window.jupyterapp.shell.currentWidget.content.widgets
+    .filter(c => c.model.type === 'code' && c.model.sharedModel.getSource().includes('monitored_barrier('));
+  return cells.map(c => ({stderr_boxes: c.node.querySelectorAll('STDERR').length,
+                          text: c.outputArea.node.innerText}));
+}""".replace("STDERR", STDERR.replace("'", "\\'"))
+
+
+def check(page: Page, cells: list[dict]) -> None:
+    """The quiz's options at 1280 px with the file browser open, then collapsed, then open at 900 px (long
+    options wrap there); the barrier cell's output."""
+    expected = [option.text for question in load_questions() for option in question.options]
+    for width, sidebar in ((1280, "open"), (1280, "collapsed"), (900, "open")):
+        page.set_viewport_size({"width": width, "height": 900})
+        command = ("window.jupyterapp.shell.activateById('filebrowser')" if sidebar == "open"
+                   else "window.jupyterapp.shell.collapseLeft()")
+        page.evaluate(f"() => {command}")
+        page.wait_for_timeout(1500)
+        check_options(page.evaluate(OPTION_ROWS), expected, f"{width} px, file browser {sidebar}")
+    page.set_viewport_size({"width": 1280, "height": 900})
+    check_barrier_cell(page.evaluate(BARRIER_CELL))
+
+
+def check_options(rows: list[dict], expected: list[str], where: str) -> None:
+    """Every option in order, whole, beside a visible button on top; rows apart; no text past its row."""
+    assert [row["text"] for row in rows] == expected, f"{where}: the option rows do not show the options' texts"
+    for number, row in enumerate(rows):
+        name = f"{where}, question {number // 4 + 1} option {'ABCD'[number % 4]}"
+        assert row["button"] and row["shown"], f"{name}: no visible button to pick it"
+        assert row["onTop"], f"{name}: something is drawn over its button"
+        assert not row["overflows"], f"{name}: its text overflows ({row['overflows']})"
+    boxes = [row["row"] for row in rows]
+    for i, a in enumerate(boxes):
+        for j in range(i + 1, len(boxes)):
+            b = boxes[j]
+            overlap = (min(a["right"], b["right"]) - max(a["left"], b["left"]) > 0.5
+                       and min(a["bottom"], b["bottom"]) - max(a["top"], b["top"]) > 0.5)
+            assert not overlap, f"{where}: option rows {i} and {j} overlap: {a} {b}"
+
+
+def check_barrier_cell(found: list[dict]) -> None:
+    """One monitored_barrier cell; gloo's log shows as the expected diagnostic, not as a stderr box."""
+    assert len(found) == 1, f"expected one cell calling monitored_barrier, found {len(found)}"
+    cell = found[0]
+    assert cell["stderr_boxes"] == 0, f"the monitored_barrier cell shows a stderr box: {cell['text'][:300]}"
+    assert "expected:" in cell["text"] and "failed to pass monitoredBarrier" in cell["text"], cell["text"][:300]
