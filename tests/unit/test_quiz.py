@@ -5,6 +5,7 @@ that rejects a broken question by name."""
 import collections
 import copy
 import doctest
+import itertools
 import json
 import re
 from pathlib import Path
@@ -82,6 +83,34 @@ def test_every_question_has_four_distinct_options_one_correct_and_an_explanation
     assert len(positions) == 4 and max(positions.values()) <= len(questions) // 2, positions
 
 
+
+def test_neither_the_length_nor_the_place_of_an_option_gives_the_answer_away():
+    """A test-wise student picks the longest option unread (or the shortest, or always the same letter): with
+    four options, each cue should point at the answer about as often as chance, 1 in 4, and never in more than
+    a third of the questions. A tie counts as pointing at the answer."""
+    questions = load_questions()
+    lengths = [[len(o.text) for o in q.options] for q in questions]
+    longest = [q.id for q, n in zip(questions, lengths, strict=True) if n[q.answer] == max(n)]
+    shortest = [q.id for q, n in zip(questions, lengths, strict=True) if n[q.answer] == min(n)]
+    assert len(longest) <= len(questions) / 3, longest
+    assert len(shortest) <= len(questions) / 3, shortest
+    positions = collections.Counter(q.answer for q in questions)
+    assert sorted(positions) == [0, 1, 2, 3], positions
+    assert max(positions.values()) <= len(questions) / 3 and min(positions.values()) >= len(questions) / 8, positions
+    assert max(len(list(run)) for _, run in itertools.groupby(q.answer for q in questions)) <= 3
+
+
+def test_the_review_refers_to_nothing_outside_the_course():
+    """No exam objective numbers, frequency tiers or other courses' lesson codes ("12-05") that a student of
+    this course never saw: in the quiz data and in notebook 10, where the quiz is taken."""
+    outside = re.compile(r"\b\d{2}-\d{2}\b|\bTier \d|\bobjectives? \d|study guide|curriculum", re.IGNORECASE)
+    texts = every_text() + [(card.id, side) for card in load_flashcards() for side in (card.front, card.back)]
+    notebook = json.loads((ROOT.parent / "notebooks" / "10_nccl_and_review.ipynb").read_text(encoding="utf-8"))
+    texts += [(f"notebook 10 cell {i}", "".join(cell["source"])) for i, cell in enumerate(notebook["cells"])]
+    found = [(where, match.group()) for where, text in texts for match in [outside.search(text)] if match]
+    assert not found, found
+    assert outside.search("Next in the curriculum (12-05)") and outside.search("objectives 4.1 and 4.4")
+
 def test_the_lessons_traps_are_distractors():
     families = load_distractor_families()
     used = collections.Counter(o.distractor for q in load_questions() for o in q.options if not o.correct)
@@ -150,6 +179,8 @@ def test_the_quiz_numbers_agree_with_the_worked_example():
     ring = questions["ring-traffic-7b"]
     assert ring.options[ring.answer].text == f"{example.ring_bytes_per_rank / 1e9:g} GB"
     assert f"{example.gradient_bytes / 1e9:.1f}e9 bytes" in ring.explanation
+    one_phase = example.gradient_bytes * (example.devices - 1) / example.devices   # the scatter-reduce alone
+    assert any(o.text == f"{one_phase / 1e9:g} GB" and "one phase" in o.why for o in ring.options if not o.correct)
     memory = questions["memory-16-bytes-per-parameter"]
     assert memory.options[memory.answer].text.startswith(f"About {example.memory_bytes / 1e9:.0f} GB")
     assert f"{example.memory_bytes / 1e9:.0f}e9 bytes" in memory.explanation
