@@ -16,6 +16,7 @@ BLUE, ORANGE, GREEN, RED, TEAL, PURPLE, PINK, BROWN = PALETTE
 GREY = "#888888"
 
 _SHORT_SPAN = 3  # fewer decades than this: label 1, 2 and 5 of each; otherwise decades only
+_PAD = 0.04  # the range reaches this fraction of itself beyond the first and last ticks
 _SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
 
 
@@ -23,16 +24,17 @@ def log_axis(title: str, values: Iterable[float] = ()) -> dict:
     """Settings for a log axis: `figure.update_xaxes(**log_axis("message size (bytes)", sizes))`.
 
     With the data's `values`, ticks fall on 1-2-5 numbers (or on decades when the values span 3 decades or
-    more) and the range widens to the round numbers either side, so at least two ticks are labelled.
-    Without values, plotly places the ticks but labels decades only (dtick=1). Minor gridlines stay
-    unlabelled."""
+    more) and the range reaches a little beyond the round numbers either side, so at least two ticks are
+    labelled. Without values, plotly places the ticks but labels decades only (dtick=1). Minor gridlines
+    stay unlabelled."""
     axis = {"type": "log", "title_text": title, "minor": {"showgrid": True, "gridcolor": "#f0f0f0"}}
     positive = [v for v in values if v > 0]
     if not positive:
         return axis | {"dtick": 1}
     ticks = log_ticks(min(positive), max(positive))
-    return axis | {"tickvals": ticks, "ticktext": [short_number(t) for t in ticks],
-                   "range": [math.log10(ticks[0]), math.log10(ticks[-1])]}
+    low, high = math.log10(ticks[0]), math.log10(ticks[-1])
+    pad = _PAD * (high - low)  # a point on the first or last tick is not cut in half by the axis's edge
+    return axis | {"tickvals": ticks, "ticktext": [short_number(t) for t in ticks], "range": [low - pad, high + pad]}
 
 
 def log_ticks(low: float, high: float) -> list[float]:
