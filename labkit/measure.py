@@ -7,22 +7,25 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
+from tqdm.auto import tqdm
+
+import labkit
 
 
 def allreduce_seconds_by_size(sizes_nbytes: Iterable[int], allreduce: Callable | None = None,
-                              repeats: int = 9) -> list[float]:
+                              repeats: int = 9, warm_up: bool = True) -> list[float]:
     """Inside a rank: seconds per call of `allreduce` (default torch's `dist.all_reduce`) on a float32 tensor
     of each size. Sizes take turns, `repeats` rounds of back-to-back calls each (several calls for small
     tensors), and the median round counts: on a shared laptop single calls swing by tens of percent, and
-    taking turns spreads slow moments over every size alike."""
+    taking turns spreads slow moments over every size alike. `warm_up` first calls it once per size, untimed."""
     import torch.distributed as dist
 
     allreduce = allreduce or dist.all_reduce
     sizes = list(sizes_nbytes)
-    tensors = [torch.randn(max(1, nbytes // 4)) for nbytes in sizes]
+    tensors = [torch.randn(max(1, nbytes // 4), device=labkit.device()) for nbytes in sizes]
     calls = [max(1, min(20, (8 << 20) // max(1, nbytes))) for nbytes in sizes]
     rounds = [[] for _ in sizes]
-    for tensor in tensors:
+    for tensor in tensors if warm_up else ():
         allreduce(tensor)  # warm up: buffers, connections
     for _ in range(repeats):
         for tensor, count, seconds in zip(tensors, calls, rounds, strict=True):
@@ -32,6 +35,25 @@ def allreduce_seconds_by_size(sizes_nbytes: Iterable[int], allreduce: Callable |
                 allreduce(tensor)
             seconds.append((time.perf_counter() - start) / count)
     return [statistics.median(seconds) for seconds in rounds]
+
+
+def allreduce_sweep(sizes_nbytes: Iterable[int], allreduces: dict[str, Callable], world_size: int,
+                    repeats: int = 3, timeout: float = 300.0) -> dict[str, list[float]]:
+    """In the notebook: rank 0's seconds per call of each of `allreduces` (name -> function, e.g.
+    dist.all_reduce) at every size, on `world_size` ranks, with a progress bar.
+
+    Each round is one `labkit.run` of `allreduce_seconds_by_size` (one timed round per size, the functions
+    taking turns), so the bar moves between runs: a rank cannot draw it. The median over `repeats` rounds
+    counts, as in `allreduce_seconds_by_size`; only the first round warms up."""
+    sizes = list(sizes_nbytes)
+    rounds = {name: [] for name in allreduces}
+    with tqdm(total=repeats * len(allreduces), desc=f"AllReduce sweep, {len(sizes)} sizes", unit="run") as bar:
+        for repeat in range(repeats):
+            for name, allreduce in allreduces.items():
+                rounds[name].append(labkit.run(allreduce_seconds_by_size, sizes, allreduce, repeats=1,
+                                               warm_up=repeat == 0, world_size=world_size, timeout=timeout)[0])
+                bar.update()
+    return {name: [statistics.median(seconds) for seconds in zip(*runs, strict=True)] for name, runs in rounds.items()}
 
 
 def training_state_nbytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

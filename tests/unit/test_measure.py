@@ -1,8 +1,9 @@
-"""Measured training-state bytes equal labkit.plan.training_memory's prediction."""
+"""Measured training-state bytes equal labkit.plan.training_memory's prediction; the AllReduce sweep's rounds."""
 
 import torch
 
-from labkit.measure import training_state_nbytes
+import labkit
+from labkit.measure import allreduce_sweep, training_state_nbytes
 from labkit.plan import training_memory
 
 
@@ -27,3 +28,20 @@ def test_master_copies_count_as_optimizer_state_and_tied_weights_once():
     optimizer = torch.optim.SGD(masters, lr=0.1)
     measured = training_state_nbytes(model, optimizer, masters)
     assert measured == {"weights": 35 * 2, "grads": 0, "optimizer": 35 * 4, "counters": 0, "total": 35 * 6}
+
+
+def test_allreduce_sweep_takes_turns_one_round_per_run_and_keeps_the_median(monkeypatch):
+    """labkit.run is replaced by a fake that hands out each round's seconds: no ranks needed."""
+    rounds = {"a": iter([[3.0, 30.0], [1.0, 10.0], [2.0, 20.0]]), "b": iter([[5.0, 7.0], [4.0, 9.0], [6.0, 8.0]])}
+    calls = []
+
+    def fake_run(fn, sizes, allreduce, repeats, warm_up, world_size, timeout):
+        calls.append((allreduce, repeats, warm_up))
+        return [next(rounds[allreduce])] * world_size
+
+    monkeypatch.setattr(labkit, "run", fake_run)
+    measured = allreduce_sweep([4, 40], {"torch": "a", "ring": "b"}, world_size=2)
+    assert measured == {"torch": [2.0, 20.0], "ring": [5.0, 8.0]}             # per size, the median of 3 rounds
+    assert [name for name, _, _ in calls] == ["a", "b"] * 3                    # the two take turns
+    assert [warm for _, _, warm in calls] == [True, True] + [False] * 4        # only the first round warms up
+    assert {repeats for _, repeats, _ in calls} == {1}                         # one timed round per run
