@@ -25,9 +25,9 @@ def log_axis(title: str, values: Iterable[float] = ()) -> dict:
 
     With the data's `values`, ticks fall on 1-2-5 numbers (or on decades when the values span 3 decades or
     more) and the range reaches a little beyond the round numbers either side, so at least two ticks are
-    labelled. Without values, plotly places the ticks but labels decades only (dtick=1). Minor gridlines
-    stay unlabelled."""
-    axis = {"type": "log", "title_text": title, "minor": {"showgrid": True, "gridcolor": "#f0f0f0"}}
+    labelled. Without values, plotly places the ticks but labels decades only (dtick=1). Gridlines fall on
+    the labelled ticks only: plotly's minor grid on a log axis crowds into a hatch at some widths."""
+    axis = {"type": "log", "title_text": title}
     positive = [v for v in values if v > 0]
     if not positive:
         return axis | {"dtick": 1}
