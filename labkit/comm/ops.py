@@ -31,10 +31,13 @@ def op_name(op) -> str:
 
 
 def combiner(op, dtype: torch.dtype) -> Combine:
-    """The in-place `acc <- acc (op) x` for `op`; AVG needs a floating dtype to divide."""
+    """The in-place `acc <- acc (op) x` for `op`; AVG needs a floating dtype to divide, and complex numbers
+    have no order for MIN and MAX (torch.distributed.all_reduce refuses them too)."""
     name = op_name(op)
     if name == "AVG" and not (dtype.is_floating_point or dtype.is_complex):
         raise ValueError(f"op=AVG needs a floating-point tensor, got {dtype}: average integers yourself.")
+    if name in ("MIN", "MAX") and dtype.is_complex:
+        raise ValueError(f"op={name} has no meaning for complex numbers ({dtype}): use SUM, AVG or PRODUCT.")
     return _COMBINE[name]
 
 

@@ -9,7 +9,9 @@ is (Patarasuk & Yuan 2009; Thakur, Rabenseifner & Gropp 2005).
 
 The steps run as one pipeline: what a rank receives at one step is what it sends at the next, so
 each segment of a chunk travels on as soon as it has arrived and been added, while later segments
-are still on the wire. The additions hide behind the transfers.
+are still on the wire. The additions hide behind the transfers. Each step's send to the right and
+receive from the left are posted together (`Transport.exchange`): on NCCL as one
+dist.batch_isend_irecv, so that both directions of every link are busy at once.
 """
 
 from __future__ import annotations
@@ -124,7 +126,6 @@ def run_ring(transport: Transport, chunks: list[torch.Tensor], steps: list[RingS
     tags_per_step = max(1, max(len(s) for s in segments))
     longest = max(c.numel() for c in chunks) if any(s.phase == "reduce-scatter" for s in steps) else 0
     buffers = [transport.scratch(longest, chunks[0], slot) for slot in range(2)]
-    send_first = transport.rank % 2 == 0  # even ranks post a send before its receive, odd ranks after
 
     def incoming(i: int) -> torch.Tensor:
         step = steps[i]
@@ -132,17 +133,20 @@ def run_ring(transport: Transport, chunks: list[torch.Tensor], steps: list[RingS
         return buffers[i % 2][: target.numel()] if step.phase == "reduce-scatter" else target
 
     def post(i: int, j: int, sends: list, receives: list) -> None:
-        """Post step i's send of segment j and its receive of segment j (if the chunks have one)."""
+        """Post step i's send of segment j and its receive of segment j (if the chunks have one), together:
+        on NCCL as one batch, so that the two directions of the step proceed at once."""
         step, tag = steps[i], steps[i].step * tags_per_step + j
         out, into = segments[step.send], segments[step.receive]
         send = chunks[step.send][slice(*out[j])] if j < len(out) else None
         receive = incoming(i)[slice(*into[j])] if j < len(into) else None
-        if send is not None and send_first:
+        if send is not None and receive is not None:
+            sent, received = transport.exchange(send, transport.right, receive, transport.left, tag)
+            sends.append(sent)
+            receives.append(received)
+        elif send is not None:
             sends.append(transport.isend(send, transport.right, tag))
-        if receive is not None:
+        elif receive is not None:
             receives.append(transport.irecv(receive, transport.left, tag))
-        if send is not None and not send_first:
-            sends.append(transport.isend(send, transport.right, tag))
 
     pending_sends, pending_receives, started = [[] for _ in steps], [[] for _ in steps], [0.0] * len(steps)
     started[0] = transport.now()

@@ -5,6 +5,12 @@ reduce one segment while the next is still on the wire), counts the bytes, recor
 `traced()` is on, and lets every rank see every other rank's tensor signature before an algorithm
 starts, so that mismatched shapes fail with an error instead of a hang. `TorchTransport` does this
 over torch.distributed point-to-point (gloo or NCCL); `labkit.comm.simulate` has an in-memory one.
+
+The algorithms reduce on the rank itself, so the network only has to move bytes. `carriage` says how
+a tensor travels over the backend that carries it: a dtype NCCL has no type for moves as the same
+bytes under one it has, and a CUDA tensor on gloo, which has no point-to-point for CUDA tensors,
+moves through host memory. The CUDA rules follow PyTorch's documentation and ProcessGroupNCCL's
+dtype table; this machine checks them as pure functions, and tests/gpu on a GPU machine.
 """
 
 from __future__ import annotations
@@ -20,6 +26,12 @@ MAX_DIMS = 8  # a signature holds a shape of up to this many dimensions
 HEADER_TAG = 1 << 20  # for the signature exchange; data tags stay below it
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+# The dtypes ProcessGroupNCCL maps to an NCCL type (its ncclDataType table; bool travels as ncclUint8). NCCL
+# has no 16-bit integer and no complex type: torch.distributed.all_reduce sends complex as
+# torch.view_as_real, and ProcessGroupNCCL refuses the rest.
+NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                         torch.int32, torch.int64, torch.bool})
+_REAL_OF = {torch.complex64: torch.float32, torch.complex128: torch.float64}
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,71 @@ class Pending(Protocol):
     def wait(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Carriage:
+    """How a tensor of one dtype and device travels between ranks.
+
+    backend: what carries it ("gloo", "nccl", another name, or None if the group has no backend for the
+    device); wire_dtype: the dtype of the view the backend is given (the same memory, reinterpreted);
+    via_host: staged through a CPU copy; batched: a ring step's send and receive are posted together as
+    one dist.batch_isend_irecv."""
+
+    backend: str | None
+    wire_dtype: torch.dtype
+    via_host: bool
+    batched: bool
+
+
+def carrier(backend_config: str, device_type: str) -> str | None:
+    """The backend that carries tensors on `device_type` in a group configured as `backend_config`.
+
+    `backend_config` is what dist.get_backend_config(group) returns: "cpu:gloo,cuda:nccl" for labkit's
+    NCCL pools (CPU tensors over gloo, CUDA tensors over NCCL), "cpu:gloo,cuda:gloo" for plain gloo; a
+    bare name ("nccl") stands for every device.
+
+    >>> carrier("cpu:gloo,cuda:nccl", "cuda"), carrier("cpu:gloo,cuda:nccl", "cpu"), carrier("cuda:nccl", "cpu")
+    ('nccl', 'gloo', None)
+    """
+    backends = {}
+    for part in backend_config.lower().split(","):
+        device, _, backend = part.strip().rpartition(":")
+        backends[device or "*"] = backend
+    return backends.get(device_type, backends.get("*"))
+
+
+def carriage(dtype: torch.dtype, device_type: str, backend_config: str, batched: bool | None = None) -> Carriage:
+    """How a `dtype` tensor on `device_type` travels in a group configured as `backend_config`.
+
+    - NCCL: a dtype ProcessGroupNCCL has no NCCL type for travels as the same bytes under one it has:
+      complex as its real and imaginary parts (the float view torch.view_as_real gives, as
+      torch.distributed.all_reduce sends complex), int16 as its raw bytes (uint8). Neither widening
+      (twice the traffic, and the 2(N-1)/N byte count no longer holds) nor refusing is needed: the
+      reduction happens on the rank, in the tensor's own dtype.
+    - gloo: every dtype as it is; a CUDA tensor goes through host memory, because gloo's send and recv
+      take CPU tensors only (PyTorch's distributed docs: gloo on GPU has broadcast and all_reduce).
+    - `batched` (None: decide here): NCCL yes, otherwise no. On NCCL, a send and a receive posted one
+      after the other can be serialised on one stream; NCCL progresses the operations of one group
+      together (NCCL user guide, "Point-to-point communication"), which dist.batch_isend_irecv issues.
+      On gloo batch_isend_irecv only posts each operation in turn, and it has hung in some releases.
+
+    >>> carriage(torch.complex64, "cuda", "cpu:gloo,cuda:nccl").wire_dtype
+    torch.float32
+    >>> carriage(torch.float32, "cuda", "cpu:gloo,cuda:gloo").via_host
+    True
+    """
+    backend = carrier(backend_config, device_type)
+    wire = dtype
+    if backend == "nccl" and dtype not in NCCL_DTYPES:
+        wire = _REAL_OF.get(dtype, torch.uint8)
+    via_host = backend == "gloo" and device_type != "cpu"
+    return Carriage(backend, wire, via_host, backend == "nccl" if batched is None else batched)
+
+
+def on_the_wire(tensor: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+    """`tensor`'s memory seen as `wire_dtype` (complex64 as float32 pairs, int16 as bytes): no copy."""
+    return tensor if tensor.dtype == wire_dtype else tensor.view(wire_dtype)
+
+
 class Transport:
     """Base class: byte counters and tracing; subclasses move the bytes."""
 
@@ -76,6 +153,18 @@ class Transport:
         """Start receiving into `tensor` from rank `src`; counted in received_nbytes."""
         self.received_nbytes += tensor.numel() * tensor.element_size()
         return self._post_recv(tensor, src, tag)
+
+    def exchange(self, send: torch.Tensor, dst: int, receive: torch.Tensor, src: int,
+                 tag: int) -> tuple[Pending, Pending]:
+        """Start sending `send` to `dst` and receiving `receive` from `src` (one step of a ring).
+
+        Even ranks post the send first, odd ranks the receive, so that where a send blocks until
+        matched, neighbours never both wait on a send."""
+        if self.rank % 2 == 0:
+            sent = self.isend(send, dst, tag)
+            return sent, self.irecv(receive, src, tag)
+        received = self.irecv(receive, src, tag)
+        return self.isend(send, dst, tag), received
 
     def signatures(self, mine: list[int], device: torch.device) -> list[list[int]]:
         """Every rank's `mine` (equal-length lists of ints), in rank order, exchanged as tensors on `device`.
@@ -186,11 +275,14 @@ def describe_signature(sig: list[int]) -> str:
 class TorchTransport(Transport):
     """Point-to-point over torch.distributed's default process group (gloo or NCCL).
 
-    Sends and receives are posted as explicit isend/irecv pairs, never batch_isend_irecv (which can
-    hang on gloo). They go straight to the ProcessGroup object: dist.isend's Python wrapper costs
-    about 0.1 ms a call here, more than a small message takes on the wire."""
+    Each tensor travels as `carriage` says for its dtype and device. Single sends and receives go
+    straight to the ProcessGroup object (dist.isend's Python wrapper costs about 0.1 ms a call here,
+    more than a small message takes on the wire). A ring step's send and receive go out as one
+    dist.batch_isend_irecv where `batched` (default: on NCCL only), else as a pair.
 
-    def __init__(self):
+    `batched`: None to decide per backend, True or False to force one path (both work on gloo)."""
+
+    def __init__(self, batched: bool | None = None):
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
@@ -200,12 +292,85 @@ class TorchTransport(Transport):
         self._group = dist.distributed_c10d._get_default_group()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
+        self.backend_config = dist.get_backend_config(self._group)
+        self.batched = batched
+        self._carriages: dict[tuple, Carriage] = {}
+        self._batch: _Batch | None = None  # collecting while exchange() batches
+
+    def carriage(self, tensor: torch.Tensor) -> Carriage:
+        """How `tensor` travels in this group (looked up once per dtype and device type)."""
+        key = (tensor.dtype, tensor.device.type)
+        if key not in self._carriages:
+            self._carriages[key] = carriage(tensor.dtype, tensor.device.type, self.backend_config, self.batched)
+        return self._carriages[key]
 
     def _post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Pending:
-        return self._group.send([tensor], dst, tag)
+        how = self.carriage(tensor)
+        if how.via_host:
+            staged = tensor.cpu()  # waits for the device to finish writing `tensor`
+            return _Staged(self._post(on_the_wire(staged, how.wire_dtype), dst, tag, send=True), staged)
+        return self._post(on_the_wire(tensor, how.wire_dtype), dst, tag, send=True)
 
     def _post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Pending:
-        return self._group.recv([tensor], src, tag)
+        how = self.carriage(tensor)
+        if how.via_host:
+            landing = torch.empty_like(tensor, device="cpu")
+            return _Staged(self._post(on_the_wire(landing, how.wire_dtype), src, tag, send=False), landing, tensor)
+        return self._post(on_the_wire(tensor, how.wire_dtype), src, tag, send=False)
+
+    def _post(self, wire: torch.Tensor, peer: int, tag: int, send: bool) -> Pending:
+        """Post now, or add to the batch exchange() is collecting."""
+        if self._batch is None:
+            return self._group.send([wire], peer, tag) if send else self._group.recv([wire], peer, tag)
+        import torch.distributed as dist
+
+        self._batch.ops.append(dist.P2POp(dist.isend if send else dist.irecv, wire, peer, self._group, tag))
+        return self._batch
+
+    def exchange(self, send: torch.Tensor, dst: int, receive: torch.Tensor, src: int,
+                 tag: int) -> tuple[Pending, Pending]:
+        """One ring step's send and receive; as one dist.batch_isend_irecv where carriage says so."""
+        if not (self.carriage(send).batched and self.carriage(receive).batched):
+            return super().exchange(send, dst, receive, src, tag)
+        import torch.distributed as dist
+
+        batch = self._batch = _Batch()
+        try:
+            pending = (self.isend(send, dst, tag), self.irecv(receive, src, tag))
+        finally:
+            self._batch = None
+        batch.works = dist.batch_isend_irecv(batch.ops)
+        return pending
+
+
+class _Batch:
+    """The operations of one dist.batch_isend_irecv and its requests: on NCCL one request for the whole
+    batch, on gloo one per operation. Waiting for any operation of the batch waits for all of them."""
+
+    def __init__(self):
+        self.ops: list = []
+        self.works: list = []
+        self.done = False
+
+    def wait(self) -> None:
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done = True
+
+
+class _Staged:
+    """A send or receive through host memory: the host tensor must outlive the request, and a receive
+    copies into its device tensor once it has arrived."""
+
+    def __init__(self, work: Pending, keep: torch.Tensor, into: torch.Tensor | None = None):
+        self.work, self.keep, self.into = work, keep, into
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.into is not None:
+            self.into.copy_(self.keep)
+            self.into = None
 
 
 _default: TorchTransport | None = None

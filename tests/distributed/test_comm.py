@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 
 import labkit
 from labkit import comm
+from labkit.comm.transport import DTYPES as COMM_DTYPES
+from labkit.comm.transport import NCCL_DTYPES, Carriage, carriage, carrier, on_the_wire
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64]
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -177,6 +179,118 @@ def one_rank():
 
 def test_world_size_one_is_the_identity():
     assert labkit.run(one_rank, world_size=1) == [[[1.0, 2.0]] * 6]
+
+
+# ---- how tensors travel per backend (the rules that matter on GPUs, checked here as pure functions) -----
+
+LABKIT_NCCL = "cpu:gloo,cuda:nccl"  # labkit's NCCL pools: CUDA tensors over NCCL, CPU tensors over gloo
+GLOO = "cpu:gloo,cuda:gloo"
+
+
+def test_the_carrier_is_the_backend_for_the_tensors_device():
+    assert carrier(LABKIT_NCCL, "cuda") == "nccl" and carrier(LABKIT_NCCL, "cpu") == "gloo"
+    assert carrier(GLOO, "cuda") == carrier("gloo", "cuda") == "gloo"
+    assert carrier("cuda:nccl", "cpu") is None
+
+
+@pytest.mark.parametrize("config", [LABKIT_NCCL, "cuda:nccl", "nccl"])
+@pytest.mark.parametrize("dtype", COMM_DTYPES, ids=str)
+def test_on_nccl_every_dtype_travels_as_one_nccl_has(config, dtype):
+    how = carriage(dtype, "cuda", config)
+    assert how.backend == "nccl" and how.batched and not how.via_host
+    assert how.wire_dtype in NCCL_DTYPES
+    expected = {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.int16: torch.uint8}
+    assert how.wire_dtype == expected.get(dtype, dtype)
+    t = torch.arange(6).to(dtype)[1:5]
+    wire = on_the_wire(t, how.wire_dtype)
+    assert wire.data_ptr() == t.data_ptr() and wire.numel() * wire.element_size() == t.numel() * t.element_size()
+
+
+@pytest.mark.parametrize("dtype", COMM_DTYPES, ids=str)
+def test_on_gloo_every_dtype_travels_as_it_is_and_cuda_tensors_through_the_host(dtype):
+    assert carriage(dtype, "cpu", GLOO) == Carriage("gloo", dtype, via_host=False, batched=False)
+    assert carriage(dtype, "cpu", LABKIT_NCCL) == Carriage("gloo", dtype, via_host=False, batched=False)
+    assert carriage(dtype, "cuda", GLOO) == Carriage("gloo", dtype, via_host=True, batched=False)
+    assert carriage(dtype, "cpu", GLOO, batched=True).batched
+
+
+def complex_input(dtype, seed):
+    generator = torch.Generator().manual_seed(seed * 101 + labkit.rank())
+    parts = torch.randint(-8, 9, (2, 29), generator=generator).to(dtype.to_real())
+    return torch.complex(parts[0], parts[1])
+
+
+def every_kernel_through(dtype, rule, batched, via_host):
+    """labkit.comm's kernels on `dtype` with a transport that follows `rule` (a backend config) and `batched`,
+    over this gloo group's wire; with `via_host` every tensor is staged through a host copy, as CUDA tensors
+    are on gloo. Each result against torch.distributed's all_reduce or broadcast (int16 as int32: gloo's
+    collectives have no int16; the sums of small numbers fit)."""
+    transport = comm.TorchTransport(batched=batched)
+    transport.backend_config = rule
+    if via_host:
+        decided = transport.carriage
+        transport.carriage = lambda t: Carriage(**{**vars(decided(t)), "via_host": True})
+    n, rank = labkit.world_size(), labkit.rank()
+    mine = complex_input(dtype, 3) if dtype.is_complex else rank_input([29], dtype, 3)
+    wide = torch.int32 if dtype == torch.int16 else dtype
+    total, root = mine.to(wide, copy=True), mine.to(wide, copy=True)
+    dist.all_reduce(total)
+    dist.broadcast(root, 1)
+    placed = torch.zeros(n * 5, dtype=wide)
+    placed[rank * 5:(rank + 1) * 5] = mine[:5]
+    dist.all_reduce(placed)  # every rank's first five, in rank order
+    total, root, placed = total.to(dtype), root.to(dtype), placed.to(dtype)
+    got = {
+        "ring_allreduce": torch.equal(comm.ring_allreduce(mine.clone(), transport=transport), total),
+        "naive_allreduce": torch.equal(comm.naive_allreduce(mine.clone(), transport=transport), total),
+        "ring_reduce_scatter": torch.equal(comm.ring_reduce_scatter(mine, transport=transport),
+                                           total.tensor_split(n)[rank]),
+        "ring_allgather": torch.equal(comm.ring_allgather(mine[:5].contiguous(), transport=transport), placed),
+        "broadcast": torch.equal(comm.broadcast(mine.clone(), 1, transport=transport), root),
+        "reduce": torch.equal(comm.reduce(mine.clone(), 0, transport=transport), total if rank == 0 else mine),
+    }
+    used = set() if via_host else {(c.backend, c.wire_dtype, c.batched) for c in transport._carriages.values()}
+    return got, used
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128, torch.int16], ids=str)
+@pytest.mark.parametrize("rule, batched, via_host", [(GLOO, None, False), (GLOO, True, False), (GLOO, None, True),
+                                                     ("cpu:nccl", None, False), ("cpu:nccl", False, False)],
+                         ids=["gloo", "gloo-batched", "gloo-via-host", "nccl-rule", "nccl-rule-unbatched"])
+def test_complex_and_int16_through_every_kernel_equal_torch(dtype, rule, batched, via_host):
+    """Complex and int16 on gloo as they are; under NCCL's rule (over gloo's wire, the closest this machine
+    gets) as floats and bytes, batched; also the batched path forced on gloo and the host staging."""
+    results = labkit.run(every_kernel_through, dtype, rule, batched, via_host, world_size=3)
+    for got, _ in results:
+        assert all(got.values()), got
+    wire = {torch.complex64: torch.float32, torch.complex128: torch.float64, torch.int16: torch.uint8}[dtype]
+    if rule == "cpu:nccl":
+        assert ("nccl", wire, batched is None) in results[0][1]
+    elif not via_host:
+        assert ("gloo", dtype, bool(batched)) in results[0][1]
+
+
+def batched_traffic(batched):
+    transport = comm.TorchTransport(batched=batched)
+    with comm.traced(transport) as events:
+        comm.ring_allreduce(torch.full((10,), float(labkit.rank())), transport=transport)
+    return transport.sent_nbytes, transport.received_nbytes, [e.key() for e in events]
+
+
+def test_the_batched_ring_sends_the_same_messages_as_the_paired_one():
+    paired, batched = (labkit.run(batched_traffic, b, world_size=3) for b in (False, True))
+    assert paired == batched
+    assert [sent for sent, _, _ in paired] == [80 - 16 - 12, 80 - 12 - 12, 80 - 12 - 16]  # chunks of 16, 12, 12 B
+    assert all(len(keys) == 4 for _, _, keys in paired)
+
+
+def complex_min():
+    comm.ring_allreduce(torch.zeros(2, dtype=torch.complex64), op="min")
+
+
+def test_complex_min_is_a_clear_error_like_torchs():
+    with pytest.raises(labkit.RankError, match="op=MIN has no meaning for complex numbers"):
+        labkit.run(complex_min, world_size=2, timeout=20)
 
 
 # ---- bad input ------------------------------------------------------------------------------------
