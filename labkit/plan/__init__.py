@@ -5,6 +5,7 @@ Bytes and seconds are plain floats, bandwidths bytes/s; GB = 1e9 bytes wherever 
 """
 
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
+from labkit.plan.counts import format_count, parse_count
 from labkit.plan.memory import (
     YOUR_CHOICE,
     attention_lora_shapes,
@@ -38,10 +39,12 @@ __all__ = [
     "data_parallel_speedup",
     "effective_batch",
     "fit_alpha_beta",
+    "format_count",
     "lora_params",
     "memory_options",
     "naive_allreduce_bytes",
     "parallelism_for",
+    "parse_count",
     "ring_allreduce_bytes",
     "scale_lr",
     "step_seconds",
