@@ -211,6 +211,8 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     `emulate_compute_seconds` (a number, or (forward, backward)): EMULATION. Each action lasts at least
     this long: its real compute, then a sleep for the rest. On a 2-core laptop, where 4 ranks' real compute
     would fight for the cores, sleeping stages (time.sleep frees the CPU) overlap as a GPU cluster's would.
+    A process's one-off first-call costs are paid before the clock starts, so even the first call's actions
+    last what was asked.
 
     Example::
 
@@ -247,6 +249,7 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     y0 = None  # this stage's output for micro-batch 0: later ones must match it but for the size
     if not first:
         header = _post_recv(transport, torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device), rank - 1, 0)
+    _warm_up(device)
     dist.barrier()
     t0 = time.perf_counter()
     for action in actions:
@@ -302,6 +305,15 @@ def _check_activation(y: torch.Tensor, y0: torch.Tensor, i: int, size: int, rank
         raise ValueError(f"run_pipeline: stage {rank}'s output for micro-batch {i} ({size} examples) is {y.dtype} "
                          f"{tuple(y.shape)}: activations between stages must have the micro-batch in dim 0" +
                          (f", and micro-batch 0's other dims {tuple(y0.shape[1:])}, dtype {y0.dtype}." if i else "."))
+
+
+def _warm_up(device: torch.device) -> None:
+    """One tiny forward and backward with an explicit gradient, as a stage's backward is, before the clock starts.
+    A process's first such backward imports what autograd needs (torch.fx's shape tools, sympy): seconds on a busy
+    CPU, which would otherwise be counted inside its first emulated backward and drawn as a bar ten times too long."""
+    weight = torch.ones(2, 2, device=device, requires_grad=True)
+    output = torch.nn.functional.linear(torch.ones(1, 2, device=device), weight).relu()
+    output.backward(torch.ones_like(output))
 
 
 def _pad(start: float, seconds: float) -> None:
