@@ -15,8 +15,7 @@ functions taking it (torch.cat, torch.stack ...). `.to(device)` (any `.to` whose
 `device="cpu"` is explicit and therefore allowed: a tensor meant for a gloo group. Flows through other
 functions' return values are not followed.
 
-Violations in the files this check enforces fail; elsewhere they are reported (xfail with the list) until
-their owners fix them, then ENFORCED grows.
+Every file of the package and every notebook is checked; a violation fails the test with its place.
 """
 
 from __future__ import annotations
@@ -24,13 +23,9 @@ from __future__ import annotations
 import ast
 import json
 import pathlib
-import warnings
 from dataclasses import dataclass
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ENFORCED = ("labkit/comm/", "labkit/gpu_check.py")
 
 FACTORIES = {"tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint", "linspace", "eye"}
 COLLECTIVES = {
@@ -315,15 +310,6 @@ def _everything() -> list[Violation]:
     return check_package() + check_notebooks()
 
 
-def test_enforced_files_put_every_communicated_tensor_on_the_rank_device():
-    mine = [v for v in check_package() if v.where.startswith(ENFORCED)]
-    assert not mine, "\n".join(map(str, mine))
-
-
-def test_report_the_other_files():
-    """Reported, not failed: files whose owners have yet to fix them (then they join ENFORCED)."""
-    others = [v for v in _everything() if not v.where.startswith(ENFORCED)]
-    if others:
-        listing = "\n".join(map(str, others))
-        warnings.warn(f"{len(others)} tensors reach a collective without device=:\n{listing}", stacklevel=1)
-        pytest.xfail(f"not yet enforced:\n{listing}")
+def test_every_communicated_tensor_is_on_the_rank_device():
+    found = _everything()
+    assert not found, f"{len(found)} tensors reach a collective without device=:\n" + "\n".join(map(str, found))
