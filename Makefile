@@ -23,7 +23,7 @@ CELL_TIMEOUT ?= 180
 ARTIFACTS := test-artifacts
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab copy refresh test test-fast lint unit notebooks browser bench gpu-check clean
+.PHONY: help setup lab copy refresh test test-fast lint unit notebooks browser bench gpu-test gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
@@ -83,6 +83,12 @@ browser: setup ## every notebook in JupyterLab in Chromium (Playwright); screens
 
 bench: setup ## print the benchmark tables (launcher, collectives)
 	@for b in benchmarks/[a-z]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
+
+# On a CUDA machine with its own torch, nothing installed: `make gpu-test` there uses .venv if it exists, else python3.
+GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
+gpu-test: ## on a CUDA machine, its own torch: tests/gpu, then every notebook under NCCL, with what carried each
+	PYTHONPATH=. $(GPU_PYTHON) -m pytest tests/gpu -ra -p no:cacheprovider
+	PYTHONPATH=. $(GPU_PYTHON) tests/gpu/run_notebooks.py
 
 gpu-check: setup ## on a CUDA machine: devices, backend choice, labkit's kernels on GPUs vs torch's
 	$(BIN)/python -m labkit.gpu_check

@@ -21,6 +21,7 @@ to check this script itself on a machine without GPUs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -150,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         print("No CUDA here (torch.cuda.is_available() is False): nothing to run under NCCL. `make notebooks` runs "
               "every notebook on the CPU.")
         return 0
+    missing = [name for name in ("papermill", "ipykernel") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"{' and '.join(missing)} missing in {sys.executable}: `{sys.executable} -m pip install papermill "
+              "ipykernel` (or carry their wheels to a machine without a network), then run this again.")
+        return 1
     world_size = args.world_size or (min(gpus, 8) if gpus else 2)
     if gpus and world_size > gpus:
         print(f"--world-size {world_size} > {gpus} GPUs: labkit would fall back to gloo.")
