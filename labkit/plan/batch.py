@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.plan._checks import choice, number, whole
+from labkit.plan._checks import choice, finite_result, number, whole
 
 LR_RULES = ("linear", "sqrt")
 
@@ -22,8 +22,10 @@ def effective_batch(per_device_batch: int, devices: int, accumulation_steps: int
     >>> effective_batch(8, 8, accumulation_steps=2)   # the lesson's 8 GPUs
     128
     """
-    return (whole("per_device_batch", per_device_batch) * whole("devices", devices)
-            * whole("accumulation_steps", accumulation_steps))
+    batch = (whole("per_device_batch", per_device_batch) * whole("devices", devices)
+             * whole("accumulation_steps", accumulation_steps))
+    return finite_result("effective_batch", batch, per_device_batch=per_device_batch, devices=devices,
+                         accumulation_steps=accumulation_steps)
 
 
 def steps_per_epoch(examples: int, effective_batch: int) -> int:
@@ -48,4 +50,5 @@ def scale_lr(lr: float, old_batch: float, new_batch: float, rule: str = "linear"
     """
     growth = number("new_batch", new_batch, inclusive=False) / number("old_batch", old_batch, inclusive=False)
     factor = growth if choice("rule", rule, LR_RULES) == "linear" else math.sqrt(growth)
-    return number("lr", lr, inclusive=False) * factor
+    return finite_result("scale_lr", number("lr", lr, inclusive=False) * factor, lr=lr, old_batch=old_batch,
+                         new_batch=new_batch)

@@ -9,7 +9,9 @@ counted here.
 
 from __future__ import annotations
 
-from labkit.plan._checks import number, whole
+from labkit.plan._checks import finite_result, flag, items, number, overflow_named, shown, whole
+
+MAX_LISTED_LAYERS = 10_000  # attention_lora_shapes lists 4 shapes per layer: bound the list, not the model
 
 
 def training_memory(params: float, weight_bytes: float = 2, grad_bytes: float = 2, optimizer_bytes: float = 12,
@@ -30,14 +32,16 @@ def training_memory(params: float, weight_bytes: float = 2, grad_bytes: float = 
     count = number("params", params)
     stage, ranks = whole("zero_stage", zero_stage, minimum=0), whole("dp", dp)
     if stage > 3:
-        raise ValueError(f"zero_stage={zero_stage!r}: pass 0 (no sharding), 1, 2 or 3.")
+        raise ValueError(f"zero_stage={shown(zero_stage)}: pass 0 (no sharding), 1, 2 or 3.")
     per_param = {
         "weights": number("weight_bytes", weight_bytes) / (ranks if stage >= 3 else 1),
         "grads": number("grad_bytes", grad_bytes) / (ranks if stage >= 2 else 1),
         "optimizer": number("optimizer_bytes", optimizer_bytes) / (ranks if stage >= 1 else 1),
     }
     memory = {part: count * nbytes for part, nbytes in per_param.items()}
-    return {**memory, "total": sum(memory.values())}
+    return finite_result("training_memory", {**memory, "total": sum(memory.values())}, params=params,
+                         weight_bytes=weight_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                         zero_stage=zero_stage, dp=dp)
 
 
 def lora_params(shapes, rank: int) -> int:
@@ -51,19 +55,19 @@ def lora_params(shapes, rank: int) -> int:
     186368
     """
     r = whole("rank", rank)
-    pairs = list(shapes)
+    pairs = items("shapes", shapes, "a list of (d_in, d_out) pairs")
     if not pairs:
         raise ValueError("shapes=[]: pass at least one (d_in, d_out) pair.")
     total = 0
     for pair in pairs:
         if not isinstance(pair, tuple | list) or len(pair) != 2:
-            raise ValueError(f"shapes: {pair!r} is not a (d_in, d_out) pair; pass pairs of whole numbers.")
+            raise ValueError(f"shapes: {shown(pair)} is not a (d_in, d_out) pair; pass pairs of whole numbers.")
         d_in, d_out = whole("shapes d_in", pair[0]), whole("shapes d_out", pair[1])
         if r > min(d_in, d_out):
-            raise ValueError(f"rank={rank!r} exceeds min(d_in, d_out) = {min(d_in, d_out)} of {pair!r}: "
-                             "pass a smaller rank.")
+            raise ValueError(f"rank={shown(rank)} exceeds min(d_in, d_out) = {min(d_in, d_out)} of {shown(pair)} in "
+                             "shapes: pass a smaller rank.")
         total += r * (d_in + d_out)
-    return total
+    return finite_result("lora_params", total, shapes=shapes, rank=rank)
 
 
 def transformer_params(vocab: int, d_model: int, layers: int, d_ff: int, context: int | None = None,
@@ -89,13 +93,11 @@ def transformer_params(vocab: int, d_model: int, layers: int, d_ff: int, context
     v, d, n, f = (whole(name, value) for name, value in
                   (("vocab", vocab), ("d_model", d_model), ("layers", layers), ("d_ff", d_ff)))
     positions = 0 if context is None else whole("context", context)
-    for name, flag in (("tied_embeddings", tied_embeddings), ("bias", bias)):
-        if not isinstance(flag, bool):
-            raise ValueError(f"{name}={flag!r}: pass True or False.")
-    linear_biases = (3 * d + d + f + d) if bias else 0
+    linear_biases = (3 * d + d + f + d) if flag("bias", bias) else 0
     per_layer = 2 * d + 4 * d * d + 2 * d + 2 * d * f + linear_biases
-    head = 0 if tied_embeddings else d * v
-    return v * d + positions * d + n * per_layer + 2 * d + head
+    head = 0 if flag("tied_embeddings", tied_embeddings) else d * v
+    return finite_result("transformer_params", v * d + positions * d + n * per_layer + 2 * d + head, vocab=vocab,
+                         d_model=d_model, layers=layers, d_ff=d_ff, context=context)
 
 
 YOUR_CHOICE = "your choice"
@@ -103,7 +105,11 @@ YOUR_CHOICE = "your choice"
 
 def attention_lora_shapes(d_model: int, layers: int) -> list[tuple[int, int]]:
     """The (d_in, d_out) of the q, k, v and output projections of every layer: where LoRA usually goes."""
-    return [(whole("d_model", d_model), d_model)] * 4 * whole("layers", layers)
+    width, count = whole("d_model", d_model), whole("layers", layers)
+    if count > MAX_LISTED_LAYERS:
+        raise ValueError(f"layers={shown(layers)}: pass at most {MAX_LISTED_LAYERS:,} (the list holds 4 shapes "
+                         "per layer).")
+    return [(width, width)] * 4 * count
 
 
 def memory_options(params: float, devices: int, lora_rank: int = 0, zero_stage: int = 0, weight_bytes: float = 2,
@@ -120,21 +126,30 @@ def memory_options(params: float, devices: int, lora_rank: int = 0, zero_stage: 
     >>> round(options["ZeRO-1 over 8"]["total"] / 1e9, 1)          # (4 + 12/8) x 7e9
     38.5
     """
-    n = whole("devices", devices)
-    rank = whole("lora_rank", lora_rank, minimum=0)
-    state = {"weight_bytes": weight_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes}
+    n, stage = whole("devices", devices), whole("zero_stage", zero_stage, minimum=0)
+    rank, width, depth = (whole("lora_rank", lora_rank, minimum=0), whole("d_model", d_model),
+                          whole("layers", layers))
+    if rank > width:
+        raise ValueError(f"lora_rank={shown(lora_rank)} exceeds d_model={width}: a rank above the projections' "
+                         "width adds parameters without adding expressiveness; pass a smaller rank.")
+    count = number("params", params)
+    state = {name: number(name, value) for name, value in
+             (("weight_bytes", weight_bytes), ("grad_bytes", grad_bytes), ("optimizer_bytes", optimizer_bytes))}
+    shown_rank = rank or min(16, width)  # the LoRA option shown beside the others: r = 16 unless d_model is smaller
 
-    def lora(r: int, stage: int) -> dict[str, float]:
-        trainable = lora_params(attention_lora_shapes(d_model, layers), r)
-        frozen = training_memory(params, weight_bytes, 0, 0, zero_stage=stage, dp=n)
-        adapters = training_memory(trainable, **state, zero_stage=stage, dp=n)
+    def lora(r: int, sharding: int) -> dict[str, float]:
+        trainable = lora_params(attention_lora_shapes(width, depth), r)
+        frozen = training_memory(count, state["weight_bytes"], 0, 0, zero_stage=sharding, dp=n)
+        adapters = training_memory(trainable, **state, zero_stage=sharding, dp=n)
         return {part: frozen[part] + adapters[part] for part in frozen}
 
-    full = training_memory(params, **state)
-    options = {"replicated": full}
-    options.update({f"ZeRO-{s} over {n}": training_memory(params, **state, zero_stage=s, dp=n) for s in (1, 2, 3)})
-    options[f"LoRA r={rank or 16}"] = lora(rank or 16, 0)
-    options[f"TP x PP over {n}"] = {part: nbytes / n for part, nbytes in full.items()}
-    options[YOUR_CHOICE] = (lora(rank, zero_stage) if rank else
-                            training_memory(params, **state, zero_stage=zero_stage, dp=n))
-    return options
+    with overflow_named("memory_options", params=params, devices=devices, lora_rank=lora_rank, zero_stage=zero_stage,
+                        weight_bytes=weight_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                        d_model=d_model, layers=layers) as finite:
+        full = training_memory(count, **state)
+        options = {"replicated": full}
+        options.update({f"ZeRO-{s} over {n}": training_memory(count, **state, zero_stage=s, dp=n) for s in (1, 2, 3)})
+        options[f"LoRA r={shown_rank}"] = lora(shown_rank, 0)
+        options[f"TP x PP over {n}"] = {part: nbytes / n for part, nbytes in full.items()}
+        options[YOUR_CHOICE] = lora(rank, stage) if rank else training_memory(count, **state, zero_stage=stage, dp=n)
+        return finite(options)  # a frozen part and its adapters' may overflow as they add up

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.plan._checks import fraction, number, whole
+from labkit.plan._checks import finite_result, fraction, number, shown, whole
 
 
 def step_seconds(compute_seconds: float, comm_seconds: float, overlap: float = 0.0) -> float:
@@ -27,7 +27,8 @@ def step_seconds(compute_seconds: float, comm_seconds: float, overlap: float = 0
     """
     compute = number("compute_seconds", compute_seconds)
     comm = number("comm_seconds", comm_seconds)
-    return max(compute + (1 - fraction("overlap", overlap)) * comm, comm)
+    step = max(compute + (1 - fraction("overlap", overlap)) * comm, comm)
+    return finite_result("step_seconds", step, compute_seconds=compute_seconds, comm_seconds=comm_seconds)
 
 
 def data_parallel_speedup(devices: int, compute_seconds: float, comm_seconds: float, overlap: float = 0.0) -> float:
@@ -45,7 +46,7 @@ def data_parallel_speedup(devices: int, compute_seconds: float, comm_seconds: fl
     """
     n = whole("devices", devices)
     compute = number("compute_seconds", compute_seconds, inclusive=False)
-    return n * compute / step_seconds(compute, comm_seconds, overlap)
+    return n * (compute / step_seconds(compute, comm_seconds, overlap))  # compute / step <= 1: cannot overflow
 
 
 def bandwidth_for_speedup(target_speedup: float, devices: int, compute_seconds: float, nbytes_per_rank: float,
@@ -63,13 +64,16 @@ def bandwidth_for_speedup(target_speedup: float, devices: int, compute_seconds: 
     n = whole("devices", devices)
     target = number("target_speedup", target_speedup, inclusive=False)
     if target > n:
-        raise ValueError(f"target_speedup={target_speedup!r} exceeds devices={n}: data parallelism over N devices "
+        raise ValueError(f"target_speedup={shown(target_speedup)} exceeds devices={n}: data parallelism over N devices "
                          "is at most N times faster; pass a target <= devices.")
     compute = number("compute_seconds", compute_seconds, inclusive=False)
     nbytes, hidden = number("nbytes_per_rank", nbytes_per_rank), fraction("overlap", overlap)
-    allowed_step = n * compute / target
-    exposed = allowed_step - compute
+    inputs = {"target_speedup": target_speedup, "devices": devices, "compute_seconds": compute_seconds,
+              "nbytes_per_rank": nbytes_per_rank}
+    slowdown = finite_result("bandwidth_for_speedup", n / target, **inputs)  # 1 exactly when target = devices
+    allowed_step = finite_result("bandwidth_for_speedup", compute * slowdown, **inputs)
+    exposed = compute * (slowdown - 1)
     comm = min(exposed / (1 - hidden), allowed_step) if hidden < 1 else allowed_step
     if nbytes == 0:
         return 0.0
-    return math.inf if comm == 0 else nbytes / comm
+    return math.inf if comm == 0 else finite_result("bandwidth_for_speedup", nbytes / comm, **inputs)

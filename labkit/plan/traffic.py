@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.plan._checks import choice, number, whole
+from labkit.plan._checks import choice, finite_result, number, numbers_list, overflow_named, shown, whole
 
 GB = 1e9
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
@@ -35,8 +35,9 @@ def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     >>> ring_allreduce_bytes(14.0e9, 8)      # the lesson's 7B example, BF16 gradients
     24500000000.0
     """
-    world_size = whole("world_size", world_size)
-    return 2 * (world_size - 1) / world_size * number("nbytes", nbytes)
+    p = whole("world_size", world_size)
+    per_rank = 2 * (p - 1) / p * number("nbytes", nbytes)
+    return finite_result("ring_allreduce_bytes", per_rank, nbytes=nbytes, world_size=world_size)
 
 
 def ring_reduce_scatter_bytes(nbytes: float, world_size: int) -> float:
@@ -58,7 +59,8 @@ def naive_allreduce_bytes(nbytes: float, world_size: int) -> float:
     >>> naive_allreduce_bytes(14.0e9, 8)
     98000000000.0
     """
-    return (whole("world_size", world_size) - 1) * number("nbytes", nbytes)
+    hub = (whole("world_size", world_size) - 1) * number("nbytes", nbytes)
+    return finite_result("naive_allreduce_bytes", hub, nbytes=nbytes, world_size=world_size)
 
 
 def allreduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency: float = 0.0,
@@ -74,16 +76,19 @@ def allreduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency:
     >>> allreduce_seconds(14.0e9, 8, bandwidth=24.5e9)          # the lesson's 24.5 GB over 24.5 GB/s
     1.0
     """
-    p, n = whole("world_size", world_size), number("nbytes", nbytes)
+    p, n = float(whole("world_size", world_size)), number("nbytes", nbytes)  # float: 2(p-1) may pass 1.8e308
     alpha = number("latency", latency)
     beta = 1 / number("bandwidth", bandwidth, inclusive=False)
     gamma = number("gamma_seconds_per_byte", gamma_seconds_per_byte)
     algorithm = choice("algorithm", algorithm, ALLREDUCE_ALGORITHMS)
     if algorithm == "ring":
-        return 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
-    if algorithm == "naive":
-        return 2 * (p - 1) * (alpha + n * beta) + (p - 1) * n * gamma
-    return math.ceil(math.log2(p)) * (alpha + n * (beta + gamma))
+        seconds = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
+    elif algorithm == "naive":
+        seconds = 2 * (p - 1) * (alpha + n * beta) + (p - 1) * n * gamma
+    else:
+        seconds = math.ceil(math.log2(p)) * (alpha + n * (beta + gamma))
+    return finite_result("allreduce_seconds", seconds, nbytes=nbytes, world_size=world_size, bandwidth=bandwidth,
+                         latency=latency, gamma_seconds_per_byte=gamma_seconds_per_byte)
 
 
 def ddp_bucket_count(gradient_nbytes: float, bucket_mb: float = 25.0) -> int:
@@ -102,7 +107,9 @@ def ddp_bucket_count(gradient_nbytes: float, bucket_mb: float = 25.0) -> int:
     2
     """
     nbytes = number("gradient_nbytes", gradient_nbytes)
-    return math.ceil(nbytes / (number("bucket_mb", bucket_mb, inclusive=False) * MiB))
+    with overflow_named("ddp_bucket_count", gradient_nbytes=gradient_nbytes, bucket_mb=bucket_mb) as finite:
+        bucket_nbytes = finite(number("bucket_mb", bucket_mb, inclusive=False) * MiB)
+        return math.ceil(finite(nbytes / bucket_nbytes))
 
 
 def busbw_factor(collective: str, world_size: int) -> float:
@@ -126,26 +133,38 @@ def bus_bandwidth(collective: str, nbytes: float, seconds: float, world_size: in
     2.0
     """
     factor = busbw_factor(collective, world_size)
-    return number("nbytes", nbytes) / number("seconds", seconds, inclusive=False) * factor
+    busbw = number("nbytes", nbytes) / number("seconds", seconds, inclusive=False) * factor
+    return finite_result("bus_bandwidth", busbw, nbytes=nbytes, seconds=seconds)
 
 
 def fit_alpha_beta(nbytes: list[float], seconds: list[float], world_size: int) -> tuple[float, float]:
     """Least-squares (alpha, beta) of the ring AllReduce model to measured times.
 
     The model is linear in alpha and beta: t = 2(p-1) alpha + 2(p-1)/p n beta (gamma folded into beta).
-    1 / beta is the link's bandwidth in bytes/s, as `allreduce_seconds` takes it."""
-    if len(nbytes) != len(seconds) or len(nbytes) < 2:
-        raise ValueError("fit_alpha_beta needs at least two (nbytes, seconds) measurements of equal count.")
+    1 / beta is the link's bandwidth in bytes/s, as `allreduce_seconds` takes it. A latency cannot be negative:
+    when noise pushes the intercept below zero, the fit is redone through the origin (alpha = 0, the least-squares
+    answer under alpha >= 0). Refused, saying why: sizes that are not positive, times that are negative, NaN or
+    inf, fewer than two sizes, and times that do not grow with size (no bandwidth to find)."""
+    sizes, times = numbers_list("nbytes", nbytes, inclusive=False), numbers_list("seconds", seconds)
     p = whole("world_size", world_size, minimum=2)
-    xs = [2 * (p - 1) / p * n for n in nbytes]  # bytes each rank sends
-    k = 2 * (p - 1)  # messages each rank sends
-    count = len(xs)
-    mean_x, mean_t = sum(xs) / count, sum(seconds) / count
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    if spread == 0:
-        raise ValueError("fit_alpha_beta needs measurements at more than one size.")
-    beta = sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, seconds, strict=True)) / spread
-    alpha = (mean_t - beta * mean_x) / k
-    if alpha < 0:  # noise can push the intercept below zero; a latency cannot be negative
-        return 0.0, sum(x * t for x, t in zip(xs, seconds, strict=True)) / sum(x * x for x in xs)
+    if len(sizes) != len(times) or len(sizes) < 2:
+        raise ValueError(f"fit_alpha_beta needs at least two (nbytes, seconds) measurements of equal count; got "
+                         f"{len(sizes)} nbytes and {len(times)} seconds.")
+    with overflow_named("fit_alpha_beta", nbytes=nbytes, seconds=seconds, world_size=world_size) as finite:
+        xs = [2 * (p - 1) / p * n for n in sizes]  # bytes each rank sends
+        k = 2.0 * (p - 1)  # messages each rank sends
+        mean_x, mean_t = finite(sum(xs) / len(xs)), finite(sum(times) / len(times))
+        spread = finite(sum((x - mean_x) ** 2 for x in xs))
+        if spread == 0:
+            raise ValueError(f"nbytes={shown(nbytes)}: fit_alpha_beta needs measurements at more than one size.")
+        beta = finite(sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, times, strict=True)) / spread)
+        alpha = finite((mean_t - beta * mean_x) / k)
+        if alpha < 0:  # noise below a small latency
+            products = finite(sum(x * t for x, t in zip(xs, times, strict=True)))
+            alpha, beta = 0.0, products / finite(sum(x * x for x in xs))
+    if beta <= 0:
+        raise ValueError(f"seconds={shown(seconds)} do not grow with nbytes={shown(nbytes)} (fitted beta = "
+                         f"{beta:.3g} s per byte): these times give no bandwidth. Time each size over more "
+                         "repetitions, with sizes far enough apart that moving the bytes, not latency or noise, "
+                         "sets the time.")
     return alpha, beta

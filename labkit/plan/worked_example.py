@@ -10,12 +10,26 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from labkit.plan._checks import fraction, number, whole
+from labkit.plan._checks import fraction, number, overflow_named, whole
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
 from labkit.plan.time import bandwidth_for_speedup, step_seconds
 from labkit.plan.traffic import GB, allreduce_seconds, ring_allreduce_bytes
 
 SLOW_LINK_SPEEDUP = 3.0  # Step 3: "over a slow link it dominates and your 8x becomes 3x"
+COMM = ("params", "gradient_bytes_per_param", "devices")  # the gradient AllReduce grows with these
+# Each derived number that can overflow, and the fields it grows with, checked in this order when a scenario is
+# made, so that an error names the fields (params) rather than a helper's argument (nbytes) or an inf later.
+GROWS_WITH = {
+    "gradient_bytes": ("params", "gradient_bytes_per_param"),
+    "parallel_batch": ("per_device_batch", "devices", "accumulation_steps"),
+    "baseline_epoch_seconds": ("examples", "step_compute_seconds"),
+    "accumulation_alternative_epoch_seconds": ("examples", "devices", "step_compute_seconds"),
+    "ring_bytes_per_rank": COMM,
+    "bandwidth_for_slow_link_speedup": (*COMM, "step_compute_seconds", "overlap"),
+    "comm_seconds": (*COMM, "bandwidth"),
+    "parallel_epoch_seconds": (*COMM, "bandwidth", "examples", "step_compute_seconds"),
+    "memory_bytes": ("params", "bytes_per_param"),
+}
 
 
 @dataclass(frozen=True)
@@ -51,13 +65,21 @@ class WorkedExample:
     overlap: float = 0.0
 
     def __post_init__(self):
-        for name in ("per_device_batch", "accumulation_steps", "examples", "devices"):
-            whole(name, getattr(self, name))
-        for name in ("params", "step_compute_seconds", "gradient_bytes_per_param", "bytes_per_param"):
-            number(name, getattr(self, name), inclusive=False)
+        """Check every field, store it as a plain int or float (a Fraction or Decimal would not format), and
+        compute the derived numbers once, so that a scenario past float range is refused naming its fields."""
+        checked = {name: whole(name, getattr(self, name))
+                   for name in ("per_device_batch", "accumulation_steps", "examples", "devices")}
+        checked |= {name: number(name, getattr(self, name), inclusive=False)
+                    for name in ("params", "step_compute_seconds", "gradient_bytes_per_param", "bytes_per_param")}
         if self.bandwidth is not None:
-            number("bandwidth", self.bandwidth, inclusive=False)
-        fraction("overlap", self.overlap)
+            checked["bandwidth"] = number("bandwidth", self.bandwidth, inclusive=False)
+        checked["overlap"] = fraction("overlap", self.overlap)
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)  # frozen: the dataclass way to set a field in __post_init__
+        for quantity, fields in GROWS_WITH.items():
+            inputs = {name: getattr(self, name) for name in fields}
+            with overflow_named(f"WorkedExample.{quantity}", **inputs) as finite:
+                finite(getattr(self, quantity))
 
     # Step 1: one GPU
     @property
@@ -155,8 +177,8 @@ class WorkedExample:
 
     @property
     def accumulation_alternative_step_seconds(self) -> float:
-        microbatch_seconds = self.step_compute_seconds / self.accumulation_steps
-        return self.accumulation_alternative_steps * microbatch_seconds
+        # micro-batches x (step_compute_seconds / accumulation_steps), multiplied first: a tiny step cannot round to 0
+        return self.accumulation_alternative_steps * self.step_compute_seconds / self.accumulation_steps
 
     @property
     def accumulation_alternative_epoch_seconds(self) -> float:

@@ -1,6 +1,8 @@
 """Effective batch, steps per epoch and learning-rate scaling, with the lesson's numbers."""
 
 import math
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
@@ -61,7 +63,28 @@ def test_sqrt_rule_is_the_geometric_mean_of_keeping_and_linear(lr, old, new):
     (lambda: scale_lr(1e-3, 16, math.nan), "new_batch=nan"),
     (lambda: scale_lr(1e-3, 16, 128, rule="cubic"), "rule='cubic'"),
     (lambda: scale_lr(1e-3, 16, 128, rule=None), "rule=None"),
+    (lambda: effective_batch(8, 10**400), r"devices=10\*\*400 is too large to compute with \(over 1.8e308\)"),
+    (lambda: effective_batch(10**200, 10**200), r"effective_batch\(per_device_batch=10\*\*200, devices=10\*\*200"),
+    (lambda: steps_per_epoch(-(10**400), 16), r"examples=-10\*\*400: pass a whole number >= 1"),
+    (lambda: scale_lr(1e-4, 5e-324, 1e308), r"scale_lr\(lr=0.0001, old_batch=5e-324, new_batch=1e\+308\) overflows"),
+    (lambda: scale_lr(1e-3, 16, 128, rule=["sqrt"]), r"rule=\['sqrt'\]"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: effective_batch("8", 8), "per_device_batch='8': pass a whole number >= 1 .*not a str"),
+    (lambda: steps_per_epoch(None, 16), "examples=None"),
+    (lambda: scale_lr(1e-3, [16], 128), r"old_batch=\[16\]"),
+])
+def test_wrong_types(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+def test_fractions_and_decimals_are_numbers():
+    assert scale_lr(Fraction(1, 10_000), Decimal(16), 128) == pytest.approx(8e-4)
+    with pytest.raises(ValueError, match=r"devices=Fraction\(8, 1\): pass a whole number"):
+        effective_batch(8, Fraction(8))

@@ -1,12 +1,14 @@
 """Training memory with ZeRO, LoRA's trainable parameters, and a transformer's parameter count."""
 
 import math
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from labkit.plan import lora_params, training_memory, transformer_params
+from labkit.plan import attention_lora_shapes, lora_params, memory_options, training_memory, transformer_params
 
 
 def test_lesson_seven_b_needs_112_gb():
@@ -89,12 +91,48 @@ def test_a_tiny_transformer_by_hand():
     (lambda: transformer_params(10, 4, -1, 8), "layers=-1"),
     (lambda: transformer_params(10, 4, 1, 8.0), "d_ff=8.0"),
     (lambda: transformer_params(10, 4, 1, 8, context=0), "context=0"),
-    (lambda: transformer_params(10, 4, 1, 8, tied_embeddings="yes"), "tied_embeddings='yes'"),
-    (lambda: transformer_params(10, 4, 1, 8, bias=1), "bias=1"),
+    (lambda: training_memory(10**400), r"params=10\*\*400 is too large to compute with \(over 1.8e308\)"),
+    (lambda: training_memory(Decimal("1e400")), r"params=Decimal\('1E\+400'\) is too large"),
+    (lambda: training_memory(1.7e308), r"training_memory\(params=1.7e\+308, weight_bytes=2, .*\) overflows"),
+    (lambda: training_memory(1e300, optimizer_bytes=1e10), r"optimizer_bytes=10000000000.0, .* overflows"),
+    (lambda: lora_params([(10**400, 8)], rank=1), r"shapes d_in=10\*\*400 is too large"),
+    (lambda: lora_params([(8, 4)], rank=5), r"of \(8, 4\) in shapes"),
+    (lambda: transformer_params(10**200, 10**200, 1, 8), r"transformer_params\(vocab=10\*\*200, .* overflows"),
+    (lambda: attention_lora_shapes(4096, 10**6), "layers=1000000: pass at most 10,000"),
+    (lambda: memory_options(7e9, 8, lora_rank=4097), "lora_rank=4097 exceeds d_model=4096"),
+    (lambda: memory_options(7e9, 8, layers=10**300), r"layers=10\*\*300"),
+    (lambda: memory_options(1e307, 8, lora_rank=8, optimizer_bytes=15),
+     r"memory_options\(params=1e\+307, .* overflows"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: lora_params(0, rank=1), r"shapes=0: pass a list of \(d_in, d_out\) pairs, not an int"),
+    (lambda: lora_params("(8, 8)", rank=1), r"shapes='\(8, 8\)'"),
+    (lambda: lora_params({(8, 8)}, rank=1), r"shapes=\{\(8, 8\)\}: .* not a set"),
+    (lambda: lora_params([(8, 8)], rank="2"), "rank='2'"),
+    (lambda: training_memory(None), "params=None: pass a finite number >= 0, not a NoneType"),
+    (lambda: training_memory("7B"), "params='7B'"),
+    (lambda: training_memory(7e9, dp=[8]), r"dp=\[8\]"),
+    (lambda: transformer_params(10, 4, 1, 8, tied_embeddings="yes"), "tied_embeddings='yes': pass True or False"),
+    (lambda: transformer_params(10, 4, 1, 8, bias=1), "bias=1: pass True or False"),
+])
+def test_wrong_types(call, match):
+    with pytest.raises(TypeError, match=match):
+        call()
+
+
+def test_fractions_and_decimals_are_numbers():
+    assert training_memory(Fraction(7 * 10**9)) == training_memory(7e9)
+    assert training_memory(Decimal("7e9"), weight_bytes=Fraction(1, 2))["weights"] == 3.5e9
+
+
+def test_memory_options_on_a_model_narrower_than_the_default_lora_rank():
+    options = memory_options(1e6, 2, d_model=8, layers=2)
+    assert options["LoRA r=8"]["grads"] == 2 * 8 * (8 + 8) * 4 * 2    # r = d_model, not 16
 
 
 def test_memory_options_are_the_lessons_ways_out():

@@ -46,7 +46,21 @@ def test_the_bubble_vanishes_with_many_microbatches(p):
     (lambda: bubble_fraction(4, 0), "microbatches=0"),
     (lambda: bubble_fraction(4, True), "microbatches=True"),
     (lambda: bubble_fraction(4, 8, chunks=0), "chunks=0"),
+    (lambda: bubble_fraction(10**400, 8), r"stages=10\*\*400 is too large to compute with"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_huge_counts_still_give_a_share():
+    assert bubble_fraction(10**300, 10**300) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: bubble_fraction("4", 8), "stages='4'"),
+    (lambda: bubble_fraction(4, None), "microbatches=None"),
+])
+def test_wrong_types(call, match):
+    with pytest.raises(TypeError, match=match):
         call()

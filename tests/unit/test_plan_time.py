@@ -81,7 +81,28 @@ def test_more_bandwidth_never_slows_a_step(compute, nbytes, bandwidth, faster, o
     (lambda: bandwidth_for_speedup(3, 8, 0.0, 1e9), "compute_seconds=0.0"),
     (lambda: bandwidth_for_speedup(3, 8, 1.0, -1.0), "nbytes_per_rank=-1.0"),
     (lambda: bandwidth_for_speedup(3, 8, 1.0, 1e9, overlap=2), "overlap=2"),
+    (lambda: step_seconds(1.7e308, 1.7e308), r"step_seconds\(compute_seconds=1.7e\+308, comm_seconds=1.7e\+308\)"),
+    (lambda: data_parallel_speedup(8, 1.0, 10**400), r"comm_seconds=10\*\*400 is too large"),
+    # 8 x 1e308 / 3 s per step: the allowed step overflows (it used to give 0.0 bytes/s)
+    (lambda: bandwidth_for_speedup(3, 8, 1e308, 1e9), r"bandwidth_for_speedup\(.*compute_seconds=1e\+308"),
+    (lambda: bandwidth_for_speedup(3, 8, 1e-10, 1e308), r"nbytes_per_rank=1e\+308.* overflows"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_huge_but_computable_inputs_give_finite_answers():
+    assert data_parallel_speedup(10**300, 1.0, 0.0) == pytest.approx(1e300)
+    assert data_parallel_speedup(8, 1e300, 1e300) == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: step_seconds(None, 0.5), "compute_seconds=None"),
+    (lambda: step_seconds(1.0, 0.5, overlap="half"), "overlap='half'"),
+    (lambda: data_parallel_speedup([8], 1.0, 0.5), r"devices=\[8\]"),
+    (lambda: bandwidth_for_speedup(3j, 8, 1.0, 1e9), "target_speedup=3j.*not a complex"),
+])
+def test_wrong_types(call, match):
+    with pytest.raises(TypeError, match=match):
         call()

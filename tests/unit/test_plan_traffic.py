@@ -1,7 +1,10 @@
 """The traffic and cost formulas, and the lesson's numbers they reproduce."""
 
 import math
+from decimal import Decimal
+from fractions import Fraction
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -100,6 +103,42 @@ def test_fit_never_returns_a_negative_latency():
     assert fit_alpha_beta([1e3, 1e6], [0.0, 1.0], 2)[0] == 0.0
 
 
+def test_fit_takes_tuples_and_arrays():
+    sizes, times = [1e6, 4e6, 16e6], [0.00135, 0.0036, 0.0126]
+    expected = fit_alpha_beta(sizes, times, 4)
+    assert expected == pytest.approx((1e-4, 5e-10))
+    assert fit_alpha_beta(tuple(sizes), np.array(times), 4) == pytest.approx(expected)
+
+
+def test_fit_refuses_times_that_give_no_bandwidth():
+    with pytest.raises(ValueError, match=r"seconds=\[0.003, 0.002, 0.001\] do not grow with nbytes"):
+        fit_alpha_beta([1e6, 2e6, 4e6], [3e-3, 2e-3, 1e-3], 4)              # falling: beta < 0
+    with pytest.raises(ValueError, match="do not grow with nbytes"):
+        fit_alpha_beta([1e6, 2e6], [1e-3, 1e-3], 4)                         # flat: beta = 0
+    with pytest.raises(ValueError, match="do not grow with nbytes"):
+        fit_alpha_beta([1e6, 2e6], [0.0, 0.0], 4)
+
+
+def test_sizes_past_the_largest_float_are_named():
+    assert ring_allreduce_bytes(Fraction(14 * 10**9), 8) == ring_allreduce_bytes(Decimal("14e9"), 8) == 24.5e9
+    with pytest.raises(ValueError, match=r"nbytes=10\*\*400 is too large to compute with \(over 1.8e308\)"):
+        ring_allreduce_bytes(10**400, 8)
+    with pytest.raises(ValueError, match=r"world_size=10\*\*5000 is too large"):
+        allreduce_seconds(1.0, 10**5000, 1e9)
+    with pytest.raises(ValueError, match=r"ring_allreduce_bytes\(nbytes=1.7e\+308, world_size=8\) overflows"):
+        ring_allreduce_bytes(1.7e308, 8)
+    with pytest.raises(ValueError, match=r"allreduce_seconds\(.*bandwidth=5e-324.*\) overflows"):
+        allreduce_seconds(1e9, 8, 5e-324)
+    with pytest.raises(ValueError, match=r"world_size=10\*\*308.* overflows"):   # 2(p-1) alpha past 1.8e308
+        allreduce_seconds(1.0, 10**308, 1e9, latency=1e-6)
+    with pytest.raises(ValueError, match=r"bus_bandwidth\(nbytes=1e\+300, seconds=1e-10\) overflows"):
+        bus_bandwidth("allreduce", 1e300, 1e-10, 2)
+    with pytest.raises(ValueError, match=r"ddp_bucket_count\(.*bucket_mb=1e\+303\) overflows"):  # not 0 buckets
+        ddp_bucket_count(1e9, bucket_mb=1e303)
+    with pytest.raises(ValueError, match=r"fit_alpha_beta\(nbytes=\[1000000.0, 1e\+300\].* overflows"):
+        fit_alpha_beta([1e6, 1e300], [1e-3, 1.0], 2)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: ring_allreduce_bytes(1.0, 0), "world_size=0"),
     (lambda: ring_allreduce_bytes(1.0, True), "world_size=True"),
@@ -122,9 +161,29 @@ def test_fit_never_returns_a_negative_latency():
     (lambda: fit_alpha_beta([1.0], [1.0], 2), "at least two"),
     (lambda: fit_alpha_beta([1, 1], [1, 2], 2), "more than one size"),
     (lambda: fit_alpha_beta([1, 2], [1, 2], 1), "world_size=1"),
+    (lambda: fit_alpha_beta([1e6, 2e6], [1e-3, math.nan], 2), r"seconds\[1\]=nan"),
+    (lambda: fit_alpha_beta([1e6, math.inf], [1e-3, 2e-3], 2), r"nbytes\[1\]=inf"),
+    (lambda: fit_alpha_beta([1e6, 2e6], [-1e-3, 2e-3], 2), r"seconds\[0\]=-0.001"),
+    (lambda: fit_alpha_beta([0, 2e6], [1e-3, 2e-3], 2), r"nbytes\[0\]=0: pass a finite number > 0"),
+    (lambda: fit_alpha_beta([1e6, 2e6], [True, 2e-3], 2), r"seconds\[0\]=True"),
+    (lambda: fit_alpha_beta([1e6, 1e6, 1e6], [1e-3, 2e-3, 3e-3], 2), "more than one size"),
 ])
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: fit_alpha_beta(5, [1.0], 2), "nbytes=5: pass a list of numbers, not an int"),
+    (lambda: fit_alpha_beta("12", [1.0, 2.0], 2), "nbytes='12'"),
+    (lambda: fit_alpha_beta([1e6, 2e6], {1e-3: 1, 2e-3: 2}, 2), "seconds=.* not a dict"),
+    (lambda: fit_alpha_beta([1e6, None], [1e-3, 2e-3], 2), r"nbytes\[1\]=None"),
+    (lambda: ring_allreduce_bytes("14e9", 8), "nbytes='14e9'"),
+    (lambda: allreduce_seconds(1.0, 2, None), "bandwidth=None"),
+    (lambda: allreduce_seconds(1.0, "8", 1e9), "world_size='8'"),
+])
+def test_wrong_types(call, match):
+    with pytest.raises(TypeError, match=match):
         call()
 
 

@@ -2,6 +2,8 @@
 
 import dataclasses
 import math
+from decimal import Decimal
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
@@ -83,10 +85,35 @@ def test_overrides_change_the_scenario():
     ({"bytes_per_param": math.nan}, "bytes_per_param=nan"),
     ({"bandwidth": 0}, "bandwidth=0"),
     ({"overlap": 2}, "overlap=2"),
+    ({"params": 10**400}, r"params=10\*\*400 is too large to compute with \(over 1.8e308\)"),
+    # the overflow names the scenario's fields, not ring_allreduce_bytes' nbytes
+    ({"params": 1.7e308}, r"WorkedExample.gradient_bytes\(params=1.7e\+308, gradient_bytes_per_param=2.0\)"),
+    ({"params": 6e307}, r"WorkedExample.ring_bytes_per_rank\(params=6e\+307, gradient_bytes_per_param=2.0, devices=8"),
+    ({"devices": 10**308}, r"WorkedExample.parallel_batch\(per_device_batch=8, devices=10\*\*308"),
+    ({"examples": 10**300, "step_compute_seconds": 1e10}, r"WorkedExample.baseline_epoch_seconds\(examples=10\*\*300"),
+    ({"bandwidth": 5e-324}, r"WorkedExample.comm_seconds\(.*bandwidth=5e-324\)"),
+    ({"step_compute_seconds": 5e-324}, r"WorkedExample.bandwidth_for_slow_link_speedup\(.*step_compute_seconds=5e-324"),
+    ({"bytes_per_param": 1e299}, r"WorkedExample.memory_bytes\(params=7000000000.0, bytes_per_param=1e\+299\)"),
 ])
 def test_bad_overrides(overrides, match):
     with pytest.raises(ValueError, match=match):
         worked_example(**overrides)
+
+
+@pytest.mark.parametrize("overrides, match", [
+    ({"devices": "8"}, "devices='8'"),
+    ({"params": None}, "params=None"),
+    ({"bandwidth": "fast"}, "bandwidth='fast'"),
+])
+def test_wrong_types(overrides, match):
+    with pytest.raises(TypeError, match=match):
+        worked_example(**overrides)
+
+
+def test_fractions_and_decimals_are_stored_as_floats_and_print():
+    exact = worked_example(params=Fraction(7 * 10**9), overlap=Fraction(1, 2), bandwidth=Decimal("14.7e9"))
+    assert exact == worked_example(params=7e9, overlap=0.5, bandwidth=14.7e9)
+    assert type(exact.params) is float and exact.table() == worked_example(overlap=0.5, bandwidth=14.7e9).table()
 
 
 def test_it_is_frozen():
