@@ -2,73 +2,123 @@
 
 from __future__ import annotations
 
+import html
+
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from labkit import plan
 from labkit.plan import GB
+from labkit.plan._checks import number
 from labkit.viz.plan import memory_bars, speedup_chart
 
 # bytes per parameter as (weights, grads, optimizer state). Sources: 16 B, Rajbhandari et al. 2020 ("ZeRO", section
-# 3.1); 18 B, EleutherAI's "Transformer Math 101" (2023); 20 B, DeepSpeed's estimate_zero2_model_states_mem_needs.
+# 3.1: bf16 weights and grads, fp32 master weights + Adam); 18 B, fp32 grads, as in Megatron-LM and EleutherAI's
+# "Transformer Math 101" (2023); 20 B, DeepSpeed's estimate_zero2_model_states_mem_needs (fp32 grads with the
+# optimizer). The labels stay short enough to read whole in the dropdown.
 CONVENTIONS = {
-    "16 B: bf16 weights and grads, fp32 master + Adam (ZeRO paper)": (2, 2, 12),
-    "18 B: fp32 grads (Megatron-LM, EleutherAI cookbook)": (2, 4, 12),
-    "20 B: DeepSpeed's estimator (fp32 grads with the optimizer)": (2, 2, 16),
+    "16 B (ZeRO paper)": (2, 2, 12),
+    "18 B (fp32 grads: Megatron-LM)": (2, 4, 12),
+    "20 B (DeepSpeed's estimator)": (2, 2, 16),
 }
+LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "180px", "450px", 500  # fit a 1280 px window with the file browser open
+RED, GREEN = "#e45756", "#54a24b"
+NOTE = "<div style='font-size:0.9em; line-height:1.3'>{}</div>"  # under the parameters field, 3 lines at most
+
+
+class FigureSlot(widgets.Box):
+    """A place for one plotly figure, shown as a new FigureWidget by every `draw(figure)`.
+
+    Why not update one FigureWidget in place: its updates travel as deltas that plotly's widget code (a 5 MB
+    script) applies only once loaded, so a busy browser can miss them and keep an empty chart. A new widget
+    carries the whole figure in its first message."""
+
+    def draw(self, figure: go.Figure) -> None:
+        """Show `figure` here, closing the widget it replaces."""
+        old, self.children = self.children, (go.FigureWidget(figure),)
+        for widget in old:
+            widget.close()
+
+    @property
+    def figure(self) -> go.FigureWidget | None:
+        """The figure shown now (None before the first draw)."""
+        return self.children[0] if self.children else None
 
 
 def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
-    """Sliders for the scenario; a summary, the memory per GPU against the GPU's and the speedup against
-    bandwidth, all redrawn from labkit.plan whenever a control moves."""
-    style, wide = {"description_width": "170px"}, widgets.Layout(width="460px")
+    """Controls for the scenario (the model's size typed as people write it: 70B, 6.7 billion, 7e9); a summary,
+    the memory per GPU against the GPU's and the speedup against bandwidth, all redrawn from labkit.plan whenever
+    a control changes. A size that does not read as a count is refused with a message; the last good one stays."""
+    style, wide = {"description_width": LABEL_WIDTH}, widgets.Layout(width=CONTROL_WIDTH)
 
     def slider(kind, description, **kw):
         return kind(description=description, style=style, layout=wide, continuous_update=False, **kw)
 
-    controls = {
-        "params": slider(widgets.FloatLogSlider, "parameters", value=params, base=10, min=7, max=12, step=0.05),
-        "per_device_batch": slider(widgets.IntSlider, "per-device batch", value=8, min=1, max=64),
+    good = {"params": number("params", params, inclusive=False)}
+    size = widgets.Text(value=plan.format_count(params), description="parameters", style=style, layout=wide,
+                        placeholder="70B, 6.7 billion, 7e9", continuous_update=False)
+    size_note = widgets.HTML(layout=widgets.Layout(width=CONTROL_WIDTH, height="4.2em"))  # 3 lines: never moves
+    controls = {  # the hardware, the training run, then the ways to save memory
         "devices": slider(widgets.IntSlider, "GPUs (data parallel)", value=8, min=1, max=64),
-        "accumulation_steps": slider(widgets.IntSlider, "accumulation steps", value=2, min=1, max=64),
-        "examples": slider(widgets.IntSlider, "examples per epoch", value=40_000, min=1_000, max=1_000_000,
-                           step=1_000),
-        "step_compute_seconds": slider(widgets.FloatSlider, "compute per step (s)", value=1.0, min=0.05, max=10,
-                                       step=0.05),
+        "gpu_memory_gb": slider(widgets.FloatSlider, "GPU memory GB", value=gpu_memory_gb, min=8, max=192, step=1),
         "bandwidth_gb": slider(widgets.FloatLogSlider, "per-rank bandwidth GB/s", value=25, base=10, min=-1, max=3,
                                step=0.05),
         "overlap": slider(widgets.FloatSlider, "AllReduce hidden", value=0.0, min=0, max=1, step=0.05,
                           readout_format=".0%"),
+        "step_compute_seconds": slider(widgets.FloatSlider, "compute per step (s)", value=1.0, min=0.05, max=10,
+                                       step=0.05),
+        "per_device_batch": slider(widgets.IntSlider, "per-device batch", value=8, min=1, max=64),
+        "accumulation_steps": slider(widgets.IntSlider, "accumulation steps", value=2, min=1, max=64),
+        "examples": slider(widgets.IntSlider, "examples per epoch", value=40_000, min=1_000, max=1_000_000,
+                           step=1_000),
         "convention": widgets.Dropdown(options=list(CONVENTIONS), description="bytes per parameter", style=style,
                                        layout=wide),
         "zero_stage": slider(widgets.IntSlider, "ZeRO stage (0 = DDP)", value=0, min=0, max=3),
         "lora_rank": slider(widgets.IntSlider, "LoRA rank (0 = full)", value=0, min=0, max=256),
         "d_model": slider(widgets.IntSlider, "LoRA: model width", value=4096, min=256, max=16384, step=256),
         "layers": slider(widgets.IntSlider, "LoRA: layers", value=32, min=1, max=128),
-        "gpu_memory_gb": slider(widgets.FloatSlider, "GPU memory GB", value=gpu_memory_gb, min=8, max=192, step=1),
     }
-    summary = widgets.HTML()
-    memory, speed = go.FigureWidget(), go.FigureWidget()
+    # the summary takes the room beside the controls, whatever its text: a longer verdict wraps, nothing moves
+    summary = widgets.HTML(layout=widgets.Layout(flex="1 1 300px", min_width="300px"))
+    memory, speed = FigureSlot(), FigureSlot()
+
+    def read_size() -> bool:
+        """Take the typed size if it reads as a count (say what it read); else say why and keep the last one."""
+        try:
+            good["params"] = plan.parse_count(size.value)
+        except ValueError as error:
+            size_note.value = NOTE.format(f"<span style='color:{RED}'>{html.escape(str(error))}</span> Still "
+                                          f"planning for {plan.format_count(good['params'])}.")
+            return False
+        size_note.value = NOTE.format(f"= {good['params']:,.0f} parameters (70B, 6.7 billion, 7e9, 350M, 1.5T "
+                                      "all work)")
+        return True
 
     def redraw(_=None) -> None:
-        values = {name: control.value for name, control in controls.items()}
+        values = {"params": good["params"], **{name: control.value for name, control in controls.items()}}
         weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[values["convention"]]
         options = plan.memory_options(values["params"], values["devices"], lora_rank=values["lora_rank"],
                                       zero_stage=values["zero_stage"], weight_bytes=weight_bytes,
                                       grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
                                       d_model=values["d_model"], layers=values["layers"])
         summary.value = describe(values, options)
-        memory_bars(options, values["gpu_memory_gb"] * GB, figure=memory)
+        memory.draw(memory_bars(options, values["gpu_memory_gb"] * GB, title=(
+            f"Memory per GPU, {plan.format_count(values['params'])} parameters, before activations"
+        )).update_layout(width=FIGURE_WIDTH))
         bandwidths = [10 ** (k / 10) * GB for k in range(-10, 31)]
-        speedup_chart(values["devices"], values["step_compute_seconds"],
-                      values["params"] * grad_bytes, bandwidths, overlaps=(values["overlap"],),
-                      figure=speed, marker_bandwidth=values["bandwidth_gb"] * GB)
+        speed.draw(speedup_chart(values["devices"], values["step_compute_seconds"], values["params"] * grad_bytes,
+                                 bandwidths, overlaps=(values["overlap"],),
+                                 marker_bandwidth=values["bandwidth_gb"] * GB).update_layout(
+            width=FIGURE_WIDTH, legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}, height=430))
 
+    size.observe(lambda _: read_size() and redraw(), "value")
     for control in controls.values():
         control.observe(redraw, "value")
+    read_size()
     redraw()
-    left = widgets.VBox(list(controls.values()))
-    return widgets.VBox([widgets.HBox([left, summary]), widgets.HBox([memory, speed])])
+    left = widgets.VBox([size, size_note, *controls.values()], layout=widgets.Layout(flex="0 0 auto"))
+    wrap = widgets.Layout(flex_flow="row wrap", align_items="flex-start", width="100%")
+    return widgets.VBox([widgets.HBox([left, summary], layout=wrap), widgets.HBox([memory, speed], layout=wrap)])
 
 
 def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
@@ -86,8 +136,8 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
     ways_out = ", ".join(fits) or "more GPUs with ZeRO-3 or tensor x pipeline parallelism, or a smaller model"
     replicated = values["zero_stage"] == 0 and values["lora_rank"] == 0
     why = "replicated data parallelism (DDP) pools no memory; " if replicated else ""
-    verdict = ("<b style='color:#54a24b'>fits</b>" if yours <= gpu_memory_gb * GB else
-               f"<b style='color:#e45756'>does not fit</b>: {why}try {ways_out}")
+    verdict = (f"<b style='color:{GREEN}'>fits</b>" if yours <= gpu_memory_gb * GB else
+               f"<b style='color:{RED}'>does not fit</b>: {why}try {ways_out}")
     rows = [
         ("effective batch", f"{example.parallel_batch:,} (1 GPU: {example.baseline_batch:,})"),
         ("steps per epoch", f"{example.parallel_steps:,} (1 GPU: {example.baseline_steps:,})"),
@@ -98,14 +148,16 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
         ("speedup over 1 GPU", f"{example.speedup:,.2f}x of {devices}x"),
         ("memory per GPU", f"{yours / GB:,.1f} GB of {gpu_memory_gb:g} GB: {verdict}"),
     ]
-    body = "".join(f"<tr><td>{name}</td><td style='text-align:left'>{value}</td></tr>" for name, value in rows)
-    return f"<table>{body}</table>"
+    body = "".join(f"<tr><td style='white-space:nowrap; vertical-align:top'>{name}</td>"
+                   f"<td style='text-align:left'>{value}</td></tr>" for name, value in rows)
+    return f"<table style='line-height:1.4'>{body}</table>"
 
 
 def what_is_running_out(params_billions: float = 7, largest_layer_billions: float = 0.2,
                         gpu_memory_gb: float = 80) -> widgets.VBox:
     """Sliders for the model's and its largest layer's parameters and the GPU's memory; the strategy that
-    `labkit.plan.parallelism_for` names first, and why (16 bytes per parameter: mixed-precision Adam)."""
+    `labkit.plan.parallelism_for` names first, and why (16 bytes per parameter: mixed-precision Adam). A largest
+    layer above the whole model is refused with a message, as parallelism_for refuses it."""
     style, wide = {"description_width": "220px"}, widgets.Layout(width="540px")
     params = widgets.FloatLogSlider(value=params_billions, base=10, min=-1, max=3, step=0.05,
                                     description="parameters, billions", style=style, layout=wide,
@@ -118,10 +170,13 @@ def what_is_running_out(params_billions: float = 7, largest_layer_billions: floa
     answer = widgets.HTML()
 
     def redraw(_=None) -> None:
-        if layer.value > params.value:
-            answer.value = "A layer cannot hold more than the whole model: lower the largest layer."
+        try:
+            strategy, why = plan.parallelism_for(params.value * 1e9, layer.value * 1e9, gpu.value * GB)
+        except ValueError:  # the sliders allow only one nonsense: a layer larger than the model it is part of
+            answer.value = (f"<span style='color:{RED}'>A layer is part of the model: the largest layer "
+                            f"({layer.value:.3g} billion parameters) cannot hold more than the whole model "
+                            f"({params.value:.3g} billion).</span> Lower the largest layer or raise the parameters.")
             return
-        strategy, why = plan.parallelism_for(params.value * 1e9, layer.value * 1e9, gpu.value * GB)
         answer.value = f"<b>{strategy}</b>: {why}."
 
     for slider in (params, layer, gpu):

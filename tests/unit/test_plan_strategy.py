@@ -41,7 +41,7 @@ def test_bytes_per_parameter_move_the_boundary():
 
 
 def test_nonsense_is_refused():
-    with pytest.raises(ValueError, match="largest_layer_params"):
+    with pytest.raises(ValueError, match=r"largest_layer_params=2000000000.0 exceeds params=1000000000.0"):
         parallelism_for(1e9, 2e9, 80e9)
     with pytest.raises(ValueError, match="gpu_nbytes"):
         parallelism_for(1e9, 1e8, 0)
@@ -61,5 +61,9 @@ def test_widget_follows_its_sliders():
     assert "tensor parallelism" in answer.value
     gpu.value = 192.0
     assert "sharded data parallelism" in answer.value            # 140 GB of weights fit on 192 GB
-    layer.value = 100.0
-    assert "cannot hold more" in answer.value
+    layer.value = 100.0                                            # a layer larger than the whole model
+    assert "cannot hold more than the whole model" in answer.value
+    assert "(100 billion parameters)" in answer.value and "(70 billion)" in answer.value
+    assert "<b>" not in answer.value                               # no strategy for nonsense
+    layer.value = 70.0                                             # a one-layer model is a model
+    assert "cannot hold more" not in answer.value and "<b>" in answer.value

@@ -13,6 +13,13 @@ def test_timeline_has_a_bar_per_action_coloured_by_kind():
     assert len(forward.x) == len(backward.x) == 3 * 4
     assert list(forward.x) == [1.0] * 12 and list(backward.x) == [2.0] * 12
     assert list(figure.layout.yaxis.categoryarray) == ["stage 0", "stage 1", "stage 2"]
+    assert figure.layout.xaxis.title.text == "time, time units"
+
+
+def test_timeline_hides_the_labels_of_bars_too_narrow_to_read():
+    figure = pipeline_timeline(simulate_pipeline("gpipe", 4, 12, 1.0, 2.0), unit_seconds=1, unit="time units")
+    assert figure.layout.uniformtext.mode == "hide" and figure.layout.uniformtext.minsize >= 10
+    assert list(figure.data[0].text) == [str(i) for i in range(12)] * 4  # the labels are there where they fit
 
 
 def test_bubble_chart_puts_measured_points_over_the_formula():
@@ -20,3 +27,13 @@ def test_bubble_chart_puts_measured_points_over_the_formula():
     curve, points = figure.data
     assert curve.y[0] == pytest.approx(0.75) and curve.y[3] == pytest.approx(3 / 7)
     assert list(points.x) == [1, 4]
+
+
+def test_coinciding_schedules_stay_visible_and_the_log_axis_labels_powers_of_two():
+    same = {1: 0.75, 2: 0.6, 4: 0.43, 8: 0.27}
+    figure = bubble_chart({"gpipe": same, "1f1b": same}, stages=4, most_microbatches=32)
+    gpipe, one_f_one_b = figure.data[1:]
+    assert gpipe.marker.symbol != one_f_one_b.marker.symbol and gpipe.marker.size > one_f_one_b.marker.size
+    assert gpipe.marker.symbol.endswith("-open")  # a ring: the smaller marker shows through it
+    assert list(figure.layout.xaxis.tickvals) == [1, 2, 4, 8, 16, 32]
+    assert figure.layout.yaxis.tickformat == ".0%"

@@ -4,43 +4,89 @@ import plotly.graph_objects as go
 import pytest
 
 from labkit.plan import memory_options
-from labkit.viz.plan import memory_bars, speedup_chart
+from labkit.viz.plan import decade_ticks, memory_bars, speedup_chart
 from labkit.widgets import planner
+from labkit.widgets.planner import CONVENTIONS, FigureSlot
 
 
 def test_memory_bars_stack_the_three_parts_under_the_gpu_line():
     figure = memory_bars(memory_options(7e9, 8), gpu_nbytes=80e9)
     assert [trace.name for trace in figure.data] == ["weights", "grads", "optimizer"]
     assert figure.data[2].y[0] == pytest.approx(84)  # replicated: 12 bytes x 7e9 in GB
-    assert figure.layout.shapes[0].y0 == 80
+    assert figure.layout.shapes[0].y0 == 80 and "GB" in figure.layout.yaxis.title.text
 
 
 def test_speedup_chart_reaches_the_device_count_on_fast_links():
     figure = speedup_chart(8, 1.0, 14e9, [1e9, 14.7e9, 1e13], overlaps=(0.0,))
     speedups = figure.data[0].y
     assert speedups[1] == pytest.approx(3.0, rel=1e-3) and speedups[0] < speedups[1] < speedups[2] < 8
+    assert figure.layout.shapes[0].y0 == 8
+
+
+def test_the_log_axis_labels_decades_only():
+    figure = speedup_chart(8, 1.0, 14e9, [10 ** (k / 20) * 1e9 for k in range(-20, 61)])
+    assert list(figure.layout.xaxis.tickvals) == [0.1, 1, 10, 100, 1000]
+    assert list(figure.layout.xaxis.ticktext) == ["0.1", "1", "10", "100", "1000"]
+    assert "GB/s" in figure.layout.xaxis.title.text
+    assert decade_ticks([0.3, 42])["tickvals"] == [0.1, 1, 10, 100]
+
+
+def controls_of(app):
+    left = app.children[0].children[0]
+    return {c.description: c for c in left.children if c.description}, left.children[1]
+
+
+def figures_of(app):
+    return [slot.figure for slot in app.children[1].children]
 
 
 def test_planner_recomputes_when_a_control_moves():
     app = planner()
-    controls = {c.description: c for c in app.children[0].children[0].children}
-    summary, (memory, speed) = app.children[0].children[1], app.children[1].children
+    controls, _ = controls_of(app)
+    summary, (memory, speed) = app.children[0].children[1], figures_of(app)
     assert isinstance(memory, go.FigureWidget) and "does not fit" in summary.value
-    controls["parameters"].value = 1e9
+    controls["parameters"].value = "1B"
+    memory, speed = figures_of(app)
     assert "fits" in summary.value and "does not fit" not in summary.value
     assert memory.data[0].y[0] == pytest.approx(2.0)  # 1e9 bf16 weights = 2 GB
     before = speed.data[0].y
     controls["GPUs (data parallel)"].value = 4
-    assert speed.data[0].y != before and "64 (1 GPU: 16)" in summary.value
+    assert figures_of(app)[1].data[0].y != before and "64 (1 GPU: 16)" in summary.value
+
+
+@pytest.mark.parametrize("text, params", [("70B", 70e9), ("6.7 billion", 6.7e9), ("7,000,000,000", 7e9),
+                                          ("175 B", 175e9), ("1.5T", 1.5e12), ("350M", 350e6), ("7e9", 7e9)])
+def test_planner_reads_sizes_as_people_type_them(text, params):
+    app = planner()
+    controls, note = controls_of(app)
+    controls["parameters"].value = text
+    memory = figures_of(app)[0]
+    assert memory.data[0].y[0] == pytest.approx(2 * params / 1e9)  # bf16 weights, replicated
+    assert f"= {params:,.0f} parameters" in note.value and len(memory.data[0].x) > 0
+
+
+def test_planner_refuses_what_is_not_a_count_and_keeps_the_last_good_size():
+    app = planner()
+    controls, note = controls_of(app)
+    summary = app.children[0].children[1]
+    controls["parameters"].value = "70B"
+    before, drawn = summary.value, figures_of(app)[0]
+    controls["parameters"].value = "70 GB"
+    assert "size in bytes, not a parameter count" in note.value and "Still planning for 70B" in note.value
+    assert summary.value == before and figures_of(app)[0] is drawn
+    controls["parameters"].value = "seventy"
+    assert "not a parameter count" in note.value and "70B, 6.7 billion" in note.value
+    controls["parameters"].value = "1B"
+    assert "= 1,000,000,000 parameters" in note.value and "1B parameters" in figures_of(app)[0].layout.title.text
 
 
 def test_planner_sizes_lora_by_the_model_it_is_told():
     app = planner()
-    controls = {c.description: c for c in app.children[0].children[0].children}
-    memory = app.children[1].children[0]
-    controls["parameters"].value = 1e8
+    controls, _ = controls_of(app)
+    controls["parameters"].value = "100M"
     controls["LoRA: model width"].value = 512
     controls["LoRA: layers"].value = 8
+    memory = figures_of(app)[0]
     bars = dict(zip(memory.data[0].x, memory.data[0].y, strict=True))  # weights, GB
     adapters = 16 * (512 + 512) * 4 * 8                                 # rank 16 on q, k, v, o of 8 layers
     assert bars["LoRA r=16"] == pytest.approx(2 * (1e8 + adapters) / 1e9)
@@ -48,8 +94,33 @@ def test_planner_sizes_lora_by_the_model_it_is_told():
 
 def test_planner_says_replicated_data_parallelism_pools_no_memory():
     app = planner()
-    controls = {c.description: c for c in app.children[0].children[0].children}
+    controls, _ = controls_of(app)
     summary = app.children[0].children[1]
     assert "replicated data parallelism (DDP) pools no memory" in summary.value and "ZeRO-3 over 8" in summary.value
     controls["ZeRO stage (0 = DDP)"].value = 1                  # 38.5 GB per GPU: sharded, it fits
     assert "fits" in summary.value and "pools no memory" not in summary.value
+
+
+def test_planner_conventions_keep_their_byte_counts():
+    app = planner()
+    controls, _ = controls_of(app)
+    for label, (weights, grads, optimizer) in CONVENTIONS.items():
+        controls["bytes per parameter"].value = label
+        assert label.startswith(f"{weights + grads + optimizer} B")
+        assert sum(trace.y[0] for trace in figures_of(app)[0].data) == pytest.approx(
+            7 * (weights + grads + optimizer))
+
+
+def test_figures_fit_beside_the_controls_at_their_stated_width():
+    app = planner()
+    assert all(figure.layout.width <= 520 for figure in figures_of(app))
+    assert all(box.layout.flex_flow == "row wrap" for box in app.children)  # narrow windows stack, never clip
+
+
+def test_a_figure_slot_replaces_its_figure_whole_and_closes_the_old_one():
+    slot = FigureSlot()
+    assert slot.figure is None
+    slot.draw(go.Figure(go.Bar(y=[1])))
+    first = slot.figure
+    slot.draw(go.Figure(go.Bar(y=[2])))
+    assert slot.figure is not first and slot.figure.data[0].y == (2,) and first.comm is None
