@@ -53,9 +53,41 @@ def _message(exc: BaseException) -> str:
         return f"<{type(exc).__name__} whose message could not be printed>"
 
 
+_SENDING_RESULT = "<labkit: sending the result>"  # a stack of one pseudo-frame: (this, nbytes, "")
+
+
 def describe_stack(frame) -> list[Frame]:
-    """The call stack ending at `frame`, outermost first, without labkit's own launch frames."""
+    """The call stack ending at `frame`, outermost first, without labkit's own launch frames.
+
+    A rank that has finished the call and is writing its result to the owner would show only
+    multiprocessing's `_send`; that stack becomes one pseudo-frame carrying the result's size."""
+    nbytes = _result_being_sent(frame)
+    if nbytes is not None:
+        return [(_SENDING_RESULT, nbytes, "")]
     return _below_launch(traceback.extract_stack(frame))
+
+
+def _result_being_sent(frame) -> int | None:
+    """The size of the reply if `frame` is inside Connection.send_bytes called by the worker."""
+    while frame is not None:
+        caller = frame.f_back
+        if (frame.f_code.co_name == "send_bytes" and caller is not None
+                and caller.f_code.co_filename.startswith(_LAUNCH_DIR)):
+            try:
+                return memoryview(frame.f_locals["buf"]).nbytes
+            except (KeyError, TypeError):
+                return None
+        frame = caller
+    return None
+
+
+def still_running(frames: list[Frame] | None) -> tuple[str, str]:
+    """(summary, detail) for a rank that had not answered when the call was abandoned."""
+    if frames and frames[0][0] == _SENDING_RESULT:
+        return f"was sending its result ({frames[0][1] / 1e6:.1f} MB) when the timeout passed", ""
+    if frames:
+        return f"was still running {where(frames)}", format_frames(frames)
+    return "was still running and did not say where", ""
 
 
 def _below_launch(summary: traceback.StackSummary) -> list[Frame]:

@@ -1,18 +1,22 @@
-"""Each rank's stdout and stderr, cut into lines, prefixed `[rank N]`, shown in a stable order.
+"""Each rank's stdout and stderr, cut into lines, prefixed `[rank N]`, shown as they come.
 
-Ranks write whenever they like; a notebook should not show a different interleaving on every run.
-So rank 0's lines are shown as they arrive and the other ranks' lines are held until the call
-ends, then shown rank by rank: the text is the same every time, and a long run still shows
-progress. Carriage-return progress bars (tqdm) keep only their last state.
+Ranks write whenever they like; a notebook should not show a different interleaving on every run
+of a quick cell, yet a long call should show every rank's progress live. So in each call rank 0's
+lines are shown as they arrive, the other ranks' lines are held for the first HOLD_SECONDS, then
+shown rank by rank, and from then on every rank's lines appear as they come. A call that ends
+within HOLD_SECONDS shows the same text, in rank order, every time. Carriage-return progress bars
+(tqdm) keep only their last state.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import time
 from collections import deque
 
 STREAMS = ("stdout", "stderr")
+HOLD_SECONDS = 0.5
 _END_OF_CALL = re.compile(rb"\x1elabkit-end-of-call (\d+)\x1e")
 
 
@@ -22,11 +26,13 @@ def end_of_call_marker(call_id: int) -> bytes:
 
 
 class RankOutput:
-    """The two output pipes of one rank."""
+    """The two output pipes of one rank. `live`: shown as they come from the start of every call."""
 
     def __init__(self, rank: int, live: bool):
         self.rank = rank
+        self.always_live = live
         self.live = live
+        self.release_at = float("inf")
         self._partial = {s: b"" for s in STREAMS}
         self._held: list[tuple[str, str]] = []
         self.stderr_tail: deque[str] = deque(maxlen=12)
@@ -58,11 +64,34 @@ class RankOutput:
         else:
             self._held.append((stream, line))
 
+    def hold(self, now: float) -> None:
+        """A call starts: hold this rank's lines until `now + HOLD_SECONDS` (rank 0's never)."""
+        self.live = self.always_live
+        self.release_at = now + HOLD_SECONDS
+
     def flush(self) -> None:
         """Show held lines; called at the end of every call, in rank order."""
         for stream, line in self._held:
             _write(stream, self.rank, line)
         self._held.clear()
+
+
+def start_call(outputs: list[RankOutput]) -> None:
+    """A call starts on every rank: hold the lines of ranks after 0 for HOLD_SECONDS."""
+    now = time.monotonic()
+    for output in outputs:
+        output.hold(now)
+
+
+def release_held(outputs: list[RankOutput]) -> None:
+    """Past HOLD_SECONDS into a call, show the held lines rank by rank and every rank's next ones live.
+
+    Called by the pool each time it wakes up to read (at least every half second)."""
+    now = time.monotonic()
+    for output in sorted(outputs, key=lambda o: o.rank):
+        if not output.live and now >= output.release_at:
+            output.flush()
+            output.live = True
 
 
 def _write(stream: str, rank: int, line: str) -> None:

@@ -1,43 +1,60 @@
 """`labkit.run(fn, world_size=N)`: call a function on N ranks and get their results back.
 
-The owner (a notebook's kernel or a script) keeps, for its whole life, a rendezvous store on
-127.0.0.1 and a fork server, and one warm pool of ranks per (world size, backend): the first
-call pays for the start, later calls cost milliseconds. The owner itself never joins a process
-group, so it stays free to plot, to use CUDA and to be interrupted.
+The owner (a notebook's kernel or a script) keeps, for its whole life, a fork server and one warm
+pool of ranks per (world size, backend): the first call pays for the start, later calls cost
+milliseconds. The owner itself never joins a process group, so it stays free to plot, to use CUDA
+and to be interrupted.
+
+Ranks meet through a torch.distributed.FileStore, one file per pool with an unguessable name
+(secrets.token_hex) in a directory only this user can enter (tempfile.mkdtemp creates it with mode
+0700). A TCP store on 127.0.0.1 would let any local user list its keys, read the ranks' addresses,
+or plant keys for the next pool; a file another user cannot open leaves nothing to reach.
 """
 
 from __future__ import annotations
 
 import atexit
-import math
 import numbers
 import os
-import socket
+import secrets
+import shutil
+import tempfile
 from collections import OrderedDict
 
 from labkit.launch import serialize
 from labkit.launch.backend import BackendChoice, choose_backend, usable_gpu_count
-from labkit.launch.forkserver import ForkServer
+from labkit.launch.errors import rank_list
+from labkit.launch.forkserver import ForkServer, describe_exit
 from labkit.launch.pool import Pool
 
 MAX_WORLD_SIZE = 16  # ranks per call; beyond a laptop's worth, use torchrun (README: instructors)
 MAX_LIVE_RANKS = 16  # ranks kept warm across all pools before the least recently used is stopped
 PG_TIMEOUT_SECONDS = float(os.environ.get("LABKIT_PG_TIMEOUT", 30))
 START_TIMEOUT_SECONDS = float(os.environ.get("LABKIT_START_TIMEOUT", 120))
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600  # a week: longer waits overflow gloo's and NCCL's millisecond timeouts
 
 
 class _Owner:
-    """What this process holds for its ranks: the store, the fork server, the warm pools."""
+    """What this process holds for its ranks: the fork server, the warm pools, the store directory.
+
+    Each pool gets a serial number; when a pool goes, `ended[serial]` says why, so that %%ranks can
+    tell the student why the variables it held are gone."""
 
     def __init__(self):
-        self.store = None
+        self.store_dir: str | None = None
         self.server: ForkServer | None = None
         self.pools: OrderedDict[tuple[int, str], Pool] = OrderedDict()
+        self.serials: dict[tuple[int, str], int] = {}  # the serial number of the pool now kept for a key
+        self.ended: dict[int, str] = {}  # why the pool with this serial number was stopped
         self.announced: set[str] = set()
         self.gpu_count: int | None = None
         self.pools_started = 0
 
     def pool(self, world_size: int, backend: str) -> Pool:
+        return self.pools[self.pool_key(world_size, backend)]
+
+    def pool_key(self, world_size: int, backend: str) -> tuple[int, str]:
+        """The key of a healthy pool for `world_size` ranks on `backend`, started if need be."""
         if self.gpu_count is None:
             self.gpu_count = usable_gpu_count()
         choice = choose_backend(backend, world_size, self.gpu_count)
@@ -45,63 +62,76 @@ class _Owner:
         pool = self.pools.get(key)
         if pool is not None and pool.healthy():
             self.pools.move_to_end(key)
-            return pool
+            return key
         if pool is not None:
-            pool.close()
-            del self.pools[key]
+            self._retire(key, _why_unhealthy(pool))
         self._make_room(world_size)
         self._announce(world_size, choice)
-        pool = self._start_pool(world_size, choice)
-        self.pools[key] = pool
-        return pool
+        self.pools[key] = self._start_pool(world_size, choice)
+        self.serials[key] = self.pools_started
+        return key
 
     def _start_pool(self, world_size: int, choice: BackendChoice) -> Pool:
         if self.server is None or not self.server.alive or self.server.process.poll() is not None:
             if self.server is not None:
                 self.server.close()
             self.server = ForkServer()  # start its `import torch` before ours below
-        if self.store is None:
-            self.store = _loopback_store()
+        if self.store_dir is None:
+            self.store_dir = tempfile.mkdtemp(prefix="labkit-")  # mode 0700, a fresh name
         self.pools_started += 1
-        return Pool(world_size, choice, self.server, self.store.port, f"labkit/{os.getpid()}/{self.pools_started}",
-                    PG_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS)
+        store_path = os.path.join(self.store_dir, secrets.token_hex(16))
+        return Pool(world_size, choice, self.server, store_path, PG_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS)
+
+    def _retire(self, key: tuple[int, str], reason: str) -> None:
+        """Stop the pool kept for `key` and remember why."""
+        self.pools.pop(key).close()
+        self.ended[self.serials.pop(key)] = reason
 
     def _make_room(self, world_size: int) -> None:
         for key in [k for k, p in self.pools.items() if p.closed]:
-            del self.pools[key]
+            self._retire(key, _why_unhealthy(self.pools[key]))
         while self.pools and sum(p.world_size for p in self.pools.values()) + world_size > MAX_LIVE_RANKS:
-            _, oldest = self.pools.popitem(last=False)
-            oldest.close()
+            self._retire(next(iter(self.pools)), f"it was stopped to make room for {world_size} ranks: labkit "
+                                                 f"keeps at most {MAX_LIVE_RANKS} ranks running")
 
     def _announce(self, world_size: int, choice: BackendChoice) -> None:
         if choice.reason not in self.announced:
             self.announced.add(choice.reason)
-            print(f"labkit: {world_size} ranks, {choice.reason}.")
+            print(f"labkit: {world_size} ranks, {choice.reason}; {_devices(world_size, choice.backend)}.")
+
+    def serial(self, key: tuple[int, str]) -> int | None:
+        """The serial number of the pool kept for `key`, None if none is kept."""
+        return self.serials.get(key)
 
     def shutdown(self) -> None:
-        for pool in self.pools.values():
-            pool.close()
-        self.pools.clear()
+        for key in list(self.pools):
+            self._retire(key, "labkit.shutdown() stopped it")
         if self.server is not None:
             self.server.close()
             self.server = None
-        self.store = None
+        if self.store_dir is not None:
+            shutil.rmtree(self.store_dir, ignore_errors=True)
+            self.store_dir = None
 
 
-def _loopback_store():
-    """A TCPStore that listens on 127.0.0.1 only, on a port the OS picks.
+def _why_unhealthy(pool: Pool) -> str:
+    """Why a kept pool cannot serve the next call, in words for the student."""
+    if pool.closed:
+        return "it was stopped after a call failed, timed out or was interrupted"
+    exits = pool._server.exit_status
+    dead = [r for r in pool.ranks if r.gone or r.pid in exits]
+    if not dead:
+        return "labkit's fork server ended, and its ranks with it"
+    return f"{rank_list(r.rank for r in dead)} {describe_exit(exits.get(dead[0].pid))} while idle"
 
-    torch's TCPStore("127.0.0.1", 0, is_master=True) listens on every interface (the host is only
-    where clients connect), so bind the socket ourselves and hand it over; detach it, or Python
-    would close it under the store's feet at exit."""
-    import torch.distributed as dist
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
-                         master_listen_fd=listener.detach(), use_libuv=False)
+def _devices(world_size: int, backend: str) -> str:
+    """Which device each rank computes on: labkit.device() there (context.py)."""
+    if backend != "nccl":
+        return "every rank computes on cpu"
+    if world_size <= 4:
+        return ", ".join(f"rank {r} on cuda:{r}" for r in range(world_size))
+    return f"rank i on cuda:i (i = 0..{world_size - 1})"
 
 
 _owner = _Owner()
@@ -135,7 +165,12 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
     if _inside_rank():
         raise RuntimeError("labkit.run cannot be called from inside a rank: call it from the notebook or script.")
     payload = _pickle_call(fn, args, kwargs)
-    return _owner.pool(world_size, backend).call(payload, timeout)
+    __tracebackhide__ = True  # IPython shows the student's lines, not labkit's
+    try:
+        return _owner.pool(world_size, backend).call(payload, timeout)
+    except KeyboardInterrupt:
+        pass  # the pool has said what became of the ranks
+    raise KeyboardInterrupt from None  # without the selector and pool frames it interrupted
 
 
 def shutdown() -> None:
@@ -160,10 +195,13 @@ def _check_world_size(world_size) -> int:
 
 
 def _check_timeout(timeout) -> float:
+    """Seconds, more than 0 and at most a week. Compared before any float() so that 10**400 is
+    refused, not an OverflowError; NaN fails both comparisons."""
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r} ({type(timeout).__name__}).")
-    if not (timeout > 0 and math.isfinite(timeout)):
-        raise ValueError(f"timeout must be a positive, finite number of seconds, got {timeout!r}.")
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r:.40} ({type(timeout).__name__}).")
+    if not 0 < timeout <= MAX_TIMEOUT_SECONDS:
+        raise ValueError(f"timeout must be a positive number of seconds, at most a week ({MAX_TIMEOUT_SECONDS} s), "
+                         f"got {timeout!r:.40}.")
     return float(timeout)
 
 

@@ -15,6 +15,7 @@ interrupts that decision, the pool is closed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -34,12 +35,11 @@ from labkit.launch.errors import (
     RankTimeout,
     exception_line,
     format_exception,
-    format_frames,
     rank_list,
-    where,
+    still_running,
 )
 from labkit.launch.forkserver import ForkServer, describe_exit
-from labkit.launch.output import STREAMS, RankOutput
+from labkit.launch.output import STREAMS, RankOutput, release_held, start_call
 from labkit.launch.worker import STACK_REQUEST, health_probe, interrupt_request
 
 SETTLE_SECONDS = 1.5  # after one rank fails, how long the others get to finish or fail too
@@ -68,9 +68,10 @@ class _Rank:
 class Pool:
     """`world_size` ranks joined in a process group with `choice.backend`."""
 
-    def __init__(self, world_size: int, choice: BackendChoice, server: ForkServer, store_port: int,
-                 store_prefix: str, pg_timeout_seconds: float, start_timeout_seconds: float):
+    def __init__(self, world_size: int, choice: BackendChoice, server: ForkServer, store_path: str,
+                 pg_timeout_seconds: float, start_timeout_seconds: float):
         self.world_size = world_size
+        self.store_path = store_path  # the FileStore the ranks meet in; removed when the pool closes
         self.choice = choice
         self.closed = False
         self._server = server
@@ -79,18 +80,18 @@ class Pool:
         self.ranks: list[_Rank] = []
         try:
             for rank in range(world_size):
-                spec = self._spec(rank, store_port, store_prefix, pg_timeout_seconds)
+                spec = self._spec(rank, store_path, pg_timeout_seconds)
                 self.ranks.append(self._start_rank(spec, start_timeout_seconds))
             self._wait_until_ready(start_timeout_seconds)
         except BaseException:
             self.close()
             raise
 
-    def _spec(self, rank: int, store_port: int, store_prefix: str, pg_timeout_seconds: float) -> dict:
+    def _spec(self, rank: int, store_path: str, pg_timeout_seconds: float) -> dict:
         threads = threads_per_rank(self.world_size)
         return {
             "rank": rank, "world_size": self.world_size, "backend": self.choice.backend,
-            "store_host": "127.0.0.1", "store_port": store_port, "store_prefix": store_prefix,
+            "store_path": store_path,
             "pg_timeout_seconds": pg_timeout_seconds, "threads": threads,
             "cwd": os.getcwd(), "sys_path": list(sys.path),
             "env": {
@@ -167,6 +168,7 @@ class Pool:
             return any(r.gone or any(m[0] == call_id and m[1] != "ok" for m in r.inbox) for r in self.ranks)
 
         try:
+            start_call([r.output for r in self.ranks])
             for r in self.ranks:
                 try:
                     r.job.send_bytes(message)
@@ -205,11 +207,9 @@ class Pool:
             r.inbox.clear()
         failures = [self._death(r) for r in self.ranks if r.gone and r.rank not in replies]
         failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply[1] != "ok"]
-        failures += [Failure(r.rank, "stopped", f"was still running {where(stacks[r.rank])}" if stacks[r.rank]
-                             else "was still running and did not say where", format_frames(stacks[r.rank] or []))
-                     for r in running]
+        failures += [Failure(r.rank, "stopped", *still_running(stacks[r.rank])) for r in running]
         if not failures:
-            return [_load(replies[r]) for r in range(self.world_size)]
+            return [serialize.load_result(r, replies[r][2]) for r in range(self.world_size)]
         if not (running or any(r.gone for r in self.ranks)) and check_health:
             self._keep_if_in_step(replies)
         else:
@@ -311,6 +311,7 @@ class Pool:
             for r in self.ranks:
                 if not r.gone and r.pid in self._server.exit_status:
                     self._mark_gone(r)
+            release_held([r.output for r in self.ranks])
 
     def _receive(self, r: _Rank) -> None:
         try:
@@ -370,6 +371,8 @@ class Pool:
                 for fd in r.pipes.values():
                     os.close(fd)
             self._selector.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.store_path)
 
 
 def _same_steps(steps: list[dict[str, int] | None]) -> bool:
@@ -391,6 +394,3 @@ def _failure_from_reply(rank: int, reply: tuple) -> Failure:
         return Failure(rank, "interrupted", "interrupted", format_exception(data), time=when)
     return Failure(rank, "error", exception_line(data["chain"][-1]), format_exception(data), time=when)
 
-
-def _load(reply: tuple):
-    return serialize.loads(reply[2])

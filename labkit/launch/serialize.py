@@ -48,3 +48,13 @@ def dumps(obj) -> bytes:
 
 
 loads = cloudpickle.loads
+
+
+def load_result(rank: int, data: bytes):
+    """Unpickle rank `rank`'s result here, or raise a TypeError that names the rank."""
+    try:
+        return loads(data)
+    except Exception as exc:
+        raise TypeError(f"rank {rank}'s result reached this process but cannot be unpickled here "
+                        f"({type(exc).__name__}: {exc}). Return plain data (tensors, numbers, lists, dicts), "
+                        "or define its class in a module both sides can import.") from exc

@@ -81,8 +81,8 @@ def _init_process_group(spec: dict) -> None:
     from labkit.launch.backend import init_process_group
 
     timeout = datetime.timedelta(seconds=spec["pg_timeout_seconds"])
-    client = dist.TCPStore(spec["store_host"], spec["store_port"], is_master=False, timeout=timeout)
-    store = dist.PrefixStore(spec["store_prefix"], client)
+    store = dist.FileStore(spec["store_path"])  # private to this user: owner.py says why
+    store.set_timeout(timeout)
     init_process_group(spec["backend"], local_rank=spec["rank"], store=store, rank=spec["rank"],
                        world_size=spec["world_size"], timeout=timeout)
 
