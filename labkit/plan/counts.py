@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 import re
 
+from labkit.plan._checks import number, shown
+
 SCALES = {"": 1.0, "k": 1e3, "thousand": 1e3, "m": 1e6, "million": 1e6, "b": 1e9, "bn": 1e9, "billion": 1e9,
           "t": 1e12, "trillion": 1e12}
 BYTE_UNITS = ("kb", "mb", "gb", "tb", "kib", "mib", "gib", "tib")  # "70 GB": bytes, refused
@@ -21,31 +23,33 @@ COUNT = re.compile(r"(?P<number>(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?P<e
 
 
 def parse_count(text: str) -> float:
-    """The positive, finite count that `text` writes, or ValueError saying what is expected.
+    """The positive, finite count that `text` writes, or ValueError naming `text` and saying what is expected
+    (TypeError if it is no string at all).
 
     >>> parse_count("70B"), parse_count("6.7 billion"), parse_count("7,000,000,000"), parse_count("350M")
     (70000000000.0, 6700000000.0, 7000000000.0, 350000000.0)
     """
     if not isinstance(text, str):
-        raise ValueError(f"text={text!r}: pass a string, {EXPECTED}.")
+        raise TypeError(f"text={shown(text)}: pass a string, {EXPECTED}; not a {type(text).__name__}.")
     match = COUNT.fullmatch(text.strip())
     suffix = match["suffix"].lower() if match else None
     if suffix in BYTE_UNITS:
-        raise ValueError(f"{text!r} is a size in bytes, not a parameter count: type {EXPECTED}.")
+        raise ValueError(f"text={shown(text)}: a size in bytes, not a parameter count; type {EXPECTED}.")
     if suffix not in SCALES:
-        raise ValueError(f"{text!r} is not a parameter count: type {EXPECTED}.")
+        raise ValueError(f"text={shown(text)}: not a parameter count; type {EXPECTED}.")
     count = float(match["number"].replace(",", "") + (match["exponent"] or "")) * SCALES[suffix]
     if not math.isfinite(count) or count <= 0:
-        raise ValueError(f"{text!r} is not a positive, finite parameter count: type {EXPECTED}.")
+        raise ValueError(f"text={shown(text)}: not a positive, finite parameter count; type {EXPECTED}.")
     return count
 
 
 def format_count(count: float) -> str:
-    """`count` with the largest suffix that leaves at least 1 (7e9 -> "7B"), to 15 significant digits, so that
-    parse_count reads it back to within 1e-14.
+    """`count` (a number >= 0) with the largest suffix that leaves at least 1 (7e9 -> "7B"), to 15 significant
+    digits, so that parse_count reads it back to within 1e-14.
 
     >>> format_count(7e9), format_count(6.7e9), format_count(1.5e12), format_count(350e6), format_count(512)
     ('7B', '6.7B', '1.5T', '350M', '512')
     """
-    suffix, scale = next(((suffix, scale) for suffix, scale in SUFFIXES if count >= scale), ("", 1.0))
-    return f"{count / scale:.15g}{suffix}"
+    value = number("count", count)
+    suffix, scale = next(((suffix, scale) for suffix, scale in SUFFIXES if value >= scale), ("", 1.0))
+    return f"{value / scale:.15g}{suffix}"

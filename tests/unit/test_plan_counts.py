@@ -32,12 +32,18 @@ def test_the_forms_people_type(text, count):
 def test_anything_else_is_refused_saying_what_to_type(text, hint):
     with pytest.raises(ValueError, match=hint) as refused:
         parse_count(text)
-    assert "70B, 6.7 billion" in str(refused.value) and repr(text) in str(refused.value)
+    assert "70B, 6.7 billion" in str(refused.value) and f"text={text!r}" in str(refused.value)
 
 
-def test_a_number_is_not_text():
-    with pytest.raises(ValueError, match="pass a string"):
+def test_a_number_is_not_text_and_a_count_is_a_number():
+    with pytest.raises(TypeError, match="text=7000000000.0: pass a string"):
         parse_count(7e9)
+    with pytest.raises(TypeError, match="count=None"):
+        format_count(None)
+    with pytest.raises(ValueError, match="count=10\\*\\*400"):
+        format_count(10**400)
+    with pytest.raises(ValueError, match="count=-1"):
+        format_count(-1)
 
 
 @given(st.floats(min_value=1e-3, max_value=1e30, allow_nan=False, allow_infinity=False))

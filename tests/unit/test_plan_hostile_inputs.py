@@ -21,10 +21,9 @@ import labkit.plan
 from labkit.plan import traffic
 
 CONSTANTS = {"GB", "YOUR_CHOICE"}
-# labkit.plan.counts (issue 13) fails the sweep so far: format_count(10**400) raises a bare OverflowError,
-# format_count(None) a TypeError from `>=`, and parse_count's messages show the text but do not name `text`.
-# Strict: once counts is fixed, the sweep passes, the XPASS fails, and this set must shrink.
-KNOWN_GAPS = {"format_count", "parse_count"}
+# Functions known to fail the sweep, as strict xfails: once one is fixed its XPASS fails and it leaves this set.
+# (labkit.plan.counts, issue 13, was here until its errors named `count` and `text`.)
+KNOWN_GAPS: set[str] = set()
 EXAMPLE = {"params": 7e9, "per_device_batch": 8, "accumulation_steps": 2, "step_compute_seconds": 1.0,
            "examples": 40_000, "devices": 8, "gradient_bytes_per_param": 2, "bytes_per_param": 16,
            "bandwidth": 14.7e9, "overlap": 0.5}
