@@ -234,3 +234,51 @@ class RankError(RuntimeError):
 
 class RankTimeout(RankError, TimeoutError):
     """A call on N ranks passed its timeout; each rank's stack says where it was waiting."""
+
+
+def _without_launch_frames(tb):
+    """`tb` without labkit's launch frames and IPython's own (those that set __tracebackhide__):
+    what is left are the student's lines. IPython always shows an exception's innermost frame,
+    hidden or not, so hiding needs a traceback rebuilt without them."""
+    import types
+
+    kept = []
+    while tb is not None:
+        frame = tb.tb_frame
+        hidden = frame.f_code.co_filename.startswith(_LAUNCH_DIR) or frame.f_locals.get("__tracebackhide__")
+        if not hidden and "IPython" not in frame.f_code.co_filename:
+            kept.append(tb)
+        tb = tb.tb_next
+    rebuilt = None
+    for entry in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return rebuilt
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a call, raised afresh by the owner once the ranks have been dealt with.
+
+    IPython shows it as a KeyboardInterrupt in the student's own lines only."""
+
+    def _render_traceback_(self):
+        from IPython import get_ipython
+
+        traceback_tool = get_ipython().InteractiveTB
+        return traceback_tool.structured_traceback(KeyboardInterrupt, self, _without_launch_frames(self.__traceback__))
+
+
+class CellSyntaxError(Exception):
+    """A %%ranks cell that does not parse, found on the owner before any rank runs it.
+
+    Not a SyntaxError subclass: IPython shows a SyntaxError raised while code runs with every frame
+    above it (its own and labkit's); this one shows like a syntax error in an ordinary cell: the
+    cell's line and a caret."""
+
+    def __init__(self, error: SyntaxError):
+        super().__init__(f"{error.msg} ({cell_name(error.filename) or error.filename}, line {error.lineno})")
+        self.error = error
+
+    def _render_traceback_(self):
+        from IPython import get_ipython
+
+        return get_ipython().SyntaxTB.structured_traceback(SyntaxError, self.error, [])

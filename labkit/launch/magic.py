@@ -9,22 +9,36 @@
 
 Every rank starts with `torch`, `dist` (torch.distributed) and `labkit` imported. The cell is plain
 Python: IPython's own `%` and `!` syntax does not reach the ranks.
+
+Variables live in the ranks' processes, so each world size keeps its own: `%%ranks 3` does not see
+what `%%ranks 2` defined, and `%%ranks 2` finds it again later. When a pool had to be restarted (a
+rank died, it was stopped to make room for other ranks, a call failed), its variables are gone; the
+next cell on that world size says so, once.
 """
 
 from __future__ import annotations
 
+import ast
 import linecache
+import sys
 
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from labkit.launch.owner import run
+from labkit.launch.errors import CellSyntaxError
+from labkit.launch.owner import _check_timeout, _check_world_size, _owner, run
 from labkit.launch.worker import run_cell
 
 
 @magics_class
 class RanksMagics(Magics):
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell, **kwargs)
+        self._pools: dict[int, tuple[tuple[int, str], int]] = {}  # world size -> (pool key, serial) last used
+        self._names: dict[int, set[str]] = {}  # world size -> names its cells assigned, in that pool
+        self._told_per_world_size = False
+
     @magic_arguments()
     @argument("world_size", type=int, help="number of ranks, e.g. 4")
     @argument("--timeout", type=float, default=60.0, help="seconds before the cell is stopped (default 60)")
@@ -32,16 +46,42 @@ class RanksMagics(Magics):
     @cell_magic
     def ranks(self, line: str, cell: str):
         """Run this cell on N ranks: %%ranks N [--timeout SECONDS] [--backend auto|gloo|nccl]"""
+        __tracebackhide__ = True  # IPython shows the cell's lines, not labkit's
         options = parse_argstring(self.ranks, line)
+        world_size, timeout = _check_world_size(options.world_size), _check_timeout(options.timeout)
         filename = self._cell_filename()
         # Line numbers count the %%ranks line too, as the notebook shows them.
         shown = [f"%%ranks {line}\n", *cell.splitlines(True)]
         linecache.cache[filename] = (sum(map(len, shown)), None, shown, filename)
-        values = run(run_cell, "\n" + cell, filename, world_size=options.world_size,
-                     backend=options.backend, timeout=options.timeout)
+        tree = _parse("\n" + cell, filename, self._notebook_cell_filename() or filename)
+        self._announce_losses(world_size, _owner.pool_key(world_size, options.backend))
+        values = run(run_cell, "\n" + cell, filename, world_size=world_size, backend=options.backend,
+                     timeout=timeout)
+        self._names.setdefault(world_size, set()).update(assigned_names(tree))
         for rank, value in enumerate(values):
             if value is not None:
                 self._show(rank, value)
+
+    def _announce_losses(self, world_size: int, key: tuple[int, str]) -> None:
+        """Say once, before the cell runs, if the variables of earlier cells on `world_size` ranks
+        are gone (their pool was restarted), or live in other world sizes' pools only."""
+        serial = _owner.serial(key)
+        previous = self._pools.get(world_size)
+        self._pools[world_size] = (key, serial)
+        if previous is not None and previous[1] != serial:
+            why = _owner.ended.get(previous[1], "it was replaced")
+            print(f"labkit: the {world_size}-rank pool was restarted ({why}): variables from earlier "
+                  f"%%ranks {world_size} cells are gone.", file=sys.stderr)
+            self._names.pop(world_size, None)
+        if world_size in self._names or self._told_per_world_size:
+            return
+        others = [f"%%ranks {n}'s {_some(names)} {'is' if len(names) == 1 else 'are'} still there"
+                  for n, names in sorted(self._names.items())
+                  if names and _owner.serial(self._pools[n][0]) == self._pools[n][1]]
+        if others:
+            self._told_per_world_size = True
+            print(f"labkit: each world size keeps its own variables: %%ranks {world_size} starts empty; "
+                  f"{'; '.join(others)}.", file=sys.stderr)
 
     def _cell_filename(self) -> str:
         """A name for this cell's code, unique even when the execution count repeats.
@@ -56,6 +96,11 @@ class RanksMagics(Magics):
             name = f"<ranks-cell-{count}.{copy}>"
         return name
 
+    def _notebook_cell_filename(self) -> str | None:
+        """IPython's own name for this cell, which its tracebacks show as Cell In[N]."""
+        compiled = getattr(self.shell.compile, "_filename_map", None) or {}
+        return max(compiled, key=compiled.get, default=None)
+
     def _show(self, rank: int, value) -> None:
         data, _ = self.shell.display_formatter.format(value)
         if set(data) - {"text/plain"}:
@@ -63,6 +108,50 @@ class RanksMagics(Magics):
             display(value)
         else:
             print(f"[rank {rank}] {data.get('text/plain', repr(value))}")
+
+
+def _parse(source: str, filename: str, shown_as: str) -> ast.Module:
+    """Parse the cell here, before any rank: a syntax error then shows its line and caret, as in an
+    ordinary cell (named `shown_as`), instead of coming back once per rank without them."""
+    try:
+        return ast.parse(source, filename)
+    except SyntaxError as exc:
+        error = exc
+        error.filename = shown_as
+    raise CellSyntaxError(error) from None
+
+
+def assigned_names(tree: ast.Module) -> list[str]:
+    """Names a cell binds at its top level (assignments, loops, imports, def, class), in order."""
+    names: list[str] = []
+
+    class Visitor(ast.NodeVisitor):
+        def visit_Name(self, node):
+            if isinstance(node.ctx, ast.Store):
+                names.append(node.id)
+
+        def visit_FunctionDef(self, node):  # its body has a scope of its own
+            names.append(node.name)
+
+        visit_AsyncFunctionDef = visit_ClassDef = visit_FunctionDef
+
+        def visit_alias(self, node):
+            names.append((node.asname or node.name).split(".")[0])
+
+        def visit_Lambda(self, node):
+            pass
+
+        visit_ListComp = visit_SetComp = visit_DictComp = visit_GeneratorExp = visit_Lambda
+
+    Visitor().visit(tree)
+    return list(dict.fromkeys(names))
+
+
+def _some(names: set[str], shown: int = 4) -> str:
+    """'x', 'x, y', or 'a, b, c, d and 3 more': the first few names, sorted."""
+    ordered = sorted(names)
+    text = ", ".join(ordered[:shown])
+    return text + (f" and {len(ordered) - shown} more" if len(ordered) > shown else "")
 
 
 def load_ipython_extension(ipython) -> None:

@@ -23,7 +23,7 @@ from collections import OrderedDict
 
 from labkit.launch import serialize
 from labkit.launch.backend import BackendChoice, choose_backend, usable_gpu_count
-from labkit.launch.errors import rank_list
+from labkit.launch.errors import Interrupted, rank_list
 from labkit.launch.forkserver import ForkServer, describe_exit
 from labkit.launch.pool import Pool
 
@@ -122,7 +122,7 @@ def _why_unhealthy(pool: Pool) -> str:
     dead = [r for r in pool.ranks if r.gone or r.pid in exits]
     if not dead:
         return "labkit's fork server ended, and its ranks with it"
-    return f"{rank_list(r.rank for r in dead)} {describe_exit(exits.get(dead[0].pid))} while idle"
+    return f"{rank_list(r.rank for r in dead)} died while idle ({describe_exit(exits.get(dead[0].pid))})"
 
 
 def _devices(world_size: int, backend: str) -> str:
@@ -170,7 +170,7 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
         return _owner.pool(world_size, backend).call(payload, timeout)
     except KeyboardInterrupt:
         pass  # the pool has said what became of the ranks
-    raise KeyboardInterrupt from None  # without the selector and pool frames it interrupted
+    raise Interrupted from None  # without the selector and pool frames it interrupted
 
 
 def shutdown() -> None:

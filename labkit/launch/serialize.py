@@ -1,10 +1,14 @@
-"""Pickling between the owner and its ranks: cloudpickle, with two changes.
+"""Pickling between the owner and its ranks: cloudpickle, with three changes.
 
 - Code keeps its file name. cloudpickle 3 renames every file "<dynamic-code>"; keeping it lets a
   rank's tracebacks and stacks point at the notebook cell or script line the code came from.
 - Plain CPU tensors travel as raw bytes. torch's own pickling goes through torch.save and costs
   about a millisecond even for four floats, which would dominate a warm call. The price: tensors
   that share memory (a tensor and its views) arrive as separate copies.
+- CUDA tensors travel as the same raw bytes and land on the receiving rank's own device,
+  labkit.device() (cuda:LOCAL_RANK under NCCL, the CPU under gloo), or on the CPU outside a rank.
+  torch's pickling keeps the device index, so a tensor captured from the notebook's cuda:0 would
+  otherwise land on cuda:0 on every rank, beside rank 0's work.
 """
 
 from __future__ import annotations
@@ -27,13 +31,34 @@ def _rebuild_tensor(data: bytearray, dtype: torch.dtype, shape: tuple, requires_
     return flat.view(dtype).reshape(shape).requires_grad_(requires_grad)
 
 
+def _rebuild_on_rank_device(data: bytearray, dtype: torch.dtype, shape: tuple, requires_grad: bool) -> torch.Tensor:
+    """A GPU tensor's bytes, rebuilt on the device of the rank that unpickles them."""
+    return _rebuild_tensor(data, dtype, shape, False).to(_landing_device()).requires_grad_(requires_grad)
+
+
+def _landing_device() -> torch.device:
+    """labkit.device() inside a rank (its own GPU under NCCL), the CPU anywhere else."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        from labkit.launch.context import device
+
+        return device()
+    return torch.device("cpu")
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
 def _reduce_tensor(t: torch.Tensor):
-    plain = (type(t) is torch.Tensor and t.layout == torch.strided and t.device.type == "cpu"
+    plain = (type(t) is torch.Tensor and t.layout == torch.strided and (t.device.type == "cpu" or _on_gpu(t))
              and not t.is_quantized and not t.is_conj() and not t.is_neg() and t.grad_fn is None)
     if not plain:
         return t.__reduce_ex__(5)
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    return _rebuild_tensor, (bytearray(raw.numpy().tobytes()), t.dtype, tuple(t.shape), t.requires_grad)
+    rebuild = _rebuild_on_rank_device if _on_gpu(t) else _rebuild_tensor
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return rebuild, (bytearray(raw.numpy().tobytes()), t.dtype, tuple(t.shape), t.requires_grad)
 
 
 class _Pickler(cloudpickle.Pickler):

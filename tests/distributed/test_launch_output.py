@@ -1,0 +1,83 @@
+"""What comes back from the ranks: output live from every rank, and results that cannot arrive
+named by rank (issues 13 and 14)."""
+
+import os
+import re
+import time
+
+import pytest
+
+import labkit
+from labkit.launch import output
+from labkit.launch.pool import Pool
+
+
+@pytest.fixture
+def shown(monkeypatch):
+    """Every line the owner shows, as (seconds since the fixture started, rank, line)."""
+    lines, start, write = [], time.monotonic(), output._write
+
+    def record(stream, rank, line):
+        lines.append((time.monotonic() - start, rank, line))
+        write(stream, rank, line)
+    monkeypatch.setattr(output, "_write", record)
+    return lines
+
+
+def early_then_late():
+    print("early")
+    time.sleep(2.5)
+    print("late")
+
+
+def test_every_rank_streams_live_after_the_first_moment(shown):
+    labkit.run(os.getpid, world_size=3)  # started, so the clock measures the call alone
+    shown.clear()
+    labkit.run(early_then_late, world_size=3)
+    when = {(rank, line): t for t, rank, line in shown}
+    ended = max(when.values())
+    for rank in range(3):
+        assert when[(rank, "early")] < ended - 1.0, shown  # not held until the call ended
+    # held lines are released rank by rank, so a call's first lines read in rank order
+    assert [rank for _, rank, line in shown if line == "early"] == [0, 1, 2]
+
+
+def test_a_quick_call_shows_its_lines_in_rank_order(shown):
+    labkit.run(lambda: print(f"hello from {labkit.rank()}"), world_size=3)
+    assert [(rank, line) for _, rank, line in shown] == [(r, f"hello from {r}") for r in range(3)]
+
+
+class ArrivesOnlyOnRanks:
+    """A result that pickles on a rank but cannot be rebuilt in the owner."""
+
+    def __reduce__(self):
+        return refuse_outside_ranks, ()
+
+
+def refuse_outside_ranks():
+    if os.environ.get("LABKIT_RANK_PROCESS") != "1":
+        raise ImportError("this class only exists on the ranks")
+    return "fine"
+
+
+def test_a_result_that_cannot_be_unpickled_here_names_its_rank():
+    def f():
+        return ArrivesOnlyOnRanks() if labkit.rank() == 1 else 0
+    with pytest.raises(TypeError, match=r"rank 1's result .* cannot be unpickled here \(ImportError: this class"):
+        labkit.run(f, world_size=2)
+    assert labkit.run(labkit.rank, world_size=2) == [0, 1]
+
+
+def test_a_timeout_while_a_result_is_sent_says_so(monkeypatch):
+    receive = Pool._receive
+    monkeypatch.setattr(Pool, "_receive", lambda self, r: None if r.rank == 1 else receive(self, r))
+
+    def big_result():
+        return b"x" * 8_000_000  # more than a socket buffer: rank 1 blocks until the owner reads
+    with pytest.raises(labkit.RankTimeout) as info:
+        labkit.run(big_result, world_size=2, timeout=2)
+    message = str(info.value)
+    assert re.search(r"rank 1: was sending its result \(8\.0 MB\) when the timeout passed", message), message
+    assert "_send" not in message
+    monkeypatch.undo()
+    assert labkit.run(labkit.rank, world_size=2) == [0, 1]
