@@ -31,6 +31,31 @@ def test_bad_timeout(timeout, error):
         labkit.run(ok, timeout=timeout)
 
 
+@pytest.mark.parametrize("timeout", [1e13, 1e300, 10**400, 7 * 24 * 3600 + 1])
+def test_a_timeout_beyond_a_week_is_refused_plainly(timeout):
+    # 1e13 s overflowed gloo's millisecond timeouts and crashed the ranks; 10**400 raised OverflowError
+    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds, at most a week \(604800 s\)"):
+        labkit.run(ok, timeout=timeout)
+
+
+def test_a_week_is_accepted():
+    assert labkit.run(ok, world_size=1, timeout=7 * 24 * 3600) == [1]
+
+
+def test_the_first_call_names_each_ranks_device(capsys):
+    from labkit.launch.backend import choose_backend
+    from labkit.launch.owner import _Owner
+    owner = _Owner()
+    owner._announce(2, choose_backend("auto", 2, 1))  # one GPU, two ranks
+    owner._announce(2, choose_backend("auto", 2, 2))
+    owner._announce(8, choose_backend("nccl", 8, 8))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("labkit: 2 ranks, gloo on CPU: 2 ranks but only 1 CUDA GPU, and NCCL needs one GPU "
+                        "per rank; every rank computes on cpu.")
+    assert lines[1].endswith("; rank 0 on cuda:0, rank 1 on cuda:1.")
+    assert lines[2].endswith("; rank i on cuda:i (i = 0..7).")
+
+
 def test_not_callable():
     with pytest.raises(TypeError, match="needs a function to call, got int"):
         labkit.run(42)

@@ -1,4 +1,10 @@
-"""The %%ranks cell magic in a real IPython shell: state across cells, values, errors."""
+"""The %%ranks cell magic in a real IPython shell: state across cells, values, errors, interrupts."""
+
+import os
+import re
+import signal
+import threading
+import time
 
 import pytest
 from IPython.testing.globalipapp import start_ipython
@@ -53,3 +59,95 @@ def test_bad_arguments_are_usage_errors(ip):
     assert not run(ip, "%%ranks\nx = 1").success
     result = run(ip, "%%ranks 0\nx = 1")
     assert isinstance(result.error_in_exec, ValueError)
+
+
+@pytest.fixture
+def fresh(ip):
+    """A %%ranks magic that has seen no cell yet (the module's shell is shared)."""
+    from labkit.launch.magic import RanksMagics
+    ip.register_magics(RanksMagics(ip))
+    return ip
+
+
+def test_a_syntax_error_shows_its_line_and_caret_and_runs_no_rank(fresh, capsys):
+    result = fresh.run_cell("%%ranks 2\ny = 2\nprint(\n", store_history=True)
+    assert isinstance(result.error_in_exec, labkit.launch.errors.CellSyntaxError)
+    shown = capsys.readouterr().out
+    assert f"Cell In[{result.execution_count}], line 3" in shown
+    assert "    print(\n" in shown and re.search(r"\n +\^\n", shown)
+    assert "SyntaxError: '(' was never closed" in shown
+    assert "magic.py" not in shown and "interactiveshell" not in shown and "[rank" not in shown
+
+
+def test_each_world_size_keeps_its_own_variables_and_says_so_once(fresh, capsys):
+    assert run(fresh, "%%ranks 2\nx = 5").success
+    assert not run(fresh, "%%ranks 3\nprint(x)").success
+    err = capsys.readouterr().err
+    assert ("labkit: each world size keeps its own variables: %%ranks 3 starts empty; "
+            "%%ranks 2's x is still there.") in err
+    assert run(fresh, "%%ranks 2\nprint(x)").success
+    captured = capsys.readouterr()
+    assert "[rank 1] 5" in captured.out and "labkit:" not in captured.err
+    run(fresh, "%%ranks 1\nz = 1")
+    assert "each world size" not in capsys.readouterr().err  # once
+
+
+def test_a_rank_that_died_while_idle_is_announced_once(fresh, capsys):
+    from labkit.launch.owner import _owner
+    assert run(fresh, "%%ranks 2\nkept = 1").success
+    pool = _owner.pools[(2, "gloo")]
+    os.kill(pool.ranks[1].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while pool.healthy() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    capsys.readouterr()
+    assert not run(fresh, "%%ranks 2\nkept").success
+    assert ("labkit: the 2-rank pool was restarted (rank 1 died while idle (killed by SIGKILL)): "
+            "variables from earlier %%ranks 2 cells are gone.") in capsys.readouterr().err
+    run(fresh, "%%ranks 2\nkept = 2")
+    assert "restarted" not in capsys.readouterr().err
+
+
+def test_a_pool_stopped_to_make_room_is_announced(fresh, capsys, monkeypatch):
+    from labkit.launch import owner
+    monkeypatch.setattr(owner, "MAX_LIVE_RANKS", 4)
+    labkit.shutdown()  # no pool kept from earlier tests
+    assert run(fresh, "%%ranks 2\nv = 1").success
+    labkit.run(labkit.rank, world_size=3)  # 2 + 3 > 4: the 2-rank pool makes room
+    capsys.readouterr()
+    run(fresh, "%%ranks 2\nv = 2")
+    assert ("labkit: the 2-rank pool was restarted (it was stopped to make room for 3 ranks: labkit keeps "
+            "at most 4 ranks running): variables from earlier %%ranks 2 cells are gone.") in capsys.readouterr().err
+
+
+@pytest.fixture
+def ctrl_c_after():
+    """Ctrl-C to this process after some seconds, with Python's own SIGINT handler (as ipykernel's)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timers = []
+
+    def arm(seconds):
+        timers.append(threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)))
+        timers[-1].start()
+    yield arm
+    for timer in timers:
+        timer.cancel()
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("cell, student_line", [
+    ("%%ranks 2\nimport time\ntime.sleep(20)", "run_cell_magic('ranks'"),
+    ("import labkit, time\ndef f():\n    time.sleep(20)\nlabkit.run(f, world_size=2)", "labkit.run(f, world_size=2)"),
+])
+def test_an_interrupt_shows_the_message_and_the_students_lines_only(fresh, capsys, ctrl_c_after, cell, student_line):
+    fresh.run_cell("%%ranks 2\n1")  # started, so that the interrupt reaches the call
+    capsys.readouterr()
+    ctrl_c_after(1.5)
+    result = fresh.run_cell(cell, store_history=True)
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    captured = capsys.readouterr()
+    assert "labkit: interrupted; every rank stopped cleanly and the pool is kept." in captured.err
+    assert student_line in captured.out and captured.out.rstrip().endswith("KeyboardInterrupt:")
+    for internal in ("selectors", "pool.py", "owner.py", "magic.py", "hidden"):
+        assert internal not in captured.out, captured.out
+    assert len(captured.out.strip().splitlines()) <= 8, captured.out

@@ -1,11 +1,14 @@
 """Error reports: rank lists, merged failures, root cause first, Python-like tracebacks."""
 
 from labkit.launch.errors import (
+    _SENDING_RESULT,
+    CellSyntaxError,
     Failure,
     RankError,
     describe_exception,
     format_exception,
     rank_list,
+    still_running,
 )
 
 
@@ -45,3 +48,19 @@ def test_exception_chain_reads_like_python():
 def test_ipython_shows_only_the_report():
     error = RankError("rank 1 of 2 failed.", [Failure(1, "error", "ValueError: v", "Traceback ...")])
     assert error._render_traceback_() == [f"RankError: {error}"]
+
+
+def test_a_rank_sending_its_result_is_not_said_to_run_in_send():
+    assert still_running([(_SENDING_RESULT, 12_345_678, "")]) == (
+        "was sending its result (12.3 MB) when the timeout passed", "")
+    summary, detail = still_running([("/home/me/train.py", 4, "all_reduce")])
+    assert summary.startswith("was still running in all_reduce") and "train.py" in detail
+    assert still_running(None) == ("was still running and did not say where", "")
+
+
+def test_a_cell_syntax_error_names_the_line():
+    try:
+        compile("x = (1 +\n", "<ranks-cell-7>", "exec")
+    except SyntaxError as exc:
+        error = CellSyntaxError(exc)
+    assert str(error) == "'(' was never closed (Cell In[7], line 1)"

@@ -1,5 +1,6 @@
 """What travels between the owner and its ranks comes back equal, and code keeps its file name."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -37,3 +38,25 @@ def test_functions_keep_their_file_name():
     g = serialize.loads(serialize.dumps(f))
     assert g() == 1
     assert g.__code__.co_filename == __file__
+
+
+def test_gpu_tensors_land_on_the_receiving_ranks_device(monkeypatch):
+    # No GPU here: take CPU tensors for GPU ones, and a rank whose device is "meta" (any but the source's)
+    monkeypatch.setattr(serialize, "_on_gpu", lambda t: True)
+    landed = []
+    monkeypatch.setattr(serialize, "_landing_device", lambda: landed.append(1) or torch.device("meta"))
+    weights = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
+    back = serialize.loads(serialize.dumps({"w": weights, "ids": torch.tensor([1, 2])}))
+    assert back["w"].device.type == "meta" and back["ids"].device.type == "meta" and len(landed) == 2
+    assert back["w"].shape == (2, 3) and back["w"].dtype == torch.float32 and back["w"].requires_grad
+    monkeypatch.setattr(serialize, "_landing_device", lambda: torch.device("cpu"))
+    assert torch.equal(serialize.loads(serialize.dumps(weights)), weights.detach())
+
+
+def test_outside_a_rank_gpu_tensors_land_on_the_cpu():
+    assert serialize._landing_device() == torch.device("cpu")
+
+
+def test_a_result_that_cannot_be_unpickled_names_its_rank():
+    with pytest.raises(TypeError, match=r"rank 3's result .* cannot be unpickled here \(UnpicklingError"):
+        serialize.load_result(3, b"not a pickle")
