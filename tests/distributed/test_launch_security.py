@@ -29,6 +29,7 @@ def test_the_owner_listens_on_no_port():
 
 
 def test_store_directory_is_private_and_names_are_unguessable():
+    labkit.shutdown()  # no pool kept from earlier tests
     labkit.run(os.getpid, world_size=2)
     labkit.run(os.getpid, world_size=3)
     mode = os.stat(_owner.store_dir).st_mode
