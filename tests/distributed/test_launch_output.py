@@ -38,8 +38,20 @@ def test_every_rank_streams_live_after_the_first_moment(shown):
     ended = max(when.values())
     for rank in range(3):
         assert when[(rank, "early")] < ended - 1.0, shown  # not held until the call ended
-    # held lines are released rank by rank (rank 0's are never held)
-    assert [rank for _, rank, line in shown if line == "early" and rank > 0] == [1, 2]
+
+
+def test_held_lines_are_released_rank_by_rank(shown):
+    outputs = [output.RankOutput(rank, live=rank == 0) for rank in range(3)]
+    output.start_call(outputs)
+    for rank in (2, 1, 0):
+        outputs[rank].feed("stdout", b"early\n")
+    output.release_held(outputs)
+    assert [rank for _, rank, _ in shown] == [0]  # within HOLD_SECONDS only rank 0 is shown
+    for o in outputs:
+        o.release_at = 0.0  # as if HOLD_SECONDS had passed
+    output.release_held(outputs)
+    outputs[2].feed("stdout", b"late\n")
+    assert [(rank, line) for _, rank, line in shown] == [(0, "early"), (1, "early"), (2, "early"), (2, "late")]
 
 
 def test_a_quick_call_shows_its_lines_in_rank_order(shown):
