@@ -9,7 +9,17 @@ LABKIT_START_METHOD=spawn) it starts each rank as a fresh interpreter instead; t
 same.
 
 The server reaps its children and reports their exit status to the owner. It dies with its owner
-(end of file on its socket, and a parent-death signal on Linux), killing every child it forked.
+(end of file on its socket, or on Linux a parent-death SIGTERM that it handles), killing every child
+it forked.
+
+Everything a rank starts dies with the rank. Each rank leads its own session, so its process group
+holds the rank and every process it starts (subprocess, multiprocessing, a shell's background job).
+When the server reaps a rank, and when it ends, it kills that whole group. On Linux the server is
+also a child subreaper (prctl PR_SET_CHILD_SUBREAPER, see prctl(2)): a rank's orphaned descendants
+are re-parented to it rather than to init, and it reaps them, so none is left a zombie in a
+container without an init. A process that deliberately leaves its rank's group (setsid, setpgid,
+`start_new_session=True`) is not killed: it is on its own, like a daemon. A fork server killed with
+SIGKILL cannot clean up: its ranks die by their parent-death signal, their children do not.
 """
 
 from __future__ import annotations
@@ -25,13 +35,20 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
 
+_PR_SET_PDEATHSIG = 1  # prctl(2) options, from <linux/prctl.h>
+_PR_SET_CHILD_SUBREAPER = 36
 
-def set_parent_death_signal(sig: int) -> None:
-    """Linux: have the kernel send `sig` to this process when the thread that started it ends."""
+
+def _prctl(option: int, value: int) -> None:
     if sys.platform.startswith("linux"):
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, sig)  # 1 = PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(option, value)
+
+
+def set_parent_death_signal(sig: int) -> None:
+    """Linux: have the kernel send `sig` to this process when the thread that started it ends."""
+    _prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def start_method() -> str:
@@ -160,9 +177,12 @@ def describe_exit(status: int | None) -> str:
 # ---- the server process -------------------------------------------------------------------------
 
 def serve(fd: int, die_with_parent: bool, method: str) -> None:
-    """The server's main loop: fork (or spawn) ranks on request, report how they end."""
+    """The server's main loop: fork (or spawn) ranks on request, report how they end; at its end,
+    whatever the cause, kill every rank's process group."""
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # before the parent-death signal can arrive
     if die_with_parent:
-        set_parent_death_signal(signal.SIGKILL)
+        set_parent_death_signal(signal.SIGTERM)  # not SIGKILL: the ranks' children must be killed first
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     connection = Connection(os.dup(fd))
@@ -192,6 +212,12 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
     finally:
         for pid in children:
             _signal_group(pid, signal.SIGKILL)
+        _reap_all(children, seconds=1.0)
+
+
+def _exit_cleanly(signum, frame) -> None:
+    """SIGTERM (the owner's death, or anyone's): leave through `serve`'s cleanup."""
+    raise SystemExit(0)
 
 
 def _start_rank(spec: dict, fds: list[int], method: str, server_handles) -> tuple[int, object]:
@@ -230,6 +256,7 @@ def _become_rank(spec: dict, fds: list[int], server_pid: int, server_handles) ->
         os.dup2(stderr, 2)
         for fd in (devnull, stdout, stderr):
             os.close(fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's handler is not the rank's
         import random
 
         random.seed()  # as a freshly spawned interpreter would be
@@ -251,12 +278,61 @@ def _signal_group(pid: int, sig: int) -> None:
         pass
 
 
-def _reap(children: dict, connection: Connection) -> None:
-    for pid in list(children):
-        try:
-            done, status = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            done, status = pid, None
-        if done:
+def _reap(children: dict, connection: Connection | None) -> bool:
+    """Reap every child that has ended, reporting the ranks among them; False once no child is left."""
+    while True:
+        ended = _reap_one(children)
+        if ended is None:
+            return bool(children) or _has_orphans()
+        pid, status = ended
+        if pid in children:
             del children[pid]
-            connection.send_bytes(pickle.dumps(("exited", pid, status)))
+            if connection is not None:
+                connection.send_bytes(pickle.dumps(("exited", pid, status)))
+
+
+def _reap_one(children: dict) -> tuple[int, int | None] | None:
+    """Reap one ended child, (pid, waitpid status), or None if none has ended. A rank's group is killed
+    just before, while the rank's zombie still holds its pid, so that the group id cannot have been
+    handed out again. An orphan re-parented to this subreaper is only reaped. Without os.waitid
+    (macOS) only the ranks are looked at."""
+    if not hasattr(os, "waitid"):
+        for pid in children:
+            try:
+                done, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done, status = pid, None
+            if done:
+                _signal_group(pid, signal.SIGKILL)
+                return pid, status
+        return None
+    try:
+        ended = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return None  # no child at all
+    if ended is None:
+        return None
+    if ended.si_pid in children:
+        _signal_group(ended.si_pid, signal.SIGKILL)
+    try:
+        return os.waitpid(ended.si_pid, 0)
+    except ChildProcessError:
+        return ended.si_pid, None
+
+
+def _has_orphans() -> bool:
+    """True while this process has a child left; asked once no rank is left, so an adopted orphan."""
+    if not hasattr(os, "waitid"):
+        return False
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    return True
+
+
+def _reap_all(children: dict, seconds: float) -> None:
+    """At the server's end: reap its killed ranks and their orphans, waiting up to `seconds`."""
+    deadline = time.monotonic() + seconds
+    while _reap(children, None) and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -1,5 +1,10 @@
 """The owner's side of one world: N rank processes in one process group, ready for calls.
 
+A pool starts its ranks on its first call, so that the call's timeout bounds the start as well: the
+ranks must be ready within min(LABKIT_START_TIMEOUT, max(timeout, MIN_START_SECONDS)) seconds (never
+less than a cold start on a busy laptop needs), and the call then has its full timeout. The start
+fails as soon as one rank fails to start, saying where the others were still starting.
+
 A call sends the same cloudpickled payload to every rank and then pumps everything that comes back
 (replies, both output pipes, exit reports from the fork server) until every rank has answered, one
 has failed and the others had a moment to follow, the timeout passes, or the user interrupts.
@@ -47,9 +52,16 @@ INTERRUPT_GRACE_SECONDS = 1.5  # after Ctrl-C, how long ranks get to stop by the
 HEALTH_CHECK_SECONDS = 3.0
 STACK_WAIT_SECONDS = 2.0
 DEATH_DETAILS_SECONDS = 1.0  # to collect a dead rank's exit status and last stderr lines
+MIN_START_SECONDS = 10.0  # importing torch and forming a group, on 2 busy cores, takes seconds
 
 _call_ids = itertools.count(1)
 _HEALTH_PROBE = serialize.dumps((health_probe, (), {}))
+
+
+def start_budget_seconds(call_timeout_seconds: float, start_timeout_seconds: float) -> float:
+    """How long a pool started by a call may take to be ready: the call's timeout, but at least
+    MIN_START_SECONDS and at most the owner's start timeout (LABKIT_START_TIMEOUT)."""
+    return min(start_timeout_seconds, max(call_timeout_seconds, MIN_START_SECONDS))
 
 
 @dataclass
@@ -66,7 +78,7 @@ class _Rank:
 
 
 class Pool:
-    """`world_size` ranks joined in a process group with `choice.backend`."""
+    """`world_size` ranks joined in a process group with `choice.backend`, started by the first call."""
 
     def __init__(self, world_size: int, choice: BackendChoice, server: ForkServer, store_path: str,
                  pg_timeout_seconds: float, start_timeout_seconds: float):
@@ -74,18 +86,27 @@ class Pool:
         self.store_path = store_path  # the FileStore the ranks meet in; removed when the pool closes
         self.choice = choice
         self.closed = False
+        self.started = False
         self._server = server
         self._selector = selectors.DefaultSelector()
         self._selector.register(server.fileno(), selectors.EVENT_READ, ("server", None))
+        self._pg_timeout_seconds = pg_timeout_seconds
+        self._start_timeout_seconds = start_timeout_seconds
         self.ranks: list[_Rank] = []
+
+    def _start(self, budget_seconds: float) -> None:
+        """Start every rank and wait until all are in the group: at most `budget_seconds`, and no
+        longer than until one rank fails. A failed start closes the pool."""
+        deadline = time.monotonic() + budget_seconds
         try:
-            for rank in range(world_size):
-                spec = self._spec(rank, store_path, pg_timeout_seconds)
-                self.ranks.append(self._start_rank(spec, start_timeout_seconds))
-            self._wait_until_ready(start_timeout_seconds)
+            for rank in range(self.world_size):
+                spec = self._spec(rank, self.store_path, self._pg_timeout_seconds)
+                self.ranks.append(self._start_rank(spec, max(0.0, deadline - time.monotonic())))
+            self._wait_until_ready(deadline, budget_seconds)
         except BaseException:
             self.close()
             raise
+        self.started = True
 
     def _spec(self, rank: int, store_path: str, pg_timeout_seconds: float) -> dict:
         threads = threads_per_rank(self.world_size)
@@ -128,8 +149,13 @@ class Pool:
             self._selector.register(fd, selectors.EVENT_READ, (stream, state))
         return state
 
-    def _wait_until_ready(self, timeout_seconds: float) -> None:
-        self._pump(time.monotonic() + timeout_seconds, lambda: all(r.inbox or r.gone for r in self.ranks))
+    def _wait_until_ready(self, deadline: float, budget_seconds: float) -> None:
+        def failed(r: _Rank) -> bool:
+            return r.gone or bool(r.inbox and r.inbox[0][0] == "init_error")
+
+        self._pump(deadline, lambda: all(r.inbox or r.gone for r in self.ranks) or any(map(failed, self.ranks)))
+        stacks = self._stacks([r for r in self.ranks if not (r.inbox or r.gone)])
+        when = "when another rank failed" if any(map(failed, self.ranks)) else f"after {budget_seconds:g} s"
         failures = []
         for r in self.ranks:
             if r.inbox and r.inbox[0][0] == "init_error":
@@ -139,7 +165,9 @@ class Pool:
             elif r.gone:
                 failures.append(self._death(r))
             elif not r.inbox:
-                failures.append(Failure(r.rank, "stopped", f"not ready after {timeout_seconds:.0f} s"))
+                summary, detail = still_running(stacks[r.rank])
+                failures.append(Failure(r.rank, "stopped", f"not ready {when}: "
+                                        + summary.replace("was still running", "was still starting"), detail))
             r.inbox.clear()
         self._flush_output()
         if failures:
@@ -153,6 +181,8 @@ class Pool:
         After a failure or an interrupt that every rank survived, the ranks' operation counts and a
         tiny collective check that the group is still in step (not, say, one rank a collective ahead);
         if not, the pool is closed."""
+        if not self.started:
+            self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds))
         call_id = next(_call_ids)
         message = pickle.dumps((call_id, timeout_seconds, payload))
         deadline = time.monotonic() + timeout_seconds
@@ -205,12 +235,13 @@ class Pool:
                    if any(m[0] == call_id for m in r.inbox)}
         for r in self.ranks:
             r.inbox.clear()
+        self._close_if_group_destroyed(replies)
         failures = [self._death(r) for r in self.ranks if r.gone and r.rank not in replies]
         failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply[1] != "ok"]
         failures += [Failure(r.rank, "stopped", *still_running(stacks[r.rank])) for r in running]
         if not failures:
             return [serialize.load_result(r, replies[r][2]) for r in range(self.world_size)]
-        if not (running or any(r.gone for r in self.ranks)) and check_health:
+        if not (running or any(r.gone for r in self.ranks) or self.closed) and check_health:
             self._keep_if_in_step(replies)
         else:
             self.close()
@@ -263,6 +294,7 @@ class Pool:
                    if any(m[0] == call_id for m in r.inbox)}
         for r in self.ranks:
             r.inbox.clear()
+        self._close_if_group_destroyed(replies)
         if stuck or any(r.gone for r in self.ranks):
             self.close()
         else:
@@ -273,6 +305,17 @@ class Pool:
                   "(the next call starts a fresh one).", file=sys.stderr)
         else:
             print("labkit: interrupted; every rank stopped cleanly and the pool is kept.", file=sys.stderr)
+
+    def _close_if_group_destroyed(self, replies: dict[int, tuple]) -> None:
+        """A rank that called dist.destroy_process_group() cannot take part in the next call: close
+        the pool and say so; the call's results still come back."""
+        destroyed = [rank for rank, reply in replies.items() if reply[5]]
+        if destroyed and not self.closed:
+            self.close()
+            print(f"labkit: {rank_list(destroyed)} destroyed the process group (dist.destroy_process_group()): "
+                  f"the {self.world_size}-rank pool was stopped, and the next call starts a fresh one (variables "
+                  "defined in %%ranks cells are gone). labkit's pool creates and destroys the group itself.",
+                  file=sys.stderr)
 
     def _keep_if_in_step(self, replies: dict[int, tuple]) -> None:
         """Close the pool unless every rank answered, each process group issued as many operations
@@ -387,10 +430,13 @@ def _same_steps(steps: list[dict[str, int] | None]) -> bool:
 
 
 def _failure_from_reply(rank: int, reply: tuple) -> Failure:
-    _, status, data, when, _ = reply
+    """A rank's failed reply as a Failure. One marked follow-on (worker.FOLLOW_ON_ATTRIBUTE) gets an
+    unknown time (inf), so that whoever picks the earliest failure as the root cause picks another."""
+    _, status, data, when = reply[:4]
     if status == "unpicklable":
         return Failure(rank, "unpicklable", data, time=when)
     if status == "interrupted":
         return Failure(rank, "interrupted", "interrupted", format_exception(data), time=when)
-    return Failure(rank, "error", exception_line(data["chain"][-1]), format_exception(data), time=when)
+    return Failure(rank, "error", exception_line(data["chain"][-1]), format_exception(data),
+                   time=float("inf") if data.get("follow_on") else when)
 

@@ -14,6 +14,17 @@ rank a moment too early was lost, and one that came late stopped the next call. 
 thread, whose handler raises KeyboardInterrupt only while that very call runs; a call that starts
 after its interrupt came stops before the user's code. Each reply also says how many operations
 each process group issued during the call, so the owner can tell whether the ranks stopped in step.
+
+What a call does to the rank's process does not outlast it. Fds 1 and 2 (and sys.stdout/stderr)
+are put back on the owner's pipes after each call, so a call that redirects them (os.dup2 onto
+/dev/null) neither hides later output nor the end-of-call marker. Before replying, a rank that
+uses CUDA waits for its queued work (torch.cuda.synchronize), so that a CUDA error or a hung NCCL
+collective belongs to the call that caused it. And the reply says whether the call destroyed the
+default process group (dist.destroy_process_group()), so the owner can replace the pool.
+
+An exception with the attribute `labkit_follow_on = True` says "I only follow another rank's
+failure" (for instance "rank 0 failed to save"): the owner then names another rank's failure as
+the root cause, whenever it came.
 """
 
 from __future__ import annotations
@@ -37,10 +48,12 @@ from labkit.launch.output import end_of_call_marker
 STACK_REQUEST = b"stack"
 _INTERRUPT_REQUEST = b"interrupt "
 GROUP_TIMEOUT_MARGIN_SECONDS = 15.0
+FOLLOW_ON_ATTRIBUTE = "labkit_follow_on"
 
 _cell_namespace: dict = {"__name__": "__main__"}
 _running_call: int | None = None  # the call whose payload and user code the main thread runs now
 _interrupt_for: int | None = None  # the latest call the owner asked to stop, until the stop is raised
+_output_fds: dict[int, int] = {}  # 1 and 2 -> a duplicate of the pipe the owner reads, taken at start
 
 
 def interrupt_request(call_id: int) -> bytes:
@@ -52,6 +65,7 @@ def main(spec: dict, job_fd: int, control_fd: int) -> None:
     """Run rank `spec["rank"]` until the owner closes the job socket; never returns."""
     job, control = Connection(job_fd), Connection(control_fd)
     _prepare_process(spec)
+    _output_fds.update({fd: os.dup(fd) for fd in (1, 2)})
     main_thread = threading.main_thread().ident
     threading.Thread(target=_serve_control, args=(control, main_thread), daemon=True).start()
     try:
@@ -132,11 +146,30 @@ def _serve_calls(job: Connection) -> None:
         before = sequence_numbers()
         reply = _run(call_id, timeout_seconds, payload)
         steps = _steps_since(before)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        _restore_output()
         os.write(1, end_of_call_marker(call_id))
         os.write(2, end_of_call_marker(call_id))
-        job.send_bytes(pickle.dumps((call_id, *reply, time.time(), steps)))
+        job.send_bytes(pickle.dumps((call_id, *reply, time.time(), steps, _group_destroyed())))
+
+
+def _restore_output() -> None:
+    """Flush what the call printed, then put sys.stdout/stderr and fds 1 and 2 back on the owner's
+    pipes, wherever the call left them."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # replaced by None, or closed, by the call
+            pass
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    for fd, saved in _output_fds.items():
+        os.dup2(saved, fd)
+
+
+def _group_destroyed() -> bool:
+    """True if the default process group, joined at start, is gone: dist.destroy_process_group()."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized()
 
 
 def _run(call_id: int, timeout_seconds: float, payload: bytes) -> tuple[str, object]:
@@ -154,7 +187,10 @@ def _run(call_id: int, timeout_seconds: float, payload: bytes) -> tuple[str, obj
                 raise KeyboardInterrupt
             _follow_call_timeout(timeout_seconds)
             fn, args, kwargs = serialize.loads(payload)
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                _synchronize_device()
         finally:
             _running_call = None
     except KeyboardInterrupt as exc:
@@ -167,9 +203,20 @@ def _run(call_id: int, timeout_seconds: float, payload: bytes) -> tuple[str, obj
         return "unpicklable", f"{type(result).__name__} cannot be pickled ({type(exc).__name__}: {exc})"
 
 
+def _synchronize_device() -> None:
+    """Wait for the CUDA work this rank queued, if it uses CUDA: kernels and NCCL collectives run
+    asynchronously (PyTorch docs, "CUDA semantics: asynchronous execution"), so without this a rank
+    would reply "ok" before its work ended, and an error or a hang would surface in a later call."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _forget(exc: BaseException) -> dict:
     """Describe `exc`, then drop its frames so a failed call does not pin tensors in memory."""
     description = describe_exception(exc)
+    description["follow_on"] = bool(getattr(exc, FOLLOW_ON_ATTRIBUTE, False))
     traceback.clear_frames(exc.__traceback__)
     gc.collect()
     return description
