@@ -1,4 +1,13 @@
-"""Measurements the notebooks set next to labkit.plan's predictions: collective times and training-state bytes."""
+"""Measurements the notebooks set next to labkit.plan's predictions: collective times and training-state bytes;
+and the two clocks every labkit timing uses, so that GPU work is timed when it runs, not when it is queued.
+
+    synchronize(device)   wait for `device`'s queued work before reading the host clock (no-op on the CPU)
+    Stopwatch(device)     marks read later: CUDA events on a GPU, time.perf_counter on the CPU
+
+CUDA kernels and NCCL collectives run asynchronously: a host clock read right after launching them measures
+the launch (PyTorch docs, "CUDA semantics: asynchronous execution", which times GPU work with
+torch.cuda.Event(enable_timing=True) or after torch.cuda.synchronize()).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +16,44 @@ import time
 from collections.abc import Callable, Iterable
 
 import torch
-from tqdm.auto import tqdm
 
 import labkit
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait until every stream of `device` has run the work queued on it (torch.cuda.synchronize), so that a
+    host clock read next includes that work; nothing on the CPU, whose work is done when the call returns."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """Seconds since it was made, for marks set while work is still queued, read once that work is done.
+
+    On a CUDA `device` a mark is a torch.cuda.Event(enable_timing=True) recorded on the current stream: its time
+    is when the GPU reaches it, however early the host queued it, and marking does not stall the GPU as
+    torch.cuda.synchronize would (a backward overlapping its all_reduces keeps overlapping). On the CPU a mark
+    is time.perf_counter(). `seconds(mark)` waits for the mark's event, so call it after the work."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.start = self.mark()
+
+    def mark(self):
+        """Now: on the current CUDA stream (an event), or on the host clock."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        """Seconds from the stopwatch's start to `mark` (waiting for a CUDA mark to be reached)."""
+        if not self.cuda:
+            return mark - self.start
+        mark.synchronize()
+        return self.start.elapsed_time(mark) / 1e3  # elapsed_time counts milliseconds
 
 
 def allreduce_seconds_by_size(sizes_nbytes: Iterable[int], allreduce: Callable | None = None,
@@ -17,7 +61,8 @@ def allreduce_seconds_by_size(sizes_nbytes: Iterable[int], allreduce: Callable |
     """Inside a rank: seconds per call of `allreduce` (default torch's `dist.all_reduce`) on a float32 tensor
     of each size. Sizes take turns, `repeats` rounds of back-to-back calls each (several calls for small
     tensors), and the median round counts: on a shared laptop single calls swing by tens of percent, and
-    taking turns spreads slow moments over every size alike. `warm_up` first calls it once per size, untimed."""
+    taking turns spreads slow moments over every size alike. `warm_up` first calls it once per size, untimed.
+    Each round starts and ends with `synchronize(labkit.device())`: on a GPU the calls are timed as run."""
     import torch.distributed as dist
 
     allreduce = allreduce or dist.all_reduce
@@ -30,9 +75,11 @@ def allreduce_seconds_by_size(sizes_nbytes: Iterable[int], allreduce: Callable |
     for _ in range(repeats):
         for tensor, count, seconds in zip(tensors, calls, rounds, strict=True):
             dist.barrier()
+            synchronize(tensor.device)
             start = time.perf_counter()
             for _ in range(count):
                 allreduce(tensor)
+            synchronize(tensor.device)
             seconds.append((time.perf_counter() - start) / count)
     return [statistics.median(seconds) for seconds in rounds]
 
@@ -45,6 +92,8 @@ def allreduce_sweep(sizes_nbytes: Iterable[int], allreduces: dict[str, Callable]
     Each round is one `labkit.run` of `allreduce_seconds_by_size` (one timed round per size, the functions
     taking turns), so the bar moves between runs: a rank cannot draw it. The median over `repeats` rounds
     counts, as in `allreduce_seconds_by_size`; only the first round warms up."""
+    from tqdm.auto import tqdm  # here, not at the top: ranks import this module and draw no progress bar
+
     sizes = list(sizes_nbytes)
     rounds = {name: [] for name in allreduces}
     with tqdm(total=repeats * len(allreduces), desc=f"AllReduce sweep, {len(sizes)} sizes", unit="run") as bar:

@@ -2,8 +2,10 @@
 micro-batches that flow forward through the stages and whose gradients flow back, so stages work at once.
 
     schedule("1f1b", 4, 8)          each stage's ordered actions: Action("F", i), Action("B", i)
+    communication_plan("1f1b", 4, 8) the same, with the messages each stage posts between its actions
     run_pipeline(model, "1f1b", 8, x, y, loss_fn)   one training step on real ranks (activations and
-                                    gradients over paired isend/irecv), timed action by action
+                                    gradients over point-to-point, as communication_plan says), timed
+                                    action by action
     simulate_pipeline("1f1b", 4, 8) the same timeline from stage costs, without processes
     measured_bubble(events)         idle share of a timeline: 1 - busy / (makespan x stages)
 
@@ -25,7 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.comm.transport import DTYPES, MAX_DIMS, default_transport, signature
+import labkit
+from labkit import measure
+from labkit.comm.transport import DTYPES, MAX_DIMS, _Batch, default_transport, signature
 from labkit.parallel.data import record_collective
 from labkit.plan._checks import choice, number, whole
 
@@ -170,43 +174,119 @@ class PipelineResult:
     loss: float | None
 
 
-def _send_header(transport, tensor: torch.Tensor, dst: int):
-    """Post the send of the first activation's signature (dtype and shape, tag 0), so that the receiver can post its
-    receives ahead; later activations keep that shape but for the micro-batch size, in dim 0."""
-    if tensor.dim() > MAX_DIMS:
-        raise ValueError(f"run_pipeline: activations of {tensor.dim()} dimensions; at most {MAX_DIMS} cross.")
-    return transport.isend(torch.tensor(signature(tensor), device=tensor.device), dst, 0)
+@dataclass(frozen=True)
+class Message:
+    """One point-to-point operation of a stage: "send" to or "recv" from neighbour `peer` micro-batch
+    `microbatch`'s "activation" (forward) or "gradient" (backward), or the "header" (the first activation's
+    dtype and shape, so that the receiver can size its buffers)."""
+    op: str
+    what: str
+    microbatch: int
+    peer: int
+
+    @property
+    def tag(self) -> int:
+        """0 for the header, 2i+1 for activation i, 2i+2 for its gradient (gloo matches by tag; NCCL ignores
+        tags and matches each pair's operations in posting order, which communication_plan keeps equal)."""
+        return 0 if self.what == "header" else 2 * self.microbatch + (1 if self.what == "activation" else 2)
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.what[0]}{self.microbatch}"
 
 
-def _send(transport, tensor: torch.Tensor, dst: int, tag: int):
-    payload = tensor.detach().contiguous()
-    record_collective("send", payload)
-    return transport.isend(payload, dst, tag)
+def communication_plan(kind: str, stages: int, microbatches: int) -> list[list[Action | tuple[Message, ...]]]:
+    """Each stage's schedule with its messages: actions, and between them groups of Messages posted together.
+
+    After each action comes one group: its output's send and the next action's input's receive (torch's
+    Schedule1F1B and Megatron's send_forward_recv_backward pair them the same way); the header, needed on
+    the host before the first activation's buffer exists, travels alone. Why groups: under NCCL each rank
+    runs its point-to-point operations in posting order on one stream (with `device_id`, eager init), and a
+    send waits for its receive; a stage that posted "receive gradient i" before "send activation i", with its
+    neighbour posting "receive activation i" first, would hang both. The operations of one group run
+    together (NCCL user guide, "Group calls"; dist.batch_isend_irecv), so any order inside it is safe. No
+    barrier sits between a posted receive and its send. tests/distributed/test_pipeline_parallel.py runs
+    every group, as posted on real ranks, through that single-stream model.
+
+    >>> def show(step):
+    ...     return str(step) if isinstance(step, Action) else "[" + " ".join(map(str, step)) + "]"
+    >>> [" ".join(map(show, steps)) for steps in communication_plan("1f1b", 2, 2)]  # a: activation, g: gradient
+    ['F0 [send h0] [send a0] F1 [send a1 recv g0] B0 [recv g1] B1', '[recv h0] [recv a0] F0 B0 [send g0 recv a1] F1 B1 \
+[send g1]']
+    """
+    plan = []
+    for r, actions in enumerate(schedule(kind, stages, microbatches)):
+        steps: list = [(Message("recv", "header", 0, r - 1),)] if r > 0 else []
+        steps += [tuple(_messages(actions[0], "recv", r, stages))]
+        for k, action in enumerate(actions):
+            steps.append(action)
+            if action == Action("F", 0) and r < stages - 1:
+                steps.append((Message("send", "header", 0, r + 1),))
+            after = _messages(action, "send", r, stages)
+            steps.append(tuple(after + (_messages(actions[k + 1], "recv", r, stages) if k + 1 < len(actions) else [])))
+        plan.append([step for step in steps if step != ()])
+    return plan
 
 
-def _post_recv(transport, buffer: torch.Tensor, src: int, tag: int) -> tuple:
-    return buffer, transport.irecv(buffer, src, tag)
+def _messages(action: Action, op: str, stage: int, stages: int) -> list[Message]:
+    """What `stage` must "recv" before `action` (its input), or "send" after it (its output): none at the ends."""
+    forward = action.kind == "F"
+    peer = stage + (1 if forward == (op == "send") else -1)
+    if not 0 <= peer < stages:
+        return []
+    return [Message(op, "activation" if forward else "gradient", action.microbatch, peer)]
 
 
-def _wait(buffer: torch.Tensor, pending) -> torch.Tensor:
-    pending.wait()
-    return buffer
+class _Link:
+    """How a stage posts a group of Messages: as one dist.batch_isend_irecv (`batched`), or each operation in
+    turn, as a gloo isend or irecv. Both work on gloo; NCCL needs the batch (see communication_plan)."""
+
+    def __init__(self, transport, batched: bool):
+        self.transport, self.batched = transport, batched
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def post(self, group: list[tuple[Message, torch.Tensor]]) -> list:
+        """Post every message of `group` (with its tensor); one request per message, to wait on."""
+        transport = self.transport
+        if not self.batched:
+            return [self._one(message, tensor) for message, tensor in group]
+        batch = transport._batch = _Batch()  # TorchTransport collects the P2POps of one batch_isend_irecv here
+        try:
+            pending = [self._one(message, tensor) for message, tensor in group]
+        finally:
+            transport._batch = None
+        batch.works = dist.batch_isend_irecv(batch.ops)
+        return pending
+
+    def _one(self, message: Message, tensor: torch.Tensor):
+        if message.op == "send":
+            return self.transport.isend(tensor, message.peer, message.tag)
+        return self.transport.irecv(tensor, message.peer, message.tag)
 
 
 def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, inputs: torch.Tensor,
                  targets: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 emulate_compute_seconds: float | tuple[float, float] = 0.0) -> PipelineResult:
+                 emulate_compute_seconds: float | tuple[float, float] = 0.0,
+                 batched: bool | None = None) -> PipelineResult:
     """One pipelined forward and backward of `model` on this rank's stage; call it on every rank.
 
     p = the world size; stage r runs layers `stage_layers(len(model), p)[r]` of `model` (the same full model
-    on every rank: only this stage's layers run and get gradients). The batch (`inputs`, `targets`, dim 0;
-    only the first stage reads inputs, only the last targets) is cut into `microbatches` with tensor_split.
-    Activations go forward and their gradients back between neighbours as paired isend/irecv (never
-    batch_isend_irecv, which can hang on gloo). Activations must keep the micro-batch in dim 0 and the same
-    other dims (the first one's dtype and shape travel ahead in a small header). `loss_fn(output, target)` must
-    average over its micro-batch: micro-batch i's loss is scaled by n_i / n, so the gradients accumulated into
-    `.grad` (not zeroed here) are the full batch's mean loss's. count_collectives() counts every activation and
-    gradient sent as a "send" (the header aside).
+    on every rank: only this stage's layers run and get gradients). They are moved to labkit.device() (in
+    place, as Module.to does), and every tensor crosses there: under NCCL each stage talks NCCL, even one
+    without parameters. The batch (`inputs`, `targets`, dim 0; only the first stage reads inputs, only the
+    last targets) is cut into `microbatches` with tensor_split. Activations go forward and their gradients
+    back between neighbours in the groups of `communication_plan`: each group one dist.batch_isend_irecv
+    where `batched` (None: on NCCL only, which needs it to not hang), else paired isend/irecv (gloo).
+    Activations must keep the micro-batch in dim 0 and the same other dims (the first one's dtype and shape
+    travel ahead in a small header). `loss_fn(output, target)` must average over its micro-batch:
+    micro-batch i's loss is scaled by n_i / n, so the gradients accumulated into `.grad` (not zeroed here) are
+    the full batch's mean loss's. count_collectives() counts every activation and gradient sent as a "send"
+    (the header aside).
+
+    Timing: an action starts once its input has arrived and ends when its compute is done, both read on the
+    host clock after labkit.measure.synchronize(labkit.device()), so on a GPU the bars are the kernels' run,
+    not their launch (the synchronisation serialises host and GPU at each action: a measuring executor).
 
     `emulate_compute_seconds` (a number, or (forward, backward)): EMULATION. Each action lasts at least
     this long: its real compute, then a sleep for the rest. On a 2-core laptop, where 4 ranks' real compute
@@ -236,67 +316,101 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     emulate = emulate_compute_seconds if isinstance(emulate_compute_seconds, tuple) else (emulate_compute_seconds,) * 2
     fwd_s, bwd_s = (number("emulate_compute_seconds", seconds) for seconds in emulate)
     layers = stage_layers(len(model), p)[rank]
-    stage, actions = model[layers.start:layers.stop], schedule(schedule_kind, p, m)[rank]
-    device = next((t.device for t in stage.parameters()), inputs.device)
+    device = labkit.device()
+    stage = model[layers.start:layers.stop].to(device)
+    transport = default_transport()
+    if batched is None:
+        batched = transport.carriage(torch.empty(0, device=device)).backend == "nccl"
+    link = _Link(transport, batched)
     xs, ts = inputs.tensor_split(m), targets.tensor_split(m)
-    first, last = rank == 0, rank == p - 1
+    last = rank == p - 1
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch -> (stage input, output or loss)
-    # gloo moves a message only once its receive is posted (a late one costs a round trip, ~0.5 ms here), so
-    # receives are posted ahead: activation i+1's when activation i is in, gradient i's after forward i. Each
-    # peer's receives are posted in the order it sends, as NCCL, which ignores tags, needs. Tags: 0 the
-    # header, 2i+1 activation i, 2i+2 its gradient.
-    activations, grads, sends, events, peak, loss, transport = {}, {}, [], [], 0, 0.0, default_transport()
-    y0 = None  # this stage's output for micro-batch 0: later ones must match it but for the size
-    if not first:
-        header = _post_recv(transport, torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device), rank - 1, 0)
+    outgoing: dict[tuple[str, int], torch.Tensor] = {}  # (what, micro-batch) -> tensor to send
+    arriving: dict[tuple[str, int], tuple[torch.Tensor, object]] = {}  # (what, micro-batch) -> (buffer, request)
+    sends, events, peak, loss = [], [], 0, 0.0
+    y0 = like = None  # this stage's output for micro-batch 0; the first activation received (dim 0 aside)
     _warm_up(device)
-    dist.barrier()
+    link.barrier()
+    measure.synchronize(device)
     t0 = time.perf_counter()
-    for action in actions:
-        i = action.microbatch
-        if action.kind == "F":
-            if first:
-                x = xs[i].to(device)
-            else:
-                if i == 0:
-                    dtype, ndim, *shape = _wait(*header).tolist()
-                    buffer = torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=device)
-                    activations[0] = _post_recv(transport, buffer, rank - 1, 1)
-                x = _wait(*activations.pop(i)).requires_grad_()
-                if i + 1 < m:
-                    buffer = x.new_empty((len(xs[i + 1]), *x.shape[1:]))
-                    activations[i + 1] = _post_recv(transport, buffer, rank - 1, 2 * i + 3)
+    for step in communication_plan(schedule_kind, p, m)[rank]:
+        if not isinstance(step, Action):  # a group of messages, posted together
+            group = []
+            for message in step:
+                key = (message.what, message.microbatch)
+                if message.op == "send":
+                    group.append((message, _payload(outgoing.pop(key), message)))
+                elif message.what == "header":
+                    group.append((message, torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=device)))
+                elif message.what == "gradient":
+                    group.append((message, torch.empty_like(saved[message.microbatch][1])))
+                else:
+                    if like is None:  # activation 0: its dtype and shape are in the header
+                        dtype, ndim, *shape = _wait(*arriving.pop(("header", 0))).tolist()
+                        like = torch.empty(shape[:ndim], dtype=DTYPES[dtype], device=device)
+                    group.append((message, like.new_empty((len(xs[message.microbatch]), *like.shape[1:]))))
+            for (message, tensor), request in zip(group, link.post(group), strict=True):
+                if message.op == "recv":
+                    arriving[(message.what, message.microbatch)] = (tensor, request)
+                else:
+                    sends.append(request)
+            continue
+        i = step.microbatch
+        if step.kind == "F":
+            x = xs[i].to(device) if rank == 0 else _wait(*arriving.pop(("activation", i))).requires_grad_()
+            measure.synchronize(device)
             start = time.perf_counter()
             y = stage(x)
             if last:
                 y = loss_fn(y, ts[i].to(device)) * (len(xs[i]) / len(inputs))
                 loss += y.item()
             else:
-                grads[i] = _post_recv(transport, torch.empty_like(y), rank + 1, 2 * i + 2)
                 y0 = y if i == 0 else y0
                 _check_activation(y, y0, i, len(xs[i]), rank)
-                if i == 0:  # the shape is known before the compute ends (on a GPU, at launch): it goes ahead
-                    sends.append(_send_header(transport, y, rank + 1))
+                outgoing[("activation", i)] = y
+                if i == 0:
+                    outgoing[("header", 0)] = torch.tensor(_header(y), device=device)
             saved[i] = (x, y)
-            _pad(start, fwd_s)
-            end = time.perf_counter()
-            if not last:
-                sends.append(_send(transport, y, rank + 1, 2 * i + 1))
+            seconds = fwd_s
         else:
             x, y = saved.pop(i)
-            grad = None if last else _wait(*grads.pop(i))
+            grad = None if last else _wait(*arriving.pop(("gradient", i)))
+            measure.synchronize(device)
             start = time.perf_counter()
             if y.requires_grad:  # a first stage of parameter-free layers has nothing to differentiate
                 y.backward(grad)
-            _pad(start, bwd_s)
-            end = time.perf_counter()
-            if not first:
-                sends.append(_send(transport, x.grad, rank - 1, 2 * i + 2))
-        events.append(PipelineEvent(rank, action.kind, i, start - t0, end - t0))
+            if rank > 0:
+                outgoing[("gradient", i)] = x.grad
+            seconds = bwd_s
+        measure.synchronize(device)
+        _pad(start, seconds)
+        end = time.perf_counter()
+        events.append(PipelineEvent(rank, step.kind, i, start - t0, end - t0))
         peak = max(peak, len(saved))
-    for work in sends:
-        work.wait()
+    for request in sends:
+        request.wait()
     return PipelineResult(rank, layers, events, peak, loss if last else None)
+
+
+def _header(tensor: torch.Tensor) -> list[int]:
+    """The first activation's signature (dtype and shape), sent ahead so that the receiver can make its buffers;
+    later activations keep that shape but for the micro-batch size, in dim 0."""
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"run_pipeline: activations of {tensor.dim()} dimensions; at most {MAX_DIMS} cross.")
+    return signature(tensor)
+
+
+def _payload(tensor: torch.Tensor, message: Message) -> torch.Tensor:
+    """What a send puts on the wire, counted by count_collectives() as a "send" (the header aside)."""
+    payload = tensor.detach().contiguous()
+    if message.what != "header":
+        record_collective("send", payload)
+    return payload
+
+
+def _wait(buffer: torch.Tensor, pending) -> torch.Tensor:
+    pending.wait()
+    return buffer
 
 
 def _check_activation(y: torch.Tensor, y0: torch.Tensor, i: int, size: int, rank: int) -> None:

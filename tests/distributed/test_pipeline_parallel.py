@@ -19,6 +19,7 @@ from labkit.parallel import (
     simulate_pipeline,
     stage_layers,
 )
+from labkit.parallel.pipeline import communication_plan
 from labkit.plan import bubble_fraction
 
 KINDS = ["gpipe", "1f1b"]
@@ -264,3 +265,154 @@ def test_a_fresh_process_first_actions_last_what_was_emulated(script):
     emulated = {"F": 0.02, "B": 0.04}
     for kind, seconds in events:
         assert emulated[kind] <= float(seconds) <= 1.5 * emulated[kind], (kind, seconds)
+
+
+# --- Communication that cannot hang under NCCL, and timings that wait for the device ---
+
+def stream_deadlock(posts: list[list[tuple]]) -> list | None:
+    """A single-stream model of NCCL: None if every rank's operations complete, else each rank's stuck head.
+
+    posts[r]: rank r's groups, in posting order; a group is a tuple of ("send", peer, key, nbytes),
+    ("recv", peer, key, nbytes) or ("barrier",). Each rank's stream runs its groups in order, one at a time.
+    The k-th send from a to b matches the k-th recv on b from a (NCCL ignores tags); the two complete only
+    together, when both are in their stream's running group (a group's operations run at once: a
+    batch_isend_irecv); a barrier completes when it is in every rank's running group. A group ends when all
+    its operations have."""
+    counts, streams = {}, []
+    for r, groups in enumerate(posts):
+        stream = []
+        for group in groups:
+            ops = []
+            for op in group:
+                pair = ("barrier",) if op[0] == "barrier" else (r, op[1]) if op[0] == "send" else (op[1], r)
+                key = (op[0], pair, r if op[0] == "barrier" else None)  # barriers: counted per rank
+                index = counts[key] = counts.get(key, -1) + 1
+                ops.append((op[0], pair, index, op[2:]))
+            stream.append(ops)
+        streams.append(stream)
+    head, done = [0] * len(posts), [set() for _ in posts]
+
+    def running(r):
+        return streams[r][head[r]] if head[r] < len(streams[r]) else []
+
+    while any(head[r] < len(streams[r]) for r in range(len(posts))):
+        progressed = False
+        for r in range(len(posts)):
+            for op in running(r):
+                if op in done[r]:
+                    continue
+                if op[0] == "barrier" and all(op in running(q) for q in range(len(posts))):
+                    for q in range(len(posts)):
+                        done[q].add(op)
+                    progressed = True
+                elif op[0] == "send":
+                    match = next((o for o in running(op[1][1]) if o[:3] == ("recv", op[1], op[2])), None)
+                    if match is not None and match not in done[op[1][1]]:
+                        assert match[3] == op[3], f"send {op} meets recv {match}: different messages"
+                        done[r].add(op)
+                        done[op[1][1]].add(match)
+                        progressed = True
+        for r in range(len(posts)):
+            if running(r) and all(op in done[r] for op in running(r)):
+                head[r], done[r] = head[r] + 1, set()
+                progressed = True
+        if not progressed:
+            return [running(r) for r in range(len(posts))]
+    return None
+
+
+def plan_posts(kind, p, m):
+    """communication_plan's groups as stream_deadlock reads them (no sizes): a barrier first, as run_pipeline."""
+    return [[(("barrier",),)] + [tuple((msg.op, msg.peer, msg.what, msg.microbatch) for msg in step)
+                              for step in steps if not isinstance(step, Action)]
+            for steps in communication_plan(kind, p, m)]
+
+
+def test_the_model_catches_the_old_executors_order():
+    """The executor before issue 15, p = 2, m = 1, as it posted: stage 1 its header receive before the barrier
+    that stage 0 passes before sending it; stage 0 the gradient's receive before the activation's send. Both
+    hang on one stream. So do the plan's groups posted one operation at a time, receive first (any m), or
+    send first (1F1B, p = 4): batching is what makes them safe."""
+    old = [[("barrier",), ("recv", 1, "gradient", 0), ("send", 1, "header", 0), ("send", 1, "activation", 0)],
+           [("recv", 0, "header", 0), ("barrier",), ("recv", 0, "activation", 0), ("send", 0, "gradient", 0)]]
+    stuck = stream_deadlock([[(op,) for op in ops] for ops in old])
+    assert [[op[0] for op in head] for head in stuck] == [["barrier"], ["recv"]]  # the header's receive
+    stuck = stream_deadlock([[(op,) for op in ops if op[0] != "barrier"] for ops in old])  # no barrier: still
+    assert [[op[3] for op in head] for head in stuck] == [[("gradient", 0)], [("header", 0)]]
+
+    def one_at_a_time(posts, first):
+        return [[(op,) for group in groups for op in sorted(group, key=lambda op: op[0] != first)] for groups in posts]
+
+    assert stream_deadlock(one_at_a_time(plan_posts("gpipe", 2, 2), "recv")) is not None
+    assert stream_deadlock(one_at_a_time(plan_posts("1f1b", 4, 4), "send")) is not None
+    assert stream_deadlock(plan_posts("1f1b", 4, 4)) is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_plan_completes_on_one_stream_per_rank(kind):
+    for p in range(1, 7):
+        for m in range(1, 11):
+            assert stream_deadlock(plan_posts(kind, p, m)) is None, (kind, p, m)
+            for r, steps in enumerate(communication_plan(kind, p, m)):
+                assert [s for s in steps if isinstance(s, Action)] == schedule(kind, p, m)[r]
+
+
+def recorded_step(cases, batched):
+    """On every rank: each case's groups as posted (with sizes), the result, the gradients, and the
+    synchronize calls, through a recording _Link and a recording labkit.measure.synchronize."""
+    from labkit import measure
+    from labkit.parallel import pipeline
+
+    posted, synced = [], []
+
+    class Recording(pipeline._Link):
+        def barrier(self):
+            posted.append((("barrier",),))
+            super().barrier()
+
+        def post(self, group):
+            posted.append(tuple((m.op, m.peer, m.what, m.microbatch, t.numel() * t.element_size(), t.device.type)
+                                for m, t in group))
+            return super().post(group)
+
+    real_link, real_sync = pipeline._Link, measure.synchronize
+    pipeline._Link, measure.synchronize = Recording, lambda device: synced.append(str(device))
+    try:
+        out = []
+        for kind, m in cases:
+            posted.clear()
+            synced.clear()
+            x, y = make_classification(BATCH, dtype=torch.float64)
+            model = mlp(layers=3, dtype=torch.float64)
+            result = run_pipeline(model, kind, m, x, y, F.cross_entropy, batched=batched)
+            out.append((list(posted), result, {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                        list(synced)))
+        return out
+    finally:
+        pipeline._Link, measure.synchronize = real_link, real_sync
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_posted_groups_follow_the_plan_complete_on_one_stream_and_train_right(batched):
+    """On gloo ranks, both paths (one batch_isend_irecv per group, the path NCCL takes, and paired
+    isend/irecv): the groups as posted, sizes included, are the plan's and pass the single-stream model; the
+    step equals one process's; every clock reading follows labkit.measure.synchronize(labkit.device())."""
+    p, cases = 3, [("gpipe", 3), ("1f1b", 4), ("1f1b", 1)]
+    per_rank = labkit.run(recorded_step, cases, batched, world_size=p)
+    loss, grads = reference()
+    for c, (kind, m) in enumerate(cases):
+        posts = [[tuple(op[:4] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
+                 for r in range(p)]
+        assert posts == plan_posts(kind, p, m), (kind, m)
+        sized = [[tuple(op[:5] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
+                 for r in range(p)]
+        assert stream_deadlock(sized) is None, (kind, m)  # the sizes of each send and its receive agree too
+        assert {op[5] for r in range(p) for group in per_rank[r][c][0] for op in group if len(op) > 1} == {"cpu"}
+        seen = {}
+        for r in range(p):
+            _, result, mine, synced = per_rank[r][c]
+            assert synced == ["cpu"] * (1 + 2 * len(result.events)), (kind, m, r)  # the start; each action's two
+            seen.update(mine)
+        assert per_rank[-1][c][1].loss == pytest.approx(loss, rel=1e-12, abs=0)
+        for name, grad in seen.items():
+            assert (grad - grads[name]).abs().max() <= 1e-12 * grads[name].abs().max(), (kind, m, name)

@@ -1,8 +1,11 @@
-"""Measured training-state bytes equal labkit.plan.training_memory's prediction; the AllReduce sweep's rounds."""
+"""Measured training-state bytes equal labkit.plan.training_memory's prediction; the AllReduce sweep's rounds; the
+clocks that wait for a GPU (synchronize, Stopwatch), checked with a fake CUDA device."""
 
+import pytest
 import torch
 
 import labkit
+from labkit import measure
 from labkit.measure import allreduce_sweep, training_state_nbytes
 from labkit.plan import training_memory
 
@@ -45,3 +48,66 @@ def test_allreduce_sweep_takes_turns_one_round_per_run_and_keeps_the_median(monk
     assert [name for name, _, _ in calls] == ["a", "b"] * 3                    # the two take turns
     assert [warm for _, _, warm in calls] == [True, True] + [False] * 4        # only the first round warms up
     assert {repeats for _, repeats, _ in calls} == {1}                         # one timed round per run
+
+
+def test_synchronize_waits_for_a_cuda_device_and_nothing_else(monkeypatch):
+    """A fake CUDA device: torch.cuda.synchronize is replaced by a recorder, so no GPU is needed."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", calls.append)
+    measure.synchronize("cpu")
+    measure.synchronize(torch.device("cpu"))
+    assert calls == []
+    measure.synchronize(torch.device("cuda", 1))
+    measure.synchronize("cuda:0")
+    assert calls == [torch.device("cuda", 1), torch.device("cuda", 0)]
+
+
+class FakeEvent:
+    """torch.cuda.Event's timing surface, on the host clock: recorded at a set time, read in milliseconds."""
+    now, waited = 0.0, []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = FakeEvent.now
+
+    def synchronize(self):
+        FakeEvent.waited.append(self)
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+def test_stopwatch_marks_cuda_events_and_reads_them_once_reached(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    FakeEvent.now, FakeEvent.waited = 5.0, []
+    watch = measure.Stopwatch("cuda:0")
+    FakeEvent.now = 5.25
+    mark = watch.mark()
+    FakeEvent.now = 9.0  # the host read later: only the event's time counts
+    assert watch.seconds(mark) == pytest.approx(0.25)
+    assert FakeEvent.waited == [mark]
+    cpu = measure.Stopwatch("cpu")
+    assert 0.0 <= cpu.seconds(cpu.mark()) < 1.0 and not isinstance(cpu.mark(), FakeEvent)
+
+
+def timed_rounds():
+    """Inside a rank: the order of synchronize and all_reduce calls while allreduce_seconds_by_size times."""
+    log = []
+    real = measure.synchronize
+    measure.synchronize = lambda device: log.append(("sync", str(device)))
+    try:
+        measure.allreduce_seconds_by_size([4 << 20, 8 << 20], lambda t: log.append(("call", t.numel())),
+                                          repeats=2, warm_up=False)
+    finally:
+        measure.synchronize = real
+    return log
+
+
+def test_allreduce_timing_synchronizes_before_and_after_each_timed_round():
+    log = labkit.run(timed_rounds, world_size=1)[0]
+    one_round = [("sync", "cpu"), ("call", 1 << 20), ("call", 1 << 20), ("sync", "cpu"),  # 2 calls of 4 MiB
+                 ("sync", "cpu"), ("call", 2 << 20), ("sync", "cpu")]
+    assert log == one_round * 2
