@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import labkit
+from labkit.measure import synchronize
 from labkit.models import mlp
 from labkit.parallel import BucketedDDP, average_gradients, broadcast_parameters
 
@@ -32,10 +33,11 @@ TARGET = 1.15
 def make_variants(bucket_mb: float) -> dict:
     """name -> one training step, each on its own copy of the same model."""
     def model():
-        return mlp(FEATURES, HIDDEN, CLASSES, LAYERS, seed=0)
+        return mlp(FEATURES, HIDDEN, CLASSES, LAYERS, seed=0).to(labkit.device())
 
     generator = torch.Generator().manual_seed(labkit.rank())
     x, y = torch.randn(BATCH, FEATURES, generator=generator), torch.randint(CLASSES, (BATCH,), generator=generator)
+    x, y = x.to(labkit.device()), y.to(labkit.device())
     local, naive = model(), model()
     broadcast_parameters(naive)
     bucketed = BucketedDDP(model(), bucket_mb=bucket_mb, first_bucket_mb=bucket_mb)
@@ -72,9 +74,11 @@ def measure(bucket_mb: float):
     for i in range(ROUNDS):
         for name in names[i % len(names):] + names[:i % len(names)]:
             dist.barrier()
+            synchronize(labkit.device())  # on a GPU: time the steps as run, not as queued
             start = time.perf_counter()
             for _ in range(STEPS):
                 variants[name]()
+            synchronize(labkit.device())
             rounds[name].append((time.perf_counter() - start) / STEPS)
     return rounds, buckets
 

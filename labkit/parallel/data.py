@@ -13,13 +13,13 @@ Source: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parall
 section 3.2 (a naive solution, gradient bucketing, overlapping computation with communication, gradient
 accumulation with no_sync, unused parameters). Averages are SUM then divide: ReduceOp.AVG is missing or
 buggy on gloo in some torch releases. Every collective runs on the parameters' own device (CPU under
-gloo, the rank's GPU under NCCL); nothing here touches torch.cuda.
+gloo, the rank's GPU under NCCL); BucketedDDP's timeline is kept with labkit.measure.Stopwatch (CUDA
+events on a GPU), the only place torch.cuda is touched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from labkit import measure
 
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
 FIRST_BUCKET_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES: a small first bucket starts traffic early
@@ -268,10 +270,12 @@ class BucketedDDP(nn.Module):
       stale `.grad` of an unused parameter counts as zero (torch sends it). Buckets after such a bucket lose
       their overlap.
     - `no_sync()`: backwards inside it only accumulate; the next synchronised backward reduces the sum.
-    - `timeline` lists the Events of the last synchronised backward, timed with time.perf_counter from the
-      moment the model's output received its gradient (else from the first ready gradient). Completion
-      times come from each all_reduce's future callback; under NCCL they mark when the host saw the work
-      complete, not the GPU.
+    - `timeline` lists the Events of the last synchronised backward (read it after finish()), in seconds
+      from the moment the model's output received its gradient (else from the first ready gradient), kept
+      with a labkit.measure.Stopwatch on the parameters' device: on the CPU time.perf_counter; on a GPU
+      CUDA events recorded on the current stream, so each mark is when the GPU got there, not when the host
+      queued it (an NCCL future completes at enqueue). An all_reduce's end is marked in its future's
+      callback, which runs on a stream that waits for the all_reduce (torch.futures.Future.then).
 
     Example::
 
@@ -337,7 +341,7 @@ class BucketedDDP(nn.Module):
 
     def _start_clock(self) -> None:
         if self._sync and self._t0 is None:
-            self._t0, self.timeline = time.perf_counter(), []
+            self._t0, self.timeline = measure.Stopwatch(self.buckets[0].flat.device if self.buckets else "cpu"), []
 
     def _grad_ready(self, bucket: Bucket, i: int, name: str, param: nn.Parameter) -> None:
         bucket.used[i] = True
@@ -348,7 +352,7 @@ class BucketedDDP(nn.Module):
             raise RuntimeError(f"BucketedDDP: {name!r} received a second gradient before finish(): call finish() "
                                "(or step) after each backward, and accumulate inside no_sync().")
         bucket.ready[i] = True
-        now = time.perf_counter() - self._t0
+        now = self._t0.mark()
         self.timeline.append(Event("grad", name, bucket.index, now, now, param.numel() * param.element_size()))
         while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
             self._launch(self.buckets[self._next])
@@ -359,12 +363,12 @@ class BucketedDDP(nn.Module):
         have = [used and p.grad is not None for used, p in zip(bucket.used, params, strict=True)]
         parts = [p.grad.reshape(-1) if ok else p.new_zeros(p.numel()) for ok, p in zip(have, params, strict=True)]
         torch.cat([*parts, torch.tensor(have, dtype=bucket.flat.dtype, device=bucket.flat.device)], out=bucket.flat)
-        start = time.perf_counter() - self._t0
+        start = self._t0.mark()
         bucket.work = _all_reduce_sum(bucket.flat, async_op=True)
         event = Event("all_reduce", f"bucket {bucket.index}", bucket.index, start, float("nan"), bucket.nbytes)
         self.timeline.append(event)
-        t0 = self._t0
-        bucket.done = bucket.work.get_future().then(lambda _: setattr(event, "end", time.perf_counter() - t0))
+        clock = self._t0
+        bucket.done = bucket.work.get_future().then(lambda _: setattr(event, "end", clock.mark()))
         self._next += 1
 
     def finish(self) -> None:
@@ -374,8 +378,8 @@ class BucketedDDP(nn.Module):
             raise RuntimeError("BucketedDDP.finish() inside no_sync(): gradients are averaged after the "
                                "first backward outside it.")
         if self._t0 is None:
-            self._t0, self.timeline = time.perf_counter(), []
-        finishing = Event("finish", "finish", -1, time.perf_counter() - self._t0, float("nan"), 0)
+            self._start_clock()
+        finishing = Event("finish", "finish", -1, self._t0.mark(), float("nan"), 0)
         while self._next < len(self.buckets):  # bucket order, so the same collectives on every rank
             self._launch(self.buckets[self._next])
         world = dist.get_world_size()
@@ -391,8 +395,10 @@ class BucketedDDP(nn.Module):
                     else:
                         torch.div(view.view_as(p), world, out=p.grad)
             bucket.reset()
-        finishing.end = time.perf_counter() - self._t0
+        finishing.end = self._t0.mark()
         self.timeline.append(finishing)
+        for event in self.timeline:  # marks to seconds, now that the work they mark is done
+            event.start, event.end = self._t0.seconds(event.start), self._t0.seconds(event.end)
         self._next, self._t0 = 0, None
 
 

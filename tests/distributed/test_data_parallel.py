@@ -382,3 +382,47 @@ def test_misuse_gets_clear_errors_and_a_second_wrapper_replaces_the_first():
         assert len(errors) == 2
         assert "forward before the last backward's gradients were averaged: call finish()" in errors[0]
         assert "received a second gradient before finish()" in errors[1]
+
+
+def stopwatch_marks():
+    """Inside a rank: one synchronised backward of a BucketedDDP whose labkit.measure.Stopwatch is a recorder
+    (each mark a fresh number, read back as 10 x that number): where it was made, how often it marked, and
+    the timeline it produced."""
+    from labkit import measure
+
+    made = []
+
+    class Recorder(measure.Stopwatch):
+        def __init__(self, device):
+            made.append(str(device))
+            self.cuda, self.count = False, 0
+            self.start = self.mark()
+
+        def mark(self):
+            self.count += 1
+            return self.count
+
+        def seconds(self, mark):
+            return 10.0 * mark
+
+    real = measure.Stopwatch
+    measure.Stopwatch = Recorder
+    try:
+        model = BucketedDDP(mlp(), bucket_mb=0.01)
+        F.cross_entropy(model(torch.randn(8, 16)), torch.randint(4, (8,))).backward()
+        model.finish()
+    finally:
+        measure.Stopwatch = real
+    return made, len(model.buckets), [(e.kind, e.start, e.end) for e in model.timeline]
+
+
+def test_bucketed_ddp_times_its_timeline_with_the_stopwatch():
+    """Every time on the timeline is a Stopwatch mark read back by Stopwatch.seconds (CUDA events on a GPU,
+    which NCCL's complete-at-enqueue futures need): none comes from the host clock directly."""
+    made, buckets, timeline = labkit.run(stopwatch_marks, world_size=2)[0]
+    assert made == ["cpu"]  # one per synchronised backward, on the parameters' device
+    kinds = [kind for kind, _, _ in timeline]
+    assert kinds.count("grad") == 6 and kinds.count("all_reduce") == buckets > 1 and kinds[-1] == "finish"
+    times = [t for _, start, end in timeline for t in (start, end)]
+    assert all(t % 10 == 0 and t >= 20 for t in times)  # each a mark after the start (10 x 1), read back
+    assert len({start for kind, start, _ in timeline if kind != "grad"}) == buckets + 1  # its own mark each
