@@ -48,7 +48,6 @@ import random
 import re
 import secrets
 import struct
-import time
 import warnings
 from pathlib import Path
 
@@ -74,7 +73,6 @@ _ENTRIES = ("format", "step", "data_position", "extra", "model", "optimizer", "r
 # What torch.load(weights_only=True) reads back, by exact type: numpy.float64 is a float subclass it refuses.
 _LEAVES = frozenset({type(None), bool, int, float, complex, str, bytes, bytearray,
                      torch.dtype, torch.device, torch.Size})
-_FOLLOW_ON_DELAY_SECONDS = 0.5
 _locks: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) of a directory this process holds -> its descriptor
 
 
@@ -135,10 +133,9 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
     if error is not None:
         raise error
     if reason is not None:
-        # Rank 0 raises its own error at about this moment. labkit.run, like torchrun's ChildFailedError, calls
-        # the earliest failure the root cause: wait, so that it is rank 0's and not this follow-on.
-        time.sleep(_FOLLOW_ON_DELAY_SECONDS)
-        raise CheckpointError(f"save_checkpoint: rank 0 failed to save: {reason}")
+        follow_on = CheckpointError(f"save_checkpoint: rank 0 failed to save: {reason}")
+        follow_on.labkit_follow_on = True  # labkit.run then names rank 0's own error as the root cause
+        raise follow_on
     return path
 
 
