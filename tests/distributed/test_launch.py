@@ -332,7 +332,7 @@ def test_every_listening_socket_is_on_loopback():
     pids = labkit.run(os.getpid, world_size=2)
     listening = [c for p in [psutil.Process(), *map(psutil.Process, pids)]
                  for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
-    assert listening, "the owner's store should be listening"
+    assert listening, "the ranks' gloo pairs should be listening"  # the owner listens on nothing (a FileStore)
     assert {c.laddr.ip for c in listening} == {"127.0.0.1"}
 
 
