@@ -29,9 +29,9 @@ from torch import nn
 
 import labkit
 from labkit import measure
+from labkit.checks import choice, number, whole
 from labkit.comm.transport import DTYPES, MAX_DIMS, _Batch, default_transport, signature
 from labkit.parallel.data import record_collective
-from labkit.plan._checks import choice, number, whole
 
 KINDS = ("gpipe", "1f1b")
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.plan._checks import choice, finite_result, number, whole
+from labkit.checks import choice, finite_result, number, whole
 
 LR_RULES = ("linear", "sqrt")
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import math
 import re
 
-from labkit.plan._checks import number, shown
+from labkit.checks import number, shown, whole
+
+__all__ = ["format_count", "parse_count", "shard_sizes"]
 
 SCALES = {"": 1.0, "k": 1e3, "thousand": 1e3, "m": 1e6, "million": 1e6, "b": 1e9, "bn": 1e9, "billion": 1e9,
           "t": 1e12, "trillion": 1e12}
@@ -53,3 +55,17 @@ def format_count(count: float) -> str:
     value = number("count", count)
     suffix, scale = next(((suffix, scale) for suffix, scale in SUFFIXES if value >= scale), ("", 1.0))
     return f"{value / scale:.15g}{suffix}"
+
+
+def shard_sizes(count: int, parts: int) -> list[int]:
+    """How many of `count` items each of `parts` ranks holds, cut as torch.tensor_split cuts: the first
+    count % parts ranks hold one more. The one even split in labkit: tensor-parallel features, ring chunks,
+    sharded optimizer states and the figures that draw them all use it.
+
+    >>> shard_sizes(10, 4)
+    [3, 3, 2, 2]
+    >>> shard_sizes(2, 4)
+    [1, 1, 0, 0]
+    """
+    count, parts = whole("count", count, minimum=0), whole("parts", parts)
+    return [count // parts + (1 if r < count % parts else 0) for r in range(parts)]

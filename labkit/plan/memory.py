@@ -9,7 +9,7 @@ counted here.
 
 from __future__ import annotations
 
-from labkit.plan._checks import finite_result, flag, items, number, overflow_named, shown, whole
+from labkit.checks import finite_result, flag, items, number, overflow_named, shown, whole
 
 MAX_LISTED_LAYERS = 10_000  # attention_lora_shapes lists 4 shapes per layer: bound the list, not the model
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from labkit.plan._checks import whole
+from labkit.checks import whole
 
 
 def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from labkit.plan._checks import number
+from labkit.checks import number
 from labkit.plan.memory import training_memory
 from labkit.plan.traffic import GB
 

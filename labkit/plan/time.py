@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.plan._checks import finite_result, fraction, number, shown, whole
+from labkit.checks import finite_result, fraction, number, shown, whole
 
 
 def step_seconds(compute_seconds: float, comm_seconds: float, overlap: float = 0.0) -> float:

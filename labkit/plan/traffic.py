@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from labkit.plan._checks import choice, finite_result, number, numbers_list, overflow_named, shown, whole
+from labkit.checks import choice, finite_result, number, numbers_list, overflow_named, shown, whole
 
 GB = 1e9
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB

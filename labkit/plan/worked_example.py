@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from labkit.plan._checks import fraction, number, overflow_named, whole
+from labkit.checks import fraction, number, overflow_named, whole
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
 from labkit.plan.time import bandwidth_for_speedup, step_seconds
 from labkit.plan.traffic import GB, allreduce_seconds, ring_allreduce_bytes

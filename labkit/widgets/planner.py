@@ -8,8 +8,8 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from labkit import plan
+from labkit.checks import number
 from labkit.plan import GB
-from labkit.plan._checks import number
 from labkit.viz.plan import memory_bars, speedup_chart
 
 # bytes per parameter as (weights, grads, optimizer state). Sources: 16 B, Rajbhandari et al. 2020 ("ZeRO", section

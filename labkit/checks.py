@@ -1,11 +1,18 @@
-"""Argument and result checks shared by the planners: each error names the argument, its value and what to pass.
+"""Argument checks for every public function in labkit: each error names the argument, its value and what to pass.
 
-A planner fed nonsense (zero devices, a negative size, `True` for a count, 10**400 bytes) would otherwise return
-a confident, wrong number, an inf, or an error from deep inside its arithmetic, so every public function checks
-its inputs with these and, where a formula can overflow, its result with `finite_result`.
+A function fed nonsense (zero devices, a negative size, `True` for a count, 10**400 bytes) would otherwise return
+a confident, wrong number, an inf, or an error from deep inside torch, so public functions check their inputs with
+these and, where a formula can overflow, their result with `finite_result`.
 TypeError: the value is not the kind of thing asked for (None, a string, a list where a number goes).
 ValueError: it is, but cannot be used (a bool or 2.5 as a count, NaN, a negative size, a number past the largest
 float, 1.8e308). Fractions and Decimals are numbers like any other (converted to float).
+
+    >>> whole("world_size", 4)
+    4
+    >>> whole("world_size", 2.5)
+    Traceback (most recent call last):
+    ...
+    ValueError: world_size=2.5: pass a whole number >= 1 (an int, not a bool).
 """
 
 from __future__ import annotations
@@ -18,6 +25,12 @@ import sys
 from collections.abc import Iterable, Mapping, Set
 from contextlib import contextmanager
 
+__all__ = ["FLOAT_MAX", "MAX_TIMEOUT_SECONDS", "MAX_WORLD_SIZE", "TooLarge", "choice", "finite_result", "flag",
+           "fraction", "items", "number", "numbers_list", "overflow_named", "rank_count", "shown", "timeout_seconds",
+           "whole"]
+
+MAX_WORLD_SIZE = 16  # ranks per labkit.run or %%ranks call; beyond a laptop's worth, use torchrun
+MAX_TIMEOUT_SECONDS = 7 * 24 * 3600  # a week: longer waits overflow gloo's and NCCL's millisecond timeouts
 FLOAT_MAX = sys.float_info.max  # 1.8e308: past it a float is inf, and inf or nan would pass for an answer
 TOO_LARGE = "is too large to compute with (over 1.8e308)"
 _SHORT = reprlib.Repr()
@@ -168,3 +181,24 @@ def overflow_named(function: str, /, **inputs):
         yield lambda value: finite_result(function, value, **inputs)
     except (TooLarge, OverflowError) as error:
         raise _overflow(function, inputs) from error
+
+
+def rank_count(value) -> int:
+    """`value` as a number of ranks for one labkit call, 1 to MAX_WORLD_SIZE, or TypeError or ValueError."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"world_size must be a whole number of ranks, got {shown(value)} ({type(value).__name__}).")
+    if not 1 <= value <= MAX_WORLD_SIZE:
+        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {shown(value)}. "
+                         "For more ranks, run a script under torchrun (see the README's instructor guide).")
+    return int(value)
+
+
+def timeout_seconds(name: str, value) -> float:
+    """`value` as seconds, more than 0 and at most a week, or TypeError or ValueError. Compared before any
+    float() so that 10**400 is refused, not an OverflowError; NaN fails both comparisons."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {shown(value)} ({type(value).__name__}).")
+    if not 0 < value <= MAX_TIMEOUT_SECONDS:
+        raise ValueError(f"{name} must be a positive number of seconds, at most a week ({MAX_TIMEOUT_SECONDS} s), "
+                         f"got {shown(value)}.")
+    return float(value)

@@ -1,0 +1,99 @@
+"""Process groups: is one up, who am I in it, and do all its ranks agree.
+
+Every distributed primitive in labkit takes `group=`: None for the whole world (torch's default group), or a
+sub-group from `torch.distributed.new_group` or a `labkit.parallel.Mesh` axis. These helpers are the one place
+that asks torch.distributed those questions, so each primitive reads the same way and fails with the same
+message outside a rank. Ranks inside a group are numbered 0 .. size-1 (torch's "group rank"); messages name
+the global rank too, the number `labkit.rank()` prints.
+
+Example::
+
+    >>> import labkit
+    >>> from labkit import groups
+    >>> def where_am_i():
+    ...     evens = groups.new_group([0, 2])   # every rank must call new_group, members or not
+    ...     if labkit.rank() % 2:
+    ...         return None
+    ...     return groups.group_rank(evens), groups.group_size(evens), groups.global_rank(evens, 1)
+    >>> labkit.run(where_am_i, world_size=4)
+    [(0, 2, 2), None, (1, 2, 2), None]
+"""
+
+from __future__ import annotations
+
+__all__ = ["check_same", "gather_objects", "global_rank", "group_is_up", "group_rank", "group_ranks", "group_size",
+           "new_group", "require_group"]
+
+OUTSIDE = ("{caller} needs a torch.distributed process group: call it inside a rank (in a function given to "
+           "labkit.run, in a %%ranks cell, or in a script started by torchrun). Here none is initialised.")
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist
+
+
+def group_is_up() -> bool:
+    """True inside a rank: torch.distributed is built in and its default process group is initialised."""
+    dist = _dist()
+    return dist.is_available() and dist.is_initialized()
+
+
+def require_group(caller: str) -> None:
+    """RuntimeError naming `caller` unless a process group is up."""
+    if not group_is_up():
+        raise RuntimeError(OUTSIDE.format(caller=caller))
+
+
+def new_group(ranks: list[int]):
+    """torch.distributed.new_group over `ranks` (global ranks). Every rank of the world must call it, in the
+    same order, members or not: it is a collective of the whole world."""
+    return _dist().new_group(ranks=sorted(ranks))
+
+
+def group_rank(group=None) -> int:
+    """This rank's number inside `group` (None: the world)."""
+    return _dist().get_rank(group)
+
+
+def group_size(group=None) -> int:
+    """How many ranks `group` holds (None: the world)."""
+    return _dist().get_world_size(group)
+
+
+def global_rank(group, rank_in_group: int) -> int:
+    """The global rank of `group`'s rank `rank_in_group`: what torch.distributed's send, recv and broadcast
+    take as `dst`/`src` in torch 2.13 even when a `group` is given."""
+    if group is None:
+        return rank_in_group
+    return _dist().get_global_rank(group, rank_in_group)
+
+
+def group_ranks(group=None) -> list[int]:
+    """`group`'s global ranks, in group-rank order."""
+    return [global_rank(group, r) for r in range(group_size(group))]
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's `obj` in group-rank order, on every rank of `group` (all_gather_object); [obj] when no
+    process group is up, so that single-process code can call it too."""
+    if not group_is_up():
+        return [obj]
+    everyone: list = [None] * group_size(group)
+    _dist().all_gather_object(everyone, obj, group=group)
+    return everyone
+
+
+def check_same(value, caller: str, what: str, fix: str, group=None) -> None:
+    """ValueError on every rank of `group` when its ranks passed different `value`s (any picklable, comparable
+    description: shapes, dtypes, names). Mismatched tensors in a collective hang or abort the backend instead
+    of saying why; this says which ranks differ from group rank 0, and what each passed.
+
+    `what` names the thing ("tensors", "models"); `fix` tells the student what to do."""
+    everyone = gather_objects(value, group)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        ranks = group_ranks(group) if group_is_up() else [0]
+        described = "; ".join(f"rank {ranks[r]}: {everyone[r]}" for r in [0, *differ])
+        raise ValueError(f"{caller}: the ranks passed different {what} ({described}). {fix}")
