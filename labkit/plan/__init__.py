@@ -5,6 +5,7 @@ Bytes and seconds are plain floats, bandwidths bytes/s; GB = 1e9 bytes wherever 
 """
 
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
+from labkit.plan.bubble import bubble_fraction
 from labkit.plan.counts import format_count, parse_count
 from labkit.plan.memory import (
     YOUR_CHOICE,
@@ -14,9 +15,8 @@ from labkit.plan.memory import (
     training_memory,
     transformer_params,
 )
-from labkit.plan.pipeline import bubble_fraction
+from labkit.plan.step_time import bandwidth_for_speedup, data_parallel_speedup, step_seconds
 from labkit.plan.strategy import parallelism_for
-from labkit.plan.time import bandwidth_for_speedup, data_parallel_speedup, step_seconds
 from labkit.plan.traffic import (
     GB,
     allreduce_seconds,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from labkit.checks import fraction, number, overflow_named, whole
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
-from labkit.plan.time import bandwidth_for_speedup, step_seconds
+from labkit.plan.step_time import bandwidth_for_speedup, step_seconds
 from labkit.plan.traffic import GB, allreduce_seconds, ring_allreduce_bytes
 
 SLOW_LINK_SPEEDUP = 3.0  # Step 3: "over a slow link it dominates and your 8x becomes 3x"

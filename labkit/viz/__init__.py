@@ -1,7 +1,7 @@
 """Plotly figures for the course: collectives, the ring, traffic, planning, and training runs."""
 
 from labkit.viz.collectives import before_after
-from labkit.viz.pipeline import bubble_chart, pipeline_timeline
+from labkit.viz.pipeline_chart import bubble_chart, pipeline_timeline
 from labkit.viz.plan import memory_bars, speedup_chart
 from labkit.viz.ring import contributions_by_hop, ring_animation
 from labkit.viz.traffic import traffic_chart

@@ -7,7 +7,7 @@ import math
 import plotly.graph_objects as go
 
 from labkit.plan import GB, ring_allreduce_bytes
-from labkit.plan.time import data_parallel_speedup
+from labkit.plan.step_time import data_parallel_speedup
 
 PARTS = {"weights": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b"}
 

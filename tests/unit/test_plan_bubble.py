@@ -1,4 +1,4 @@
-"""The pipeline bubble, GPipe's and the interleaved schedule's."""
+"""The pipeline bubble (labkit.plan.bubble), GPipe's and the interleaved schedule's."""
 
 import pytest
 from hypothesis import given

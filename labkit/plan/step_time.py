@@ -12,6 +12,8 @@ import math
 
 from labkit.checks import finite_result, fraction, number, shown, whole
 
+__all__ = ["bandwidth_for_speedup", "data_parallel_speedup", "step_seconds"]
+
 
 def step_seconds(compute_seconds: float, comm_seconds: float, overlap: float = 0.0) -> float:
     """Seconds per step: compute + (1 - overlap) x comm, and never less than comm.

@@ -5,8 +5,11 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from labkit.plan import bubble_fraction
+from labkit.viz.style import BLUE, ORANGE
 
-FORWARD, BACKWARD = "#4c78a8", "#f58518"
+__all__ = ["bubble_chart", "pipeline_timeline"]
+
+FORWARD, BACKWARD = BLUE, ORANGE
 # one look per measured schedule, so that equal bubbles (GPipe's and 1F1B's are) show both: a ring around a cross
 MARKERS = ({"symbol": "circle-open", "size": 16, "line": {"width": 2}}, {"symbol": "x", "size": 8},
            {"symbol": "diamond-open", "size": 12, "line": {"width": 2}})

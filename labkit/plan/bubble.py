@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from labkit.checks import whole
 
+__all__ = ["bubble_fraction"]
+
 
 def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
     """Idle share of total pipeline time with p stages, m micro-batches and v model chunks per device.
