@@ -16,11 +16,16 @@ dtype table; this machine checks them as pure functions, and tests/gpu on a GPU 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+__all__ = ["DTYPES", "MAX_DIMS", "NCCL_DTYPES", "Batch", "Carriage", "Pending", "TorchTransport", "Transfer",
+           "Transport", "carriage", "carrier", "check_rank", "default_transport", "describe_signature", "dtype_index",
+           "flat_buffer", "on_the_wire", "signature", "traced", "write_back"]
 
 MAX_DIMS = 8  # a signature holds a shape of up to this many dimensions
 HEADER_TAG = 1 << 20  # for the signature exchange; data tags stay below it
@@ -166,6 +171,12 @@ class Transport:
         received = self.irecv(receive, src, tag)
         return self.isend(send, dst, tag), received
 
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Post several `isend`/`irecv` calls together (see `TorchTransport.batch`); here each is posted as it
+        is made, which is the same for a transport whose sends never wait for their receiver."""
+        yield
+
     def signatures(self, mine: list[int], device: torch.device) -> list[list[int]]:
         """Every rank's `mine` (equal-length lists of ints), in rank order, exchanged as tensors on `device`.
 
@@ -295,7 +306,7 @@ class TorchTransport(Transport):
         self.backend_config = dist.get_backend_config(self._group)
         self.batched = batched
         self._carriages: dict[tuple, Carriage] = {}
-        self._batch: _Batch | None = None  # collecting while exchange() batches
+        self._batch: Batch | _Batch | None = None  # collecting inside batch()
 
     def carriage(self, tensor: torch.Tensor) -> Carriage:
         """How `tensor` travels in this group (looked up once per dtype and device type)."""
@@ -319,7 +330,7 @@ class TorchTransport(Transport):
         return self._post(on_the_wire(tensor, how.wire_dtype), src, tag, send=False)
 
     def _post(self, wire: torch.Tensor, peer: int, tag: int, send: bool) -> Pending:
-        """Post now, or add to the batch exchange() is collecting."""
+        """Post now, or add to the batch that batch() is collecting."""
         if self._batch is None:
             return self._group.send([wire], peer, tag) if send else self._group.recv([wire], peer, tag)
         import torch.distributed as dist
@@ -327,23 +338,63 @@ class TorchTransport(Transport):
         self._batch.ops.append(dist.P2POp(dist.isend if send else dist.irecv, wire, peer, self._group, tag))
         return self._batch
 
+    @contextmanager
+    def batch(self) -> Iterator[Batch]:
+        """Post every `isend` and `irecv` made inside the block as one dist.batch_isend_irecv, when it ends.
+
+        On NCCL the operations of one batch progress together (NCCL user guide, "Point-to-point
+        communication"): a stage that sends forward and receives from behind in one batch cannot deadlock
+        on a single stream, where two separate calls can. Each call inside the block returns a request
+        that waits for the whole batch; wait on them after the block, not inside it. Blocks do not nest."""
+        if self._batch is not None:
+            raise RuntimeError("transport.batch() blocks do not nest: post the inner operations in the outer "
+                               "block.")
+        batch = self._batch = Batch()
+        try:
+            yield batch
+        finally:
+            self._batch = None
+        batch.post()
+
     def exchange(self, send: torch.Tensor, dst: int, receive: torch.Tensor, src: int,
                  tag: int) -> tuple[Pending, Pending]:
         """One ring step's send and receive; as one dist.batch_isend_irecv where carriage says so."""
         if not (self.carriage(send).batched and self.carriage(receive).batched):
             return super().exchange(send, dst, receive, src, tag)
-        import torch.distributed as dist
-
-        batch = self._batch = _Batch()
-        try:
+        with self.batch():
             pending = (self.isend(send, dst, tag), self.irecv(receive, src, tag))
-        finally:
-            self._batch = None
-        batch.works = dist.batch_isend_irecv(batch.ops)
         return pending
 
 
-class _Batch:
+class Batch:
+    """The operations of one dist.batch_isend_irecv (collected by `TorchTransport.batch()`) and its requests:
+    on NCCL one request for the whole batch, on gloo one per operation. Waiting for any operation of the
+    batch waits for all of them."""
+
+    def __init__(self):
+        self.ops: list = []
+        self.works: list = []
+        self.posted = False
+        self.done = False
+
+    def post(self) -> None:
+        """Hand the collected operations to dist.batch_isend_irecv (nothing to post: nothing to wait for)."""
+        import torch.distributed as dist
+
+        self.works = dist.batch_isend_irecv(self.ops) if self.ops else []
+        self.posted = True
+
+    def wait(self) -> None:
+        if not self.posted:
+            raise RuntimeError("wait() inside a transport.batch() block: the batch is posted when the block "
+                               "ends; wait for its requests after it.")
+        if not self.done:
+            for work in self.works:
+                work.wait()
+            self.done = True
+
+
+class _Batch:  # the pipeline executor's until it uses TorchTransport.batch(); then deleted
     """The operations of one dist.batch_isend_irecv and its requests: on NCCL one request for the whole
     batch, on gloo one per operation. Waiting for any operation of the batch waits for all of them."""
 

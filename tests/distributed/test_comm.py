@@ -284,6 +284,25 @@ def test_the_batched_ring_sends_the_same_messages_as_the_paired_one():
     assert all(len(keys) == 4 for _, _, keys in paired)
 
 
+def batch_around_the_ring():
+    transport = comm.TorchTransport(batched=True)
+    mine, theirs = torch.full((3,), float(transport.rank)), torch.empty(3)
+    with transport.batch() as batch:
+        sent = transport.isend(mine, transport.right, tag=5)
+        received = transport.irecv(theirs, transport.left, tag=5)
+        with pytest.raises(RuntimeError, match="the batch is posted when the block ends"):
+            received.wait()
+        with pytest.raises(RuntimeError, match="do not nest"), transport.batch():
+            pass
+    assert sent is received is batch and len(batch.ops) == 2
+    received.wait()
+    return theirs.tolist(), transport.sent_nbytes
+
+
+def test_a_batch_posts_its_sends_and_receives_together_when_the_block_ends():
+    assert labkit.run(batch_around_the_ring, world_size=3) == [([2.0] * 3, 12), ([0.0] * 3, 12), ([1.0] * 3, 12)]
+
+
 def complex_min():
     comm.ring_allreduce(torch.zeros(2, dtype=torch.complex64), op="min")
 
