@@ -3,17 +3,16 @@ bucketed and overlapped with the backward as torch DDP does), tensor parallelism
 column- and row-parallel layers) and pipeline parallelism (`pipeline`: GPipe and 1F1B schedules, an
 executor over point-to-point sends, and a simulator)."""
 
-from labkit.parallel.data import (
+from labkit.parallel.counters import (
     AllReduceCounter,
-    Bucket,
-    BucketedDDP,
     CollectiveCounter,
-    Event,
-    average_gradients,
-    broadcast_parameters,
+    all_reduce_sum,
     count_allreduces,
     count_collectives,
+    record_collective,
 )
+from labkit.parallel.data import Bucket, BucketedDDP, Event, average_gradients, broadcast_parameters
+from labkit.parallel.mesh import AXES, MAX_LAYOUT_RANKS, Mesh, MeshPlace, mesh_layout
 from labkit.parallel.pipeline import (
     Action,
     PipelineEvent,
@@ -36,8 +35,9 @@ from labkit.parallel.tensor import (
     split_last,
 )
 
-__all__ = ["Action", "AllReduceCounter", "Bucket", "BucketedDDP", "CollectiveCounter", "ColumnParallelLinear", "Event",
-           "ParallelMLP", "PipelineEvent", "PipelineResult", "RowParallelLinear", "average_gradients",
-           "broadcast_parameters", "count_allreduces", "count_collectives", "f", "g", "gather_last", "measured_bubble",
-           "peak_in_flight", "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_last",
+__all__ = ["AXES", "Action", "AllReduceCounter", "Bucket", "BucketedDDP", "CollectiveCounter", "ColumnParallelLinear",
+           "Event", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "ParallelMLP", "PipelineEvent", "PipelineResult",
+           "RowParallelLinear", "all_reduce_sum", "average_gradients", "broadcast_parameters", "count_allreduces",
+           "count_collectives", "f", "g", "gather_last", "measured_bubble", "mesh_layout", "peak_in_flight",
+           "record_collective", "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_last",
            "stage_layers"]

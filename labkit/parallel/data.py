@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -29,107 +28,10 @@ import torch.distributed as dist
 from torch import nn
 
 from labkit import measure
+from labkit.parallel.counters import all_reduce_sum
 
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
 FIRST_BUCKET_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES: a small first bucket starts traffic early
-
-
-# --- Communication: every collective of labkit.parallel is recorded here, so one counter sees them all ---
-
-@dataclass(eq=False)  # counters are told apart by identity (nested blocks), never by value
-class CollectiveCounter:
-    """Collectives made by labkit.parallel on this rank, by kind ("all_reduce", "all_gather", "send"):
-    `calls[kind]` and `nbytes[kind]` (each tensor's size, summed; for an all_gather, this rank's
-    contribution, padded to the largest; for a send, the tensor sent). Both are collections.Counter, so a kind
-    never called reads 0."""
-    calls: Counter = field(default_factory=Counter)
-    nbytes: Counter = field(default_factory=Counter)
-
-    def add(self, kind: str, nbytes: int) -> None:
-        self.calls[kind] += 1
-        self.nbytes[kind] += nbytes
-
-
-@dataclass(eq=False)
-class AllReduceCounter:
-    """All_reduces made by labkit.parallel on this rank: `calls`, and `nbytes` (each tensor's size, summed)."""
-    calls: int = 0
-    nbytes: int = 0
-
-    def add(self, kind: str, nbytes: int) -> None:
-        if kind == "all_reduce":
-            self.calls += 1
-            self.nbytes += nbytes
-
-
-_counters: list[CollectiveCounter | AllReduceCounter] = []
-
-
-@contextlib.contextmanager
-def _counting(counter):
-    _counters.append(counter)
-    try:
-        yield counter
-    finally:
-        _counters.remove(counter)
-
-
-def count_collectives():
-    """Count every collective labkit.parallel makes inside the block, on this rank, by kind: the
-    all_reduces of data parallelism and of the tensor-parallel layers, the all_gathers of the latter and the
-    sends between pipeline stages. Blocks may nest; each counts what happens inside it.
-
-    Example::
-
-        >>> import labkit, torch
-        >>> from torch import nn
-        >>> from labkit.parallel import ColumnParallelLinear, count_collectives
-        >>> def count():
-        ...     torch.manual_seed(0)
-        ...     layer = ColumnParallelLinear.from_linear(nn.Linear(16, 8), gather_output=True)
-        ...     x = torch.randn(4, 16, requires_grad=True)
-        ...     with count_collectives() as forward:
-        ...         y = layer(x)                     # the parts of y all-gathered
-        ...     with count_collectives() as backward:
-        ...         y.sum().backward()               # the parts of x.grad all-reduced (f's backward)
-        ...     return dict(forward.calls), dict(backward.calls)
-        >>> labkit.run(count, world_size=2)[0]
-        ({'all_gather': 1}, {'all_reduce': 1})
-    """
-    return _counting(CollectiveCounter())
-
-
-def count_allreduces():
-    """Count the all_reduces that labkit.parallel makes inside the block, on this rank (average_gradients,
-    BucketedDDP, the tensor-parallel layers); count_collectives() counts every kind.
-
-    Example::
-
-        >>> import labkit, torch
-        >>> from labkit.models import mlp
-        >>> from labkit.parallel import average_gradients, count_allreduces
-        >>> def count():
-        ...     model = mlp()                                  # 6 parameters, 5508 float32 numbers
-        ...     model(torch.randn(8, 16)).sum().backward()
-        ...     with count_allreduces() as counted:
-        ...         average_gradients(model)
-        ...     return counted.calls, counted.nbytes
-        >>> labkit.run(count, world_size=2)
-        [(6, 22032), (6, 22032)]
-    """
-    return _counting(AllReduceCounter())
-
-
-def record_collective(kind: str, tensor: torch.Tensor) -> None:
-    """Tell the open counters that this rank makes a collective of `kind` on `tensor` (labkit.parallel's own)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    for counter in _counters:
-        counter.add(kind, nbytes)
-
-
-def _all_reduce_sum(tensor: torch.Tensor, async_op: bool = False):
-    record_collective("all_reduce", tensor)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=async_op)
 
 
 def _check_same_model(model: nn.Module, src: int, caller: str) -> None:
@@ -210,7 +112,7 @@ def average_gradients(model: nn.Module) -> None:
     world = dist.get_world_size()
     for param in model.parameters():
         if param.requires_grad and param.grad is not None:
-            _all_reduce_sum(param.grad)
+            all_reduce_sum(param.grad)
             param.grad.div_(world)
 
 
@@ -364,7 +266,7 @@ class BucketedDDP(nn.Module):
         parts = [p.grad.reshape(-1) if ok else p.new_zeros(p.numel()) for ok, p in zip(have, params, strict=True)]
         torch.cat([*parts, torch.tensor(have, dtype=bucket.flat.dtype, device=bucket.flat.device)], out=bucket.flat)
         start = self._t0.mark()
-        bucket.work = _all_reduce_sum(bucket.flat, async_op=True)
+        bucket.work = all_reduce_sum(bucket.flat, async_op=True)
         event = Event("all_reduce", f"bucket {bucket.index}", bucket.index, start, float("nan"), bucket.nbytes)
         self.timeline.append(event)
         clock = self._t0

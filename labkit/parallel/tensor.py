@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from labkit.parallel.data import _all_reduce_sum, record_collective
+from labkit.parallel.counters import all_reduce_sum, record_collective
 
 
 def _me() -> tuple[int, int]:
@@ -77,7 +77,7 @@ class CopyToParallel(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous().clone()
-        _all_reduce_sum(grad)
+        all_reduce_sum(grad)
         return grad
 
 
@@ -88,7 +88,7 @@ class ReduceFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         x = x.contiguous().clone()
-        _all_reduce_sum(x)
+        all_reduce_sum(x)
         return x
 
     @staticmethod
