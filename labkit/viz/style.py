@@ -1,5 +1,9 @@
 """The course's figures share one palette and one kind of log axis.
 
+Every colour a figure or widget uses comes from here: PALETTE (one colour per series, rank or stage, in order),
+its named colours, the greys and white of frames and labels, and the colour scales of heatmaps. Rank r is
+drawn in `rank_color(r)` in every figure.
+
 Plotly labels a log axis's minor ticks when the data spans only a few decades ("8 9 1 2 3"), which reads
 as a broken count. `log_axis` labels decades only, or 1, 2 and 5 of each decade over a short span, as bare
 numbers (1k, 10k, 1M): the unit goes in the axis title, e.g. "message size (bytes)".
@@ -10,10 +14,17 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+__all__ = ["BLUE", "BROWN", "DARK_GREY", "DIVERGING", "GREEN", "GREY", "LIGHT_GREY", "ORANGE", "PALE_DIVERGING",
+           "PALETTE", "PINK", "PURPLE", "RED", "SEQUENTIAL", "TEAL", "WHITE", "integer_colorbar", "log_axis",
+           "log_ticks", "rank_color", "short_number", "tint"]
+
 # Vega's "tableau10" order: colour-blind-friendlier than plotly's default and the same in every notebook.
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
 BLUE, ORANGE, GREEN, RED, TEAL, PURPLE, PINK, BROWN = PALETTE
-GREY = "#888888"
+GREY = "#888888"  # reference lines: a limit, an ideal
+LIGHT_GREY = "#cccccc"  # guides drawn behind the data
+DARK_GREY = "#555555"  # small labels beside the data
+WHITE = "#ffffff"
 
 _SHORT_SPAN = 3  # fewer decades than this: label 1, 2 and 5 of each; otherwise decades only
 _PAD = 0.04  # the range reaches this fraction of itself beyond the first and last ticks
@@ -64,3 +75,29 @@ def integer_colorbar(low: int, high: int, title: str) -> dict:
     step = math.ceil((high - low + 1) / 16)
     return {"title": {"text": title}, "tickmode": "array", "tickvals": list(range(low, high + 1, step)),
             "ticktext": [str(v) for v in range(low, high + 1, step)]}
+
+
+def rank_color(rank: int) -> str:
+    """Rank `rank`'s colour, the same in every figure: PALETTE in order, again from its start after 8 ranks.
+
+    >>> rank_color(0), rank_color(3), rank_color(8)
+    ('#4c78a8', '#e45756', '#4c78a8')
+    """
+    return PALETTE[rank % len(PALETTE)]
+
+
+def tint(color: str, share: float) -> str:
+    """`color` ("#rrggbb") mixed with white, `share` of it kept: a pale version that other colours stand out on.
+
+    >>> tint(BLUE, 0.4)
+    '#b7c9dc'
+    """
+    channels = (int(color[i:i + 2], 16) for i in (1, 3, 5))
+    return "#" + "".join(f"{round(share * c + (1 - share) * 255):02x}" for c in channels)
+
+
+# Heatmap scales. Values around zero: negative red, positive blue (ColorBrewer's RdBu). Pale: where rank outlines
+# in PALETTE's colours go over the cells and must stay the strongest colour. Counts: light to dark blue.
+DIVERGING = "RdBu"
+PALE_DIVERGING = [[0.0, tint(RED, 0.4)], [0.5, WHITE], [1.0, tint(BLUE, 0.4)]]
+SEQUENTIAL = "Blues"

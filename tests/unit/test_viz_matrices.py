@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from labkit.viz.matrices import RANK_COLORS, split_matmul
+from labkit.viz.matrices import split_matmul
+from labkit.viz.style import rank_color
 
 X = torch.arange(6.0).reshape(2, 3) - 2
 W = torch.arange(15.0).reshape(3, 5) - 7
@@ -19,8 +20,8 @@ def test_column_split_outlines_each_ranks_columns_of_w_and_of_y():
     figure = split_matmul(X, W, parts, X @ W, "column")
     x, w, y = (trace for trace in figure.data if trace.type == "heatmap")
     assert [list(row) for row in w.z] == W.tolist() and [list(row) for row in y.z] == (X @ W).tolist()
-    assert outlines(figure) == [(RANK_COLORS[0], 0, 3, 0, 3), (RANK_COLORS[1], 3, 5, 0, 3),     # W's columns
-                                (RANK_COLORS[0], 0, 3, 0, 2), (RANK_COLORS[1], 3, 5, 0, 2)]     # Y's; X has none
+    assert outlines(figure) == [(rank_color(0), 0, 3, 0, 3), (rank_color(1), 3, 5, 0, 3),     # W's columns
+                                (rank_color(0), 0, 3, 0, 2), (rank_color(1), 3, 5, 0, 2)]     # Y's; X has none
     assert [t.name for t in figure.data if t.type == "scatter"] == ["rank 0", "rank 1"]
     assert figure.layout.width <= 900
 
@@ -31,8 +32,8 @@ def test_row_split_draws_every_partial_sum_and_their_total():
     figure = split_matmul(X, W, parts, parts[0] + parts[1], "row")
     heatmaps = [trace for trace in figure.data if trace.type == "heatmap"]
     assert [[list(row) for row in h.z] for h in heatmaps[2:]] == [p.tolist() for p in parts] + [(X @ W).tolist()]
-    assert outlines(figure)[:4] == [(RANK_COLORS[0], 0, 2, 0, 2), (RANK_COLORS[1], 2, 3, 0, 2),   # X's features
-                                    (RANK_COLORS[0], 0, 5, 0, 2), (RANK_COLORS[1], 0, 5, 2, 3)]   # W's rows
+    assert outlines(figure)[:4] == [(rank_color(0), 0, 2, 0, 2), (rank_color(1), 2, 3, 0, 2),   # X's features
+                                    (rank_color(0), 0, 5, 0, 2), (rank_color(1), 0, 5, 2, 3)]   # W's rows
     assert [a.text for a in figure.layout.annotations if a.text in "+="] == ["+", "="]
     assert "partial sum" in figure.layout.title.text
 
