@@ -4,6 +4,14 @@ and the two clocks every labkit timing uses, so that GPU work is timed when it r
     synchronize(device)   wait for `device`'s queued work before reading the host clock (no-op on the CPU)
     Stopwatch(device)     marks read later: CUDA events on a GPU, time.perf_counter on the CPU
 
+and the one way labkit, gpu-check and the benchmarks time a call on ranks: every rank waits at a barrier, the
+device is synchronized, the host clock runs over one round of calls, and the median of several rounds counts:
+
+    seconds_per_call(fn, calls, device, group)          one timed round
+    median_seconds(fn, repeats, device, group)          the median round
+    seconds_taking_turns(fns, rounds, calls, ...)       several functions, rounds in rotating order
+    slowest_rank_median(per_rank)                       each round's slowest rank, then the median
+
 CUDA kernels and NCCL collectives run asynchronously: a host clock read right after launching them measures
 the launch (PyTorch docs, "CUDA semantics: asynchronous execution", which times GPU work with
 torch.cuda.Event(enable_timing=True) or after torch.cuda.synchronize()).
@@ -11,13 +19,20 @@ torch.cuda.Event(enable_timing=True) or after torch.cuda.synchronize()).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import torch
+import torch.distributed as dist
 
 import labkit
+from labkit.checks import whole
+from labkit.groups import group_is_up
+
+__all__ = ["Stopwatch", "allreduce_seconds_by_size", "allreduce_sweep", "median_seconds", "seconds_per_call",
+           "seconds_taking_turns", "slowest_rank_median", "synchronize", "training_state_nbytes"]
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -56,32 +71,95 @@ class Stopwatch:
         return self.start.elapsed_time(mark) / 1e3  # elapsed_time counts milliseconds
 
 
+def seconds_per_call(fn: Callable[[], object], calls: int = 1, device: torch.device | str | None = None,
+                     group=None) -> float:
+    """One timed round: seconds per call of `fn()`, called `calls` times back to back.
+
+    Inside a rank, every rank of `group` (None: the world) first waits at a barrier, so that they start the
+    round together and a collective is not timed waiting for a late peer. `device` (None: labkit.device()
+    inside a rank, the CPU outside one) is synchronized before the clock starts and before it stops, so that
+    GPU work is timed as run, not as queued. Outside a rank (no process group up) there is nobody to wait for
+    and no barrier."""
+    calls = whole("calls", calls)
+    device = _timing_device(device)
+    if group_is_up():
+        dist.barrier(group=group)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def _timing_device(device: torch.device | str | None) -> torch.device:
+    """`device`, or labkit.device() inside a rank and the CPU outside one."""
+    if device is not None:
+        return torch.device(device)
+    return labkit.device() if group_is_up() else torch.device("cpu")
+
+
+def median_seconds(fn: Callable[[], object], repeats: int = 5, device: torch.device | str | None = None,
+                   group=None, calls: int = 1, warm_up: bool = True) -> float:
+    """The median of `repeats` rounds of `seconds_per_call(fn, calls, device, group)`: on a shared machine single
+    rounds swing by tens of percent, and the median does not follow the outliers. `warm_up` first calls `fn`
+    once, untimed (buffers, connections, a kernel's first launch).
+
+    >>> def sleep_10_ms():
+    ...     return median_seconds(lambda: time.sleep(0.01), repeats=3) >= 0.01
+    >>> labkit.run(sleep_10_ms, world_size=2)
+    [True, True]
+    """
+    repeats = whole("repeats", repeats)
+    if warm_up:
+        fn()
+    return statistics.median(seconds_per_call(fn, calls, device, group) for _ in range(repeats))
+
+
+def seconds_taking_turns(fns: dict[Hashable, Callable[[], object]], rounds: int, calls: int | dict = 1,
+                         device: torch.device | str | None = None, group=None) -> dict[Hashable, list[float]]:
+    """Seconds per call of each of `fns` (name -> function), one entry per round, `rounds` rounds.
+
+    Each round times every function once (`seconds_per_call` of `calls` calls; a dict gives each name its own
+    count), starting from the next name each round and wrapping around: every function takes every place in
+    turn, so that a slow moment of the machine, or one function warming the caches for the next, falls on all
+    of them alike."""
+    names = list(fns)
+    counts = calls if isinstance(calls, dict) else dict.fromkeys(names, calls)
+    seconds = {name: [] for name in names}
+    for i in range(whole("rounds", rounds) if names else 0):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            seconds[name].append(seconds_per_call(fns[name], counts[name], device, group))
+    return seconds
+
+
+def slowest_rank_median(per_rank: list[dict[Hashable, list[float]]]) -> dict[Hashable, float]:
+    """name -> the median over rounds of each round's slowest rank, from every rank's `seconds_taking_turns`: a
+    collective is done when its last rank is done.
+
+    >>> slowest_rank_median([{"ring": [1.0, 5.0, 2.0]}, {"ring": [3.0, 1.0, 1.0]}])
+    {'ring': 3.0}
+    """
+    return {name: statistics.median(max(times) for times in zip(*(rank[name] for rank in per_rank), strict=True))
+            for name in per_rank[0]}
+
+
 def allreduce_seconds_by_size(sizes_nbytes: Iterable[int], allreduce: Callable | None = None,
                               repeats: int = 9, warm_up: bool = True) -> list[float]:
     """Inside a rank: seconds per call of `allreduce` (default torch's `dist.all_reduce`) on a float32 tensor
-    of each size. Sizes take turns, `repeats` rounds of back-to-back calls each (several calls for small
-    tensors), and the median round counts: on a shared laptop single calls swing by tens of percent, and
-    taking turns spreads slow moments over every size alike. `warm_up` first calls it once per size, untimed.
-    Each round starts and ends with `synchronize(labkit.device())`: on a GPU the calls are timed as run."""
-    import torch.distributed as dist
-
+    of each size. Sizes take turns (`seconds_taking_turns`), `repeats` rounds of back-to-back calls each
+    (several calls for small tensors), and the median round counts: on a shared laptop single calls swing by
+    tens of percent, and taking turns spreads slow moments over every size alike. `warm_up` first calls it once
+    per size, untimed. Each round is synchronized on labkit.device(): on a GPU the calls are timed as run."""
     allreduce = allreduce or dist.all_reduce
     sizes = list(sizes_nbytes)
     tensors = [torch.randn(max(1, nbytes // 4), device=labkit.device()) for nbytes in sizes]
-    calls = [max(1, min(20, (8 << 20) // max(1, nbytes))) for nbytes in sizes]
-    rounds = [[] for _ in sizes]
+    calls = {i: max(1, min(20, (8 << 20) // max(1, nbytes))) for i, nbytes in enumerate(sizes)}
     for tensor in tensors if warm_up else ():
         allreduce(tensor)  # warm up: buffers, connections
-    for _ in range(repeats):
-        for tensor, count, seconds in zip(tensors, calls, rounds, strict=True):
-            dist.barrier()
-            synchronize(tensor.device)
-            start = time.perf_counter()
-            for _ in range(count):
-                allreduce(tensor)
-            synchronize(tensor.device)
-            seconds.append((time.perf_counter() - start) / count)
-    return [statistics.median(seconds) for seconds in rounds]
+    rounds = seconds_taking_turns({i: functools.partial(allreduce, tensor) for i, tensor in enumerate(tensors)},
+                                  whole("repeats", repeats), calls, device=labkit.device())
+    return [statistics.median(rounds[i]) for i in range(len(sizes))]
 
 
 def allreduce_sweep(sizes_nbytes: Iterable[int], allreduces: dict[str, Callable], world_size: int,

@@ -1,5 +1,6 @@
 """Measured training-state bytes equal labkit.plan.training_memory's prediction; the AllReduce sweep's rounds; the
-clocks that wait for a GPU (synchronize, Stopwatch), checked with a fake CUDA device."""
+clocks that wait for a GPU (synchronize, Stopwatch), checked with a fake CUDA device; the barrier-and-median timing
+every benchmark uses (seconds_per_call, median_seconds, seconds_taking_turns, slowest_rank_median)."""
 
 import pytest
 import torch
@@ -108,6 +109,76 @@ def timed_rounds():
 
 def test_allreduce_timing_synchronizes_before_and_after_each_timed_round():
     log = labkit.run(timed_rounds, world_size=1)[0]
-    one_round = [("sync", "cpu"), ("call", 1 << 20), ("call", 1 << 20), ("sync", "cpu"),  # 2 calls of 4 MiB
-                 ("sync", "cpu"), ("call", 2 << 20), ("sync", "cpu")]
-    assert log == one_round * 2
+    small = [("sync", "cpu"), ("call", 1 << 20), ("call", 1 << 20), ("sync", "cpu")]  # 2 calls of 4 MiB
+    large = [("sync", "cpu"), ("call", 2 << 20), ("sync", "cpu")]
+    assert log == small + large + large + small  # the sizes take turns at going first
+
+
+def test_a_timed_round_waits_at_the_barrier_then_for_the_device(monkeypatch):
+    """A fake process group and device: the order of barrier, synchronize and calls, and the group passed."""
+    log = []
+    monkeypatch.setattr(measure, "group_is_up", lambda: True)
+    monkeypatch.setattr(measure.dist, "barrier", lambda group=None: log.append(("barrier", group)))
+    monkeypatch.setattr(measure, "synchronize", lambda device: log.append(("sync", str(device))))
+    seconds = measure.seconds_per_call(lambda: log.append("call"), calls=3, device="cuda:1", group="evens")
+    assert log == [("barrier", "evens"), ("sync", "cuda:1"), "call", "call", "call", ("sync", "cuda:1")]
+    assert seconds >= 0.0
+
+
+def test_outside_a_rank_a_round_has_no_barrier_and_times_on_the_cpu(monkeypatch):
+    log = []
+    monkeypatch.setattr(measure, "synchronize", lambda device: log.append(str(device)))
+    measure.seconds_per_call(lambda: None, calls=2)
+    assert log == ["cpu", "cpu"]
+    with pytest.raises(ValueError, match="calls=0"):
+        measure.seconds_per_call(lambda: None, calls=0)
+
+
+def test_median_seconds_warms_up_once_then_keeps_the_median_round(monkeypatch):
+    rounds, warmed = iter([3.0, 1.0, 9.0, 2.0, 5.0]), []
+    monkeypatch.setattr(measure, "seconds_per_call", lambda fn, calls, device, group: next(rounds))
+    assert measure.median_seconds(lambda: warmed.append(1), repeats=5) == 3.0
+    assert warmed == [1]
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure.median_seconds(lambda: None, repeats=0)
+
+
+def test_functions_take_every_place_in_turn(monkeypatch):
+    order = []
+    monkeypatch.setattr(measure, "seconds_per_call",
+                        lambda fn, calls, device, group: order.append((fn(), calls)) or len(order))
+    seconds = measure.seconds_taking_turns({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, rounds=3,
+                                           calls={"a": 1, "b": 2, "c": 3})
+    assert [name for name, _ in order] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert set(order) == {("a", 1), ("b", 2), ("c", 3)}
+    assert seconds == {"a": [1, 6, 8], "b": [2, 4, 9], "c": [3, 5, 7]}
+    assert measure.seconds_taking_turns({}, rounds=3) == {}
+
+
+def test_the_slowest_rank_of_each_round_then_the_median():
+    per_rank = [{"torch": [1.0, 2.0, 9.0], "ring": [4.0, 4.0, 4.0]},
+                {"torch": [3.0, 1.0, 1.0], "ring": [5.0, 1.0, 6.0]}]
+    assert measure.slowest_rank_median(per_rank) == {"torch": 3.0, "ring": 5.0}
+
+
+def time_on_my_group(repeats_by_group):
+    """Inside a rank of 4: ranks {1, 3} and {0, 2} time on their own group, a different number of rounds each."""
+    import torch.distributed as dist
+
+    odd, even = dist.new_group([1, 3]), dist.new_group([0, 2])
+    mine = odd if labkit.rank() % 2 else even
+    repeats = repeats_by_group[labkit.rank() % 2]
+    barriers = []
+    real = dist.barrier
+    dist.barrier = lambda group=None: barriers.append(group is mine) or real(group=group)
+    try:
+        measure.median_seconds(lambda: None, repeats=repeats, group=mine)
+    finally:
+        dist.barrier = real
+    return barriers
+
+
+def test_rounds_wait_only_for_their_own_group():
+    """A world barrier would hang here: the two groups time 2 and 5 rounds."""
+    per_rank = labkit.run(time_on_my_group, (2, 5), world_size=4, timeout=60)
+    assert per_rank == [[True] * 2, [True] * 5, [True] * 2, [True] * 5]

@@ -1,0 +1,48 @@
+"""Plain-text tables: columns aligned with spaces, for what labkit prints in a terminal or a notebook's text output.
+
+One copy, used by the worked example's table (labkit.plan), `make gpu-check` and the benchmarks. No torch here:
+labkit.plan imports it and stays torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+__all__ = ["text_table"]
+
+ALIGNMENTS = {"<": str.ljust, ">": str.rjust}  # as in format specs: "<" left, ">" right
+
+
+def text_table(header: Sequence, rows: Iterable[Sequence], *, align: str = "", indent: str = "",
+               rule: bool = True) -> str:
+    """`header` and `rows` as lines of columns two spaces apart, each column as wide as its widest cell.
+
+    Cells are shown with str(). `align` has one character per column, "<" (left, the default for columns it
+    does not reach) or ">" (right: numbers line up on their last digit). `rule` puts a line of dashes under the
+    header. Every line starts with `indent` and ends without trailing spaces.
+
+    >>> print(text_table(("rank", "ms"), [(0, "1.50"), (12, "10.25")], align="<>"))
+    rank     ms
+    ----  -----
+    0      1.50
+    12    10.25
+    """
+    header = [str(cell) for cell in header]
+    body = [[str(cell) for cell in row] for row in rows]
+    _check_shape(header, body, align)
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = [header, ["-" * width for width in widths]] if rule else [header]
+    pads = [ALIGNMENTS[a] for a in align.ljust(len(header), "<")]
+    return "\n".join(indent + "  ".join(pad(cell, width) for pad, cell, width in zip(pads, row, widths, strict=True))
+                     .rstrip() for row in [*lines, *body])
+
+
+def _check_shape(header: list[str], body: list[list[str]], align: str) -> None:
+    """ValueError naming the row or the `align` that does not fit the header's columns."""
+    for number, row in enumerate(body):
+        if len(row) != len(header):
+            raise ValueError(f"text_table: row {number} has {len(row)} cells ({row!r}) but the header has "
+                             f"{len(header)} ({header!r}); give every row one cell per column.")
+    if len(align) > len(header) or set(align) - set(ALIGNMENTS):
+        raise ValueError(f"text_table: align={align!r} does not fit {len(header)} columns; pass at most one "
+                         "character per column, each '<' (left) or '>' (right).")
