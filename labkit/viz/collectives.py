@@ -5,6 +5,10 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from labkit.viz.style import DIVERGING
+
+__all__ = ["before_after"]
+
 
 def before_after(name: str, before: list, after: list) -> go.Figure:
     """Two grids, rows = ranks: each rank's values before and after `name`. Values are lists of numbers
@@ -18,7 +22,7 @@ def before_after(name: str, before: list, after: list) -> go.Figure:
         width = max((len(v) for v in values), default=0)
         z = [v + [None] * (width - len(v)) for v in values]
         figure.add_trace(go.Heatmap(z=z, text=[[("" if x is None else f"{x:g}") for x in row] for row in z],
-                                    texttemplate="%{text}", zmin=-top, zmax=top, colorscale="RdBu",
+                                    texttemplate="%{text}", zmin=-top, zmax=top, colorscale=DIVERGING,
                                     showscale=False, xgap=2, ygap=2,
                                     hovertemplate="rank %{y}, element %{x}: %{z}<extra></extra>"), row=1, col=col)
     figure.update_yaxes(title_text="rank", dtick=1, autorange="reversed")

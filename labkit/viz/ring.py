@@ -17,10 +17,12 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from labkit.checks import MAX_WORLD_SIZE
 from labkit.comm.transport import Transfer
-from labkit.viz.style import BLUE, RED, integer_colorbar
+from labkit.viz.style import BLUE, DARK_GREY, LIGHT_GREY, RED, SEQUENTIAL, WHITE, integer_colorbar
 
-MAX_WORLD_SIZE = 16
+__all__ = ["contributions_by_hop", "ring_animation"]
+
 _ADDS = {"reduce-scatter", "gather", "reduce"}  # phases whose receiver adds what arrives
 _MARKER_PX = 34  # a rank's marker; ranks sit on a circle of radius 1
 _ARROW_SHIFT = 0.04  # an arrow runs this far to the right of the line between its ranks
@@ -46,7 +48,7 @@ def contributions_by_hop(events: list[Transfer], world_size: int) -> list[list[l
 
 
 def ring_animation(events: list[Transfer], world_size: int, title: str = "Ring AllReduce") -> go.Figure:
-    """An animated figure of `events` on `world_size` ranks (2 to 16): one frame per hop."""
+    """An animated figure of `events` on `world_size` ranks (2 to labkit.MAX_WORLD_SIZE): one frame per hop."""
     if not 2 <= world_size <= MAX_WORLD_SIZE:
         raise ValueError(f"ring_animation draws 2 to {MAX_WORLD_SIZE} ranks, got world_size={world_size}.")
     if any(not 0 <= e.src < world_size or not 0 <= e.dst < world_size for e in events):
@@ -56,10 +58,10 @@ def ring_animation(events: list[Transfer], world_size: int, title: str = "Ring A
     xs, ys = _circle(world_size)
     figure = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.1,
                            subplot_titles=("who sends which chunk this hop", "how many ranks' data each chunk holds"))
-    figure.add_trace(go.Scatter(x=xs + xs[:1], y=ys + ys[:1], mode="lines", line={"color": "#ccc", "width": 1},
+    figure.add_trace(go.Scatter(x=xs + xs[:1], y=ys + ys[:1], mode="lines", line={"color": LIGHT_GREY, "width": 1},
                                 hoverinfo="skip", showlegend=False), row=1, col=1)
     figure.add_trace(go.Scatter(x=xs, y=ys, mode="markers+text", marker={"size": _MARKER_PX, "color": BLUE},
-                                text=[str(r) for r in range(world_size)], textfont={"color": "white", "size": 13},
+                                text=[str(r) for r in range(world_size)], textfont={"color": WHITE, "size": 13},
                                 hoverinfo="skip", showlegend=False), row=1, col=1)
     figure.add_trace(_sent_trace(xs, ys, [0] * world_size), row=1, col=1)
     figure.add_trace(_grid_trace(counts[0], world_size), row=1, col=2)
@@ -74,7 +76,7 @@ def ring_animation(events: list[Transfer], world_size: int, title: str = "Ring A
     figure.frames = frames
     figure.update_layout(
         title={"text": _caption(title, [], 0, len(hops))}, height=540, margin={"t": 80, "b": 110, "l": 20},
-        plot_bgcolor="white", updatemenus=[_play_pause()], sliders=[_slider(len(hops))], showlegend=False,
+        plot_bgcolor=WHITE, updatemenus=[_play_pause()], sliders=[_slider(len(hops))], showlegend=False,
     )
     figure.update_xaxes(visible=False, range=_RANGE["x"], row=1, col=1)
     figure.update_yaxes(visible=False, range=_RANGE["y"], scaleanchor="x", row=1, col=1)
@@ -102,12 +104,12 @@ def _sent_trace(xs, ys, sent_nbytes) -> go.Scatter:
     return go.Scatter(x=xs, y=ys, mode="markers+text", marker={"size": _MARKER_PX + 2, "opacity": 0},
                       text=[f"sent<br>{_bytes(b)}" for b in sent_nbytes],
                       textposition=[_outward(x, y) for x, y in zip(xs, ys, strict=True)],
-                      textfont={"size": 10, "color": "#555"}, customdata=sent_nbytes, hoverinfo="skip",
+                      textfont={"size": 10, "color": DARK_GREY}, customdata=sent_nbytes, hoverinfo="skip",
                       cliponaxis=False, showlegend=False)
 
 
 def _grid_trace(counts, world_size: int) -> go.Heatmap:
-    return go.Heatmap(z=counts, zmin=1, zmax=world_size, colorscale="Blues", xgap=2, ygap=2,
+    return go.Heatmap(z=counts, zmin=1, zmax=world_size, colorscale=SEQUENTIAL, xgap=2, ygap=2,
                       text=counts, texttemplate="%{text}",
                       colorbar=integer_colorbar(1, world_size, "ranks' data") | {"x": 1.02},
                       hovertemplate="rank %{y}, chunk %{x}: holds %{z} ranks' data<extra></extra>")

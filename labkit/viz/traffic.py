@@ -7,6 +7,8 @@ import plotly.graph_objects as go
 from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
 from labkit.viz.style import BLUE, RED
 
+__all__ = ["traffic_chart"]
+
 
 def traffic_chart(nbytes: float, world_sizes=range(2, 17), measured: dict | None = None) -> go.Figure:
     """Bytes sent by the busiest rank in an AllReduce of `nbytes`: the hub's grows as (N-1) S, the ring's

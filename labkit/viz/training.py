@@ -6,6 +6,8 @@ import plotly.graph_objects as go
 
 from labkit.viz.style import BLUE, PALETTE, RED, log_axis
 
+__all__ = ["ddp_timeline", "divergence_chart", "loss_curves"]
+
 
 def divergence_chart(differences: dict[str, list[float]], title: str = "How far each replica drifts from rank 0"
                      ) -> go.Figure:
