@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+__all__ = ["saved_activation_nbytes"]
+
 
 def saved_activation_nbytes(fn, *inputs) -> int:
     """Run `fn(*inputs)` with gradients enabled and return the bytes of the activations autograd saved for

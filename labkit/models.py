@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["Block", "TinyGPT", "char_batches", "lesson_text", "make_classification", "mlp"]
+
 
 def make_classification(examples: int = 512, features: int = 16, classes: int = 4, seed: int = 0,
                         dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
