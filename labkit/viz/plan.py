@@ -8,8 +8,11 @@ import plotly.graph_objects as go
 
 from labkit.plan import GB, ring_allreduce_bytes
 from labkit.plan.step_time import data_parallel_speedup
+from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED
 
-PARTS = {"weights": "#4c78a8", "grads": "#f58518", "optimizer": "#54a24b"}
+__all__ = ["decade_ticks", "memory_bars", "speedup_chart"]
+
+PARTS = {"weights": BLUE, "grads": ORANGE, "optimizer": GREEN}  # memory_bars' stack, bottom to top
 
 
 def memory_bars(plans: dict[str, dict[str, float]], gpu_nbytes: float | None = None,
@@ -21,7 +24,7 @@ def memory_bars(plans: dict[str, dict[str, float]], gpu_nbytes: float | None = N
                                marker_color=color, hovertemplate="%{x}: %{y:.1f} GB<extra>" + part + "</extra>")
                         for part, color in PARTS.items()])
     if gpu_nbytes:
-        figure.add_hline(y=gpu_nbytes / GB, line={"dash": "dash", "color": "#e45756"},
+        figure.add_hline(y=gpu_nbytes / GB, line={"dash": "dash", "color": RED},
                          annotation_text=f"GPU memory {gpu_nbytes / GB:g} GB", annotation_position="top right")
     figure.update_layout(barmode="stack", title=title, yaxis_title="memory per GPU, GB (1e9 bytes)", height=380,
                          margin={"t": 50})
@@ -43,8 +46,8 @@ def speedup_chart(devices: int, compute_seconds: float, gradient_nbytes: float, 
     if marker_bandwidth:
         figure.add_scatter(x=[marker_bandwidth / GB], y=[data_parallel_speedup(
             devices, compute_seconds, nbytes / marker_bandwidth, overlaps[0])], mode="markers",
-            name="your link", marker={"size": 12, "color": "#e45756"})
-    figure.add_hline(y=devices, line={"dash": "dash", "color": "#888888"},
+            name="your link", marker={"size": 12, "color": RED})
+    figure.add_hline(y=devices, line={"dash": "dash", "color": GREY},
                      annotation_text=f"{devices}x: communication for free", annotation_position="top right")
     figure.update_layout(title=f"Speedup of {devices} data-parallel GPUs over one",
                          xaxis={"type": "log", "title": "per-rank bandwidth, GB/s (one direction)",
