@@ -16,10 +16,10 @@ in-flight: the most micro-batches whose activations a stage held awaiting their 
 import statistics
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import labkit
+from labkit.groups import gather_objects
 from labkit.models import make_classification, mlp
 from labkit.parallel import measured_bubble, run_pipeline, simulate_pipeline
 from labkit.plan import bubble_fraction
@@ -42,8 +42,7 @@ def measure(configs):
         bubbles, makespans = [], []
         for _ in range(REPEATS):
             result = run_pipeline(model, kind, m, x, y, F.cross_entropy, emulate_compute_seconds=EMULATED)
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, (result.events, result.peak_in_flight))
+            gathered = gather_objects((result.events, result.peak_in_flight))
             events = [e for stage_events, _ in gathered for e in stage_events]
             bubbles.append(measured_bubble(events))
             makespans.append(max(e.end for e in events) - min(e.start for e in events))

@@ -1,6 +1,7 @@
-"""labkit.parallel.pipeline: the GPipe and 1F1B schedules (checked against torch.distributed.pipelining's),
-the executor on real gloo ranks (pipelined training equals one process's; activations held per stage), and
-the bubble: exact in the simulator, within 15% of (p-1)/(m+p-1) on real ranks with emulated compute."""
+"""labkit.parallel.pipeline (schedule, timeline, executor): the GPipe and 1F1B schedules (checked against
+torch.distributed.pipelining's), the executor on real gloo ranks (pipelined training equals one process's;
+activations held per stage; two pipelines side by side on sub-groups), and the bubble: exact in the simulator,
+within 15% of (p-1)/(m+p-1) on real ranks with emulated compute."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import labkit
+from labkit.groups import new_group
 from labkit.models import make_classification, mlp
 from labkit.parallel import (
     Action,
@@ -186,6 +188,65 @@ def test_pipelined_step_equals_one_process_and_holds_the_expected_activations(p,
             assert error <= 1e-12, (kind, m, name, error.item())
 
 
+# --- Pipelines on process groups: two side by side in one world ---
+
+SIDE_BY_SIDE = {0: ("1f1b", 3, 1), 1: ("gpipe", 4, 2)}  # by rank parity: schedule, micro-batches, data seed
+
+
+def reference_on(seed):
+    """The unsplit model's loss and gradients on data `seed`, in one process."""
+    x, y = make_classification(BATCH, seed=seed, dtype=torch.float64)
+    model = mlp(layers=3, seed=seed, dtype=torch.float64)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def two_pipelines(parts):
+    """Ranks {0, 2} and {1, 3} (or as `parts` says) each run their own 2-stage pipeline, at the same time, on
+    their own model seed and data: stage = rank in the group, messages to the group's other rank."""
+    made = [new_group(part) for part in parts]
+    part = next(i for i, ranks in enumerate(parts) if labkit.rank() in ranks)
+    kind, m, seed = SIDE_BY_SIDE[part]
+    x, y = make_classification(BATCH, seed=seed, dtype=torch.float64)
+    model = mlp(layers=3, seed=seed, dtype=torch.float64)
+    with count_collectives() as counted:
+        result = run_pipeline(model, kind, m, x, y, F.cross_entropy, group=made[part])
+    return part, result, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}, counted
+
+
+@pytest.mark.parametrize("parts", [[[0, 2], [1, 3]], [[0, 1], [2, 3]]])
+def test_two_pipelines_on_sub_groups_each_equal_the_unsplit_model(parts):
+    per_rank = labkit.run(two_pipelines, parts, world_size=4)
+    for part, ranks in enumerate(parts):
+        kind, m, seed = SIDE_BY_SIDE[part]
+        loss, grads = reference_on(seed)
+        seen = {}
+        for stage, rank in enumerate(ranks):
+            mine, result, stage_grads, counted = per_rank[rank]
+            assert mine == part and result.stage == stage and result.layers == stage_layers(7, 2)[stage]
+            assert [(e.stage, e.kind, e.microbatch) for e in result.events] == \
+                [(stage, a.kind, a.microbatch) for a in schedule(kind, 2, m)[stage]]
+            assert dict(counted.calls) == {"send": m} and counted.nbytes["send"] == BATCH * 64 * 8
+            seen.update(stage_grads)
+        assert per_rank[ranks[0]][1].loss is None
+        assert per_rank[ranks[1]][1].loss == pytest.approx(loss, rel=1e-12, abs=0), parts
+        assert set(seen) == set(grads)
+        for name, grad in seen.items():
+            assert (grad - grads[name]).abs().max() <= 1e-12 * grads[name].abs().max(), (parts, part, name)
+
+
+def outside_the_group():
+    pair = new_group([0, 1])
+    x, y = make_classification(8)
+    return run_pipeline(mlp(), "gpipe", 2, x, y, F.cross_entropy, group=pair).stage
+
+
+def test_a_rank_outside_the_group_gets_a_clear_error():
+    with pytest.raises(labkit.RankError, match=r"run_pipeline: global rank 2 is not in the group passed as group="):
+        labkit.run(outside_the_group, world_size=3, timeout=30)
+
+
 def too_short():
     x, y = make_classification(8)
     run_pipeline(mlp(layers=0), "gpipe", 2, x, y, F.cross_entropy)  # one Linear on two ranks
@@ -359,13 +420,13 @@ def test_every_plan_completes_on_one_stream_per_rank(kind):
 
 def recorded_step(cases, batched):
     """On every rank: each case's groups as posted (with sizes), the result, the gradients, and the
-    synchronize calls, through a recording _Link and a recording labkit.measure.synchronize."""
+    synchronize calls, through a recording StageLink and a recording labkit.measure.synchronize."""
     from labkit import measure
-    from labkit.parallel import pipeline
+    from labkit.parallel.pipeline import executor
 
     posted, synced = [], []
 
-    class Recording(pipeline._Link):
+    class Recording(executor.StageLink):
         def barrier(self):
             posted.append((("barrier",),))
             super().barrier()
@@ -375,8 +436,8 @@ def recorded_step(cases, batched):
                                 for m, t in group))
             return super().post(group)
 
-    real_link, real_sync = pipeline._Link, measure.synchronize
-    pipeline._Link, measure.synchronize = Recording, lambda device: synced.append(str(device))
+    real_link, real_sync = executor.StageLink, measure.synchronize
+    executor.StageLink, measure.synchronize = Recording, lambda device: synced.append(str(device))
     try:
         out = []
         for kind, m in cases:
@@ -389,7 +450,7 @@ def recorded_step(cases, batched):
                         list(synced)))
         return out
     finally:
-        pipeline._Link, measure.synchronize = real_link, real_sync
+        executor.StageLink, measure.synchronize = real_link, real_sync
 
 
 @pytest.mark.parametrize("batched", [True, False])
