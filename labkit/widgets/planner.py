@@ -5,12 +5,14 @@ from __future__ import annotations
 import html
 
 import ipywidgets as widgets
-import plotly.graph_objects as go
 
 from labkit import plan
 from labkit.checks import number
 from labkit.plan import GB
 from labkit.viz.plan import memory_bars, speedup_chart
+from labkit.widgets.figure_slot import FigureSlot
+
+__all__ = ["CONVENTIONS", "describe", "planner", "what_is_running_out"]
 
 # bytes per parameter as (weights, grads, optimizer state). Sources: 16 B, Rajbhandari et al. 2020 ("ZeRO", section
 # 3.1: bf16 weights and grads, fp32 master weights + Adam); 18 B, fp32 grads, as in Megatron-LM and EleutherAI's
@@ -22,103 +24,98 @@ CONVENTIONS = {
     "20 B (DeepSpeed's estimator)": (2, 2, 16),
 }
 LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "180px", "450px", 500  # fit a 1280 px window with the file browser open
+_LABEL_STYLE = {"description_width": LABEL_WIDTH}
 RED, GREEN = "#e45756", "#54a24b"
 NOTE = "<div style='font-size:0.9em; line-height:1.3'>{}</div>"  # under the parameters field, 3 lines at most
-
-
-class FigureSlot(widgets.Box):
-    """A place for one plotly figure, shown as a new FigureWidget by every `draw(figure)`.
-
-    Why not update one FigureWidget in place: its updates travel as deltas that plotly's widget code (a 5 MB
-    script) applies only once loaded, so a busy browser can miss them and keep an empty chart. A new widget
-    carries the whole figure in its first message."""
-
-    def draw(self, figure: go.Figure) -> None:
-        """Show `figure` here, closing the widget it replaces."""
-        old, self.children = self.children, (go.FigureWidget(figure),)
-        for widget in old:
-            widget.close()
-
-    @property
-    def figure(self) -> go.FigureWidget | None:
-        """The figure shown now (None before the first draw)."""
-        return self.children[0] if self.children else None
 
 
 def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
     """Controls for the scenario (the model's size typed as people write it: 70B, 6.7 billion, 7e9); a summary,
     the memory per GPU against the GPU's and the speedup against bandwidth, all redrawn from labkit.plan whenever
     a control changes. A size that does not read as a count is refused with a message; the last good one stays."""
-    style, wide = {"description_width": LABEL_WIDTH}, widgets.Layout(width=CONTROL_WIDTH)
-
-    def slider(kind, description, **kw):
-        return kind(description=description, style=style, layout=wide, continuous_update=False, **kw)
-
     good = {"params": number("params", params, inclusive=False)}
-    size = widgets.Text(value=plan.format_count(params), description="parameters", style=style, layout=wide,
-                        placeholder="70B, 6.7 billion, 7e9", continuous_update=False)
+    size = _control(widgets.Text, "parameters", value=plan.format_count(params), placeholder="70B, 6.7 billion, 7e9")
     size_note = widgets.HTML(layout=widgets.Layout(width=CONTROL_WIDTH, height="4.2em"))  # 3 lines: never moves
-    controls = {  # the hardware, the training run, then the ways to save memory
-        "devices": slider(widgets.IntSlider, "GPUs (data parallel)", value=8, min=1, max=64),
-        "gpu_memory_gb": slider(widgets.FloatSlider, "GPU memory GB", value=gpu_memory_gb, min=8, max=192, step=1),
-        "bandwidth_gb": slider(widgets.FloatLogSlider, "per-rank bandwidth GB/s", value=25, base=10, min=-1, max=3,
-                               step=0.05),
-        "overlap": slider(widgets.FloatSlider, "AllReduce hidden", value=0.0, min=0, max=1, step=0.05,
-                          readout_format=".0%"),
-        "step_compute_seconds": slider(widgets.FloatSlider, "compute per step (s)", value=1.0, min=0.05, max=10,
-                                       step=0.05),
-        "per_device_batch": slider(widgets.IntSlider, "per-device batch", value=8, min=1, max=64),
-        "accumulation_steps": slider(widgets.IntSlider, "accumulation steps", value=2, min=1, max=64),
-        "examples": slider(widgets.IntSlider, "examples per epoch", value=40_000, min=1_000, max=1_000_000,
-                           step=1_000),
-        "convention": widgets.Dropdown(options=list(CONVENTIONS), description="bytes per parameter", style=style,
-                                       layout=wide),
-        "zero_stage": slider(widgets.IntSlider, "ZeRO stage (0 = DDP)", value=0, min=0, max=3),
-        "lora_rank": slider(widgets.IntSlider, "LoRA rank (0 = full)", value=0, min=0, max=256),
-        "d_model": slider(widgets.IntSlider, "LoRA: model width", value=4096, min=256, max=16384, step=256),
-        "layers": slider(widgets.IntSlider, "LoRA: layers", value=32, min=1, max=128),
-    }
+    controls = _controls(gpu_memory_gb)
     # the summary takes the room beside the controls, whatever its text: a longer verdict wraps, nothing moves
     summary = widgets.HTML(layout=widgets.Layout(flex="1 1 300px", min_width="300px"))
     memory, speed = FigureSlot(), FigureSlot()
 
-    def read_size() -> bool:
-        """Take the typed size if it reads as a count (say what it read); else say why and keep the last one."""
-        try:
-            good["params"] = plan.parse_count(size.value)
-        except ValueError as error:
-            size_note.value = NOTE.format(f"<span style='color:{RED}'>{html.escape(str(error))}</span> Still "
-                                          f"planning for {plan.format_count(good['params'])}.")
-            return False
-        size_note.value = NOTE.format(f"= {good['params']:,.0f} parameters (70B, 6.7 billion, 7e9, 350M, 1.5T "
-                                      "all work)")
-        return True
-
     def redraw(_=None) -> None:
         values = {"params": good["params"], **{name: control.value for name, control in controls.items()}}
-        weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[values["convention"]]
-        options = plan.memory_options(values["params"], values["devices"], lora_rank=values["lora_rank"],
-                                      zero_stage=values["zero_stage"], weight_bytes=weight_bytes,
-                                      grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
-                                      d_model=values["d_model"], layers=values["layers"])
-        summary.value = describe(values, options)
-        memory.draw(memory_bars(options, values["gpu_memory_gb"] * GB, title=(
-            f"Memory per GPU, {plan.format_count(values['params'])} parameters, before activations"
-        )).update_layout(width=FIGURE_WIDTH))
-        bandwidths = [10 ** (k / 10) * GB for k in range(-10, 31)]
-        speed.draw(speedup_chart(values["devices"], values["step_compute_seconds"], values["params"] * grad_bytes,
-                                 bandwidths, overlaps=(values["overlap"],),
-                                 marker_bandwidth=values["bandwidth_gb"] * GB).update_layout(
-            width=FIGURE_WIDTH, legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}, height=430))
+        _draw(values, summary, memory, speed)
 
-    size.observe(lambda _: read_size() and redraw(), "value")
+    size.observe(lambda _: _read_size(size.value, good, size_note) and redraw(), "value")
     for control in controls.values():
         control.observe(redraw, "value")
-    read_size()
+    _read_size(size.value, good, size_note)
     redraw()
     left = widgets.VBox([size, size_note, *controls.values()], layout=widgets.Layout(flex="0 0 auto"))
     wrap = widgets.Layout(flex_flow="row wrap", align_items="flex-start", width="100%")
     return widgets.VBox([widgets.HBox([left, summary], layout=wrap), widgets.HBox([memory, speed], layout=wrap)])
+
+
+def _control(kind, description: str, **kw) -> widgets.Widget:
+    """A planner control: its label in the labels' column, its width the controls', read when let go (a slider)
+    or when typed (a text field)."""
+    return kind(description=description, style=_LABEL_STYLE, layout=widgets.Layout(width=CONTROL_WIDTH),
+                continuous_update=False, **kw)
+
+
+def _controls(gpu_memory_gb: float) -> dict[str, widgets.Widget]:
+    """The planner's controls by the name the plan takes: the hardware, the training run, then the ways to save
+    memory."""
+    return {
+        "devices": _control(widgets.IntSlider, "GPUs (data parallel)", value=8, min=1, max=64),
+        "gpu_memory_gb": _control(widgets.FloatSlider, "GPU memory GB", value=gpu_memory_gb, min=8, max=192, step=1),
+        "bandwidth_gb": _control(widgets.FloatLogSlider, "per-rank bandwidth GB/s", value=25, base=10, min=-1, max=3,
+                                step=0.05),
+        "overlap": _control(widgets.FloatSlider, "AllReduce hidden", value=0.0, min=0, max=1, step=0.05,
+                           readout_format=".0%"),
+        "step_compute_seconds": _control(widgets.FloatSlider, "compute per step (s)", value=1.0, min=0.05, max=10,
+                                        step=0.05),
+        "per_device_batch": _control(widgets.IntSlider, "per-device batch", value=8, min=1, max=64),
+        "accumulation_steps": _control(widgets.IntSlider, "accumulation steps", value=2, min=1, max=64),
+        "examples": _control(widgets.IntSlider, "examples per epoch", value=40_000, min=1_000, max=1_000_000,
+                            step=1_000),
+        "convention": widgets.Dropdown(options=list(CONVENTIONS), description="bytes per parameter",
+                                       style=_LABEL_STYLE, layout=widgets.Layout(width=CONTROL_WIDTH)),
+        "zero_stage": _control(widgets.IntSlider, "ZeRO stage (0 = DDP)", value=0, min=0, max=3),
+        "lora_rank": _control(widgets.IntSlider, "LoRA rank (0 = full)", value=0, min=0, max=256),
+        "d_model": _control(widgets.IntSlider, "LoRA: model width", value=4096, min=256, max=16384, step=256),
+        "layers": _control(widgets.IntSlider, "LoRA: layers", value=32, min=1, max=128),
+    }
+
+
+def _read_size(text: str, good: dict, note: widgets.HTML) -> bool:
+    """Take the typed size into good["params"] if it reads as a count (the note says what it read); else the note
+    says why, and the last good size stays."""
+    try:
+        good["params"] = plan.parse_count(text)
+    except ValueError as error:
+        note.value = NOTE.format(f"<span style='color:{RED}'>{html.escape(str(error))}</span> Still "
+                                 f"planning for {plan.format_count(good['params'])}.")
+        return False
+    note.value = NOTE.format(f"= {good['params']:,.0f} parameters (70B, 6.7 billion, 7e9, 350M, 1.5T all work)")
+    return True
+
+
+def _draw(values: dict, summary: widgets.HTML, memory: FigureSlot, speed: FigureSlot) -> None:
+    """Recompute the plan for the controls' `values`: the summary, the memory bars, the speedup chart."""
+    weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[values["convention"]]
+    options = plan.memory_options(values["params"], values["devices"], lora_rank=values["lora_rank"],
+                                  zero_stage=values["zero_stage"], weight_bytes=weight_bytes,
+                                  grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+                                  d_model=values["d_model"], layers=values["layers"])
+    summary.value = describe(values, options)
+    memory.draw(memory_bars(options, values["gpu_memory_gb"] * GB, title=(
+        f"Memory per GPU, {plan.format_count(values['params'])} parameters, before activations"
+    )).update_layout(width=FIGURE_WIDTH))
+    bandwidths = [10 ** (k / 10) * GB for k in range(-10, 31)]
+    speed.draw(speedup_chart(values["devices"], values["step_compute_seconds"], values["params"] * grad_bytes,
+                             bandwidths, overlaps=(values["overlap"],),
+                             marker_bandwidth=values["bandwidth_gb"] * GB).update_layout(
+        width=FIGURE_WIDTH, legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}, height=430))
 
 
 def describe(values: dict, options: dict[str, dict[str, float]]) -> str:

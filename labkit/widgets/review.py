@@ -1,4 +1,7 @@
-"""The review: the stack-map matching exercise, the multiple-choice quiz, and flashcards, with feedback."""
+"""The review's widgets: the stack-map matching exercise, the multiple-choice quiz, and flashcards, with feedback.
+
+Only the interface lives here; the questions, cards, stack map and graders are course content, in
+`labkit.exercises`."""
 
 from __future__ import annotations
 
@@ -7,8 +10,9 @@ import string
 
 import ipywidgets as widgets
 
-from labkit.exercises import STACK_MAP, check_stack_map
-from labkit.quiz import Flashcard, Question, load_flashcards, load_questions
+from labkit.exercises import STACK_MAP, Flashcard, Question, check_stack_map, load_flashcards, load_questions
+
+__all__ = ["OptionRows", "flashcards", "quiz", "stack_map_exercise"]
 
 
 def stack_map_exercise() -> widgets.VBox:

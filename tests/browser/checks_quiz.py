@@ -11,7 +11,7 @@ there.
 
 from playwright.sync_api import Page
 
-from labkit.quiz import load_questions
+from labkit.exercises import load_questions
 
 NOTEBOOK = "10_nccl_and_review.ipynb"
 STDERR = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'

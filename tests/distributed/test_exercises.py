@@ -14,12 +14,12 @@ from labkit.comm.transport import TorchTransport
 from labkit.exercises import (
     ForbiddenCall,
     Verdict,
-    _Guard,
     check_naive_allreduce,
     check_ring_allreduce,
     rank_input,
     ring_nbytes_per_rank,
 )
+from labkit.exercises.guard import Guard
 from labkit.plan.traffic import ring_allreduce_bytes
 
 
@@ -71,6 +71,20 @@ def test_a_grader_wants_the_function_itself():
     assert repr(verdict).startswith("Not yet. ")
 
 
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda: check_ring_allreduce(print, timeout_seconds=0), ValueError, "timeout_seconds must be a positive"),
+    (lambda: check_naive_allreduce(print, timeout_seconds="10"), TypeError, "timeout_seconds must be a number"),
+    (lambda: ring_nbytes_per_rank(10, 0), ValueError, "world_size=0: pass a whole number >= 1"),
+    (lambda: ring_nbytes_per_rank(-1, 2), ValueError, "numel=-1: pass a whole number >= 0"),
+    (lambda: ring_nbytes_per_rank(10, 2, element_size=True), ValueError, "element_size=True"),
+    (lambda: rank_input(-1, 3), ValueError, "rank=-1: pass a whole number >= 0"),
+    (lambda: rank_input(0, 2.5), ValueError, "numel=2.5"),
+])
+def test_bad_arguments_are_refused_by_name_before_any_rank_starts(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
 @pytest.mark.parametrize("world_size", [2, 3, 4, 6, 8])
 def test_ring_bytes_are_the_lesson_s_formula_when_n_divides(world_size):
     numel = 12 * world_size
@@ -99,7 +113,7 @@ def test_the_guard_switches_off_collectives_and_always_restores_them():
                (torch._C._distributed_c10d.Backend, "allreduce"), (TorchTransport, "_post_send")]
     before = {(owner, name): vars(owner)[name] for owner, name in watched}
     with pytest.raises(ValueError, match="the student's own error"):
-        with _Guard() as guard:
+        with Guard() as guard:
             assert all(vars(owner)[name] is not before[owner, name] for owner, name in watched)
             for call in (lambda: dist.all_reduce(torch.ones(1)), lambda: c10d.all_gather_object([], 1),
                          lambda: torch.ops.c10d.allreduce_([torch.ones(1)]),
@@ -116,7 +130,7 @@ def test_the_guard_switches_off_collectives_and_always_restores_them():
 def count_each_way_of_sending():
     """Rank 0 sends four messages of 12 bytes, each a different way; rank 1 receives them."""
     t = torch.arange(3.0) if labkit.rank() == 0 else torch.empty(3)
-    with _Guard() as guard:
+    with Guard() as guard:
         if labkit.rank() == 0:
             dist.send(t, 1)
             dist.isend(t, 1).wait()
@@ -142,7 +156,7 @@ def guarded_error_then_collectives():
     """On a rank: the guard is gone after the student's code raised inside it, and the group still works."""
     t = rank_input(labkit.rank(), 4, device=labkit.device())
     try:
-        with _Guard():
+        with Guard():
             raise RuntimeError("the student's code failed")
     except RuntimeError:
         pass

@@ -5,6 +5,7 @@ that rejects a broken question by name."""
 import collections
 import copy
 import doctest
+import importlib
 import itertools
 import json
 import re
@@ -13,13 +14,13 @@ from pathlib import Path
 import pytest
 
 import labkit
-import labkit.quiz
+import labkit.exercises.quiz
+from labkit.exercises import Feedback, load_distractor_families, load_flashcards, load_questions
 from labkit.plan import worked_example
-from labkit.quiz import Feedback, load_distractor_families, load_flashcards, load_questions
 
 ROOT = Path(labkit.__file__).parent
 LESSON = (ROOT / "data" / "lesson.txt").read_text(encoding="utf-8")
-QUIZ = ROOT / "data" / "quiz.json"
+QUIZ = ROOT / "exercises" / "quiz.json"
 
 
 def lesson_phrasings() -> list[tuple[str, str]]:
@@ -300,12 +301,19 @@ def test_the_loader_rejects_a_repeated_id(tmp_path):
         load_questions(broken(tmp_path, repeat))
 
 
+def test_the_quiz_lives_with_the_other_exercises_and_nowhere_else():
+    assert QUIZ.is_file() and not (ROOT / "data" / "quiz.json").exists()
+    assert load_questions() == load_questions(QUIZ)
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("labkit.quiz")
+
+
 def test_the_quiz_ships_as_package_data():
     tomllib = pytest.importorskip("tomllib")
     pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text(encoding="utf-8"))
-    assert "data/*.json" in pyproject["tool"]["setuptools"]["package-data"]["labkit"]
+    assert "exercises/*.json" in pyproject["tool"]["setuptools"]["package-data"]["labkit"]
 
 
 def test_docstring_example():
-    result = doctest.testmod(labkit.quiz)
+    result = doctest.testmod(labkit.exercises.quiz)
     assert result.attempted > 0 and result.failed == 0

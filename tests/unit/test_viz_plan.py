@@ -5,8 +5,8 @@ import pytest
 
 from labkit.plan import memory_options
 from labkit.viz.plan import decade_ticks, memory_bars, speedup_chart
-from labkit.widgets import planner
-from labkit.widgets.planner import CONVENTIONS, FigureSlot
+from labkit.widgets import FigureSlot, planner
+from labkit.widgets.planner import CONVENTIONS
 
 
 def test_memory_bars_stack_the_three_parts_under_the_gpu_line():

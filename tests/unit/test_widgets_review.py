@@ -2,8 +2,7 @@
 
 import html
 
-from labkit.exercises import STACK_MAP
-from labkit.quiz import Flashcard, load_flashcards, load_questions
+from labkit.exercises import STACK_MAP, Flashcard, load_flashcards, load_questions
 from labkit.widgets import flashcards, quiz, stack_map_exercise
 
 

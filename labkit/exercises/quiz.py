@@ -1,4 +1,4 @@
-"""The review quiz and flashcards of the lesson, as data (labkit/data/quiz.json) a widget can show.
+"""The review quiz and flashcards of the lesson, as data (labkit/exercises/quiz.json) a widget can show.
 
     load_questions()           Questions: the lesson's seven question phrasings and more, four options each
     load_flashcards()          Flashcards: a prompt in front, one of the lesson's summary bullets on the back,
@@ -16,7 +16,7 @@ reason for every wrong option; a broken question raises ValueError naming its id
 
 Example::
 
-    >>> from labkit.quiz import load_questions
+    >>> from labkit.exercises import load_questions
     >>> question = next(q for q in load_questions() if q.phrasing == 1)
     >>> question.question
     'Which operation synchronizes gradients across GPUs in data-parallel training?'
@@ -36,6 +36,9 @@ from dataclasses import dataclass, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import NamedTuple
+
+__all__ = ["PHRASINGS", "Feedback", "Flashcard", "Option", "Question", "load_distractor_families", "load_flashcards",
+           "load_questions"]
 
 PHRASINGS = 7  # the lesson's "Question phrasings"
 
@@ -98,7 +101,7 @@ class Flashcard:
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:
-    """The quiz's questions, checked; from labkit/data/quiz.json unless `path` names another file."""
+    """The quiz's questions, checked; from labkit/exercises/quiz.json unless `path` names another file."""
     data = _load(path)
     families = data["distractor_families"]
     questions = [_question(raw, families) for raw in data["questions"]]
@@ -120,7 +123,8 @@ def load_distractor_families(path: str | Path | None = None) -> dict[str, str]:
 
 
 def _load(path) -> dict:
-    source = files("labkit").joinpath("data/quiz.json") if path is None else Path(path)
+    """The quiz file's contents, with its three sections; the package's own file unless `path` names another."""
+    source = files("labkit.exercises").joinpath("quiz.json") if path is None else Path(path)
     data = json.loads(source.read_text(encoding="utf-8"))
     missing = {"distractor_families", "questions", "flashcards"} - set(data)
     if missing:
@@ -129,44 +133,64 @@ def _load(path) -> dict:
 
 
 def _question(raw: dict, families: dict) -> Question:
+    """One question of the file, checked: its fields, its phrasing, its four options; ValueError naming its id."""
     name = raw.get("id")
-
-    def fail(problem: str):
-        raise ValueError(f"quiz question {name!r}: {problem}")
-
-    unknown = set(raw) - {"id", "topic", "question", "options", "explanation", "phrasing"}
-    if unknown:
-        fail(f"unknown fields {sorted(unknown)}.")
-    for field in ("id", "topic", "question", "explanation"):
-        if not isinstance(raw.get(field), str) or not raw[field].strip():
-            fail(f"{field} must be non-empty text.")
+    _check_fields(raw, name)
     phrasing = raw.get("phrasing")
     if phrasing is not None and (isinstance(phrasing, bool) or phrasing not in range(1, PHRASINGS + 1)):
-        fail(f"phrasing must be a number from 1 to {PHRASINGS} or null, got {phrasing!r}.")
-    try:
-        options = tuple(Option(**option) for option in raw.get("options", []))
-    except TypeError as exc:
-        fail(f"an option has wrong fields ({exc}).")
-    if len(options) != 4:
-        fail(f"needs 4 options, has {len(options)}.")
-    texts = [option.text.strip().lower() if isinstance(option.text, str) else "" for option in options]
-    if not all(texts) or len(set(texts)) != 4:
-        fail("its 4 options must be distinct, non-empty texts.")
-    if not all(isinstance(option.correct, bool) for option in options):
-        fail("every option's correct must be true or false.")
-    if sum(option.correct for option in options) != 1:
-        fail(f"needs exactly one correct option, has {sum(option.correct for option in options)}.")
+        raise _broken(name, f"phrasing must be a number from 1 to {PHRASINGS} or null, got {phrasing!r}.")
+    options = _options(raw.get("options", []), name)
     for option in options:
-        if option.correct and (option.distractor or option.why):
-            fail(f"the correct option {option.text!r} has a distractor family or a why.")
-        if not option.correct and option.distractor not in families:
-            fail(f"wrong option {option.text!r} has distractor {option.distractor!r}, not one of {sorted(families)}.")
-        if not option.correct and not (isinstance(option.why, str) and option.why.strip()):
-            fail(f"wrong option {option.text!r} does not say why it is wrong.")
+        _check_option(option, families, name)
     return Question(raw["id"], raw["topic"], raw["question"], options, raw["explanation"], phrasing)
 
 
+def _broken(name, problem: str) -> ValueError:
+    """The error for a broken question: its id, then what is wrong."""
+    return ValueError(f"quiz question {name!r}: {problem}")
+
+
+def _check_fields(raw: dict, name) -> None:
+    """Only known fields, and id, topic, question and explanation as non-empty text."""
+    unknown = set(raw) - {"id", "topic", "question", "options", "explanation", "phrasing"}
+    if unknown:
+        raise _broken(name, f"unknown fields {sorted(unknown)}.")
+    for field in ("id", "topic", "question", "explanation"):
+        if not isinstance(raw.get(field), str) or not raw[field].strip():
+            raise _broken(name, f"{field} must be non-empty text.")
+
+
+def _options(raw_options: list, name) -> tuple[Option, ...]:
+    """The question's options: four, with known fields, distinct non-empty texts, exactly one correct."""
+    try:
+        options = tuple(Option(**option) for option in raw_options)
+    except TypeError as exc:
+        raise _broken(name, f"an option has wrong fields ({exc}).") from None
+    if len(options) != 4:
+        raise _broken(name, f"needs 4 options, has {len(options)}.")
+    texts = [option.text.strip().lower() if isinstance(option.text, str) else "" for option in options]
+    if not all(texts) or len(set(texts)) != 4:
+        raise _broken(name, "its 4 options must be distinct, non-empty texts.")
+    if not all(isinstance(option.correct, bool) for option in options):
+        raise _broken(name, "every option's correct must be true or false.")
+    if sum(option.correct for option in options) != 1:
+        raise _broken(name, f"needs exactly one correct option, has {sum(option.correct for option in options)}.")
+    return options
+
+
+def _check_option(option: Option, families: dict, name) -> None:
+    """The correct option carries no distractor; a wrong one names a known family and says why it is wrong."""
+    if option.correct and (option.distractor or option.why):
+        raise _broken(name, f"the correct option {option.text!r} has a distractor family or a why.")
+    if not option.correct and option.distractor not in families:
+        raise _broken(name, f"wrong option {option.text!r} has distractor {option.distractor!r}, "
+                            f"not one of {sorted(families)}.")
+    if not option.correct and not (isinstance(option.why, str) and option.why.strip()):
+        raise _broken(name, f"wrong option {option.text!r} does not say why it is wrong.")
+
+
 def _flashcard(raw: dict) -> Flashcard:
+    """One flashcard of the file, checked: known fields, a front and a back, a note that adds something."""
     name = raw.get("id")
     unknown = set(raw) - {"id", "front", "back", "note"}
     if unknown:
@@ -180,6 +204,7 @@ def _flashcard(raw: dict) -> Flashcard:
 
 
 def _unique(values: list, what: str) -> None:
+    """ValueError naming every value that appears more than once among the questions' or cards' `values`."""
     repeated = sorted({str(v) for v in values if values.count(v) > 1})
     if repeated:
         raise ValueError(f"quiz: {what} {', '.join(repeated)} appears more than once.")

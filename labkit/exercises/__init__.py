@@ -1,0 +1,31 @@
+"""The course's exercises in one place: the graders of the "your turn" cells, the review quiz and the stack map.
+
+    allreduce   check_naive_allreduce, check_ring_allreduce (notebooks 02 and 03): the student's AllReduce on
+                2, 3 and 4 real ranks, against torch's answer and the algorithm's traffic
+    guard       on each rank while a grader runs: collectives switched off, messages counted
+    diagnosis   what is wrong with a wrong answer: its values, its traffic (`ring_nbytes_per_rank`)
+    verdict     Verdict, the grade every grader returns
+    quiz        the review's questions and flashcards (notebooks 06 and 10), from quiz.json beside it
+    stack_map   STACK_MAP and check_stack_map (notebook 10)
+
+The widgets that show the quiz, the flashcards and the stack map are in `labkit.widgets`.
+"""
+
+from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, check_ring_allreduce
+from labkit.exercises.diagnosis import ring_nbytes_per_rank
+from labkit.exercises.guard import ForbiddenCall, rank_input
+from labkit.exercises.quiz import (
+    Feedback,
+    Flashcard,
+    Option,
+    Question,
+    load_distractor_families,
+    load_flashcards,
+    load_questions,
+)
+from labkit.exercises.stack_map import STACK_MAP, check_stack_map
+from labkit.exercises.verdict import Verdict
+
+__all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",
+           "check_naive_allreduce", "check_ring_allreduce", "check_stack_map", "load_distractor_families",
+           "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank"]

@@ -1,0 +1,123 @@
+"""The AllReduce graders of notebooks 02 and 03: run the student's code on real ranks and say what is wrong.
+
+`check_naive_allreduce(fn)` and `check_ring_allreduce(fn)` call `fn(t)` on 2, 3 and 4 ranks, where rank r's
+`t` is `rank_input(r, numel)` (float32), for sizes that N divides and sizes it does not. A solution passes
+only if, in every case, on every rank:
+
+- `t` itself ends with the sum over ranks, in its own memory (in place: returning a new tensor fails);
+- it called no collective. The exercise is built from dist.send/dist.recv, dist.isend/dist.irecv or
+  dist.batch_isend_irecv. The last is allowed: it posts a list of those same isend/irecv together, each
+  counted as one message (on gloo it is exactly a loop of them; NCCL ring code uses it to post a step's
+  send and receive at once). The guard that switches collectives off and counts messages is in
+  `labkit.exercises.guard`;
+- its traffic is the algorithm's: every message through rank 0 for the hub, 2(N-1) chunks to the right
+  neighbour for the ring, exactly the bytes each sends (`labkit.exercises.diagnosis`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import labkit
+from labkit.checks import timeout_seconds as checked_timeout
+from labkit.exercises.diagnosis import hub_traffic, ring_traffic, unmatched, wrong_values
+from labkit.exercises.guard import attempt, forbidden_message, forbidden_spelling, messages_of_last_attempt, rank_input
+from labkit.exercises.verdict import Verdict
+
+__all__ = ["NAIVE_CASES", "RING_CASES", "TIMEOUT_SECONDS", "check_naive_allreduce", "check_ring_allreduce"]
+
+TIMEOUT_SECONDS = 10.0  # per case; a right solution needs milliseconds, so a wait this long is a hang
+# (world_size, numel). Three ranks first: on two, left and right are the same rank, and so are hub and leaf.
+NAIVE_CASES = [(3, 5), (2, 3), (4, 4), (4, 1)]
+RING_CASES = [(3, 6), (2, 4), (4, 8), (3, 7), (2, 5), (4, 10), (4, 2)]  # sizes N divides first, then not
+
+
+def check_naive_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
+    """Grade `fn(t)`: an AllReduce (sum, in place) through the hub, rank 0, built from send and recv."""
+    verdict = _grade(fn, "your naive AllReduce", NAIVE_CASES, hub_traffic, ring=False,
+                     timeout_seconds=timeout_seconds)
+    if verdict:
+        verdict.message += (" Every message had rank 0 at one end: each rank sent its tensor to rank 0 once and "
+                            "got the sum back into t, in place.")
+    return verdict
+
+
+def check_ring_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
+    """Grade `fn(t)`: a ring AllReduce (sum, in place) from send/recv, also on sizes that N does not divide.
+
+    In a ring every rank sends only to its right neighbour, rank + 1: one chunk per step, 2(N-1) steps."""
+    verdict = _grade(fn, "your ring AllReduce", RING_CASES, ring_traffic, ring=True, timeout_seconds=timeout_seconds)
+    if verdict:
+        verdict.message += (" Every rank sent only to its right neighbour, 2(N-1) messages of one chunk each: "
+                            "2(N-1)/N x S bytes, the ring's traffic, whatever N.")
+    return verdict
+
+
+def _grade(fn, what: str, cases: list[tuple[int, int]], traffic, ring: bool, timeout_seconds: float) -> Verdict:
+    """Run fn on every case in turn; the first case's problem, or a pass that says what was checked."""
+    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
+    if not callable(fn):
+        return Verdict(False, f"pass your function itself, e.g. check(my_allreduce), not {type(fn).__name__}.")
+    for world_size, numel in cases:
+        problem = _case_problem(fn, world_size, numel, traffic, ring, timeout_seconds)
+        if problem:
+            nbytes = numel * rank_input(0, 1).element_size()
+            return Verdict(False, f"On {world_size} ranks with a tensor of {numel} float32 elements "
+                                  f"(S = {nbytes} bytes), {problem}")
+    return Verdict(True, f"{what} gives torch.distributed.all_reduce's answer on 2, 3 and 4 ranks, "
+                         "for sizes that N divides and sizes it does not.")
+
+
+def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_seconds: float) -> str | None:
+    """What is wrong with fn on one (world_size, numel), or None. A wrong attempt may leave messages
+    that nobody received: then the pool is stopped, or the next call's receives would take them."""
+    try:
+        outcomes = labkit.run(attempt, fn, numel, world_size=world_size, timeout=timeout_seconds)
+    except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
+        return _hang_message(hang, ring, timeout_seconds)
+    except labkit.RankError as error:
+        if not ("pool was stopped" in error.headline or any(f.kind in ("stopped", "died") for f in error.failures)):
+            try:
+                _stop_pool_if_unmatched(world_size, labkit.run(messages_of_last_attempt, world_size=world_size))
+            except labkit.RankError:
+                pass  # then labkit has stopped the pool itself
+        return _error_message(error)
+    problem = next((forbidden_message(rank, o.forbidden[0], caught=True)
+                    for rank, o in enumerate(outcomes) if o.forbidden), None)
+    problem = problem or wrong_values(outcomes, numel, ring) or traffic(outcomes, numel)
+    if problem:
+        _stop_pool_if_unmatched(world_size, [(o.sends, o.recvs) for o in outcomes])
+    return problem
+
+
+def _stop_pool_if_unmatched(world_size: int, messages: list[tuple[list, list]]) -> None:
+    """Have labkit stop the pool of `world_size` ranks if some message was left without its partner.
+
+    labkit.run stops a pool whose call outlasts its timeout (labkit/launch/pool.py), as this one does."""
+    if unmatched(messages):
+        try:
+            labkit.run(time.sleep, 60, world_size=world_size, timeout=0.1)
+        except labkit.RankTimeout:
+            pass
+
+
+def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) -> str:
+    """A call that never finished: where the first ranks waited, and how sends and receives deadlock."""
+    waiting = sorted((f for f in hang.failures if f.kind == "stopped"), key=lambda f: f.rank)[:2]
+    where = "; ".join(f"rank {f.rank} {f.summary}" for f in waiting)
+    agree = "the same neighbours: left and right" if ring else "the same hub, rank 0"
+    return (f"it never finished (stopped after {timeout_seconds:g} s): some rank waited for a message that never "
+            f"came. {where}. Every send needs a matching recv on the other rank, in an order that cannot leave "
+            "ranks all waiting: a blocking dist.send waits for its recv, so post sends with dist.isend before "
+            f"the blocking dist.recv, or order blocking calls by rank parity. Do all ranks agree on {agree}?")
+
+
+def _error_message(error: labkit.RankError) -> str:
+    """A call that raised: the first switched-off call it made, else the first rank's own error."""
+    forbidden = [f for f in error.failures if forbidden_spelling(f.summary) is not None]
+    if forbidden:
+        first = min(forbidden, key=lambda f: (f.time, f.rank))
+        return forbidden_message(first.rank, forbidden_spelling(first.summary), caught=False)
+    first = min((f for f in error.failures if f.kind != "stopped"), key=lambda f: (f.time, f.rank),
+                default=error.failures[0])
+    return f"rank {first.rank} raised {first.summary}"

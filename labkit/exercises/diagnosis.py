@@ -1,0 +1,187 @@
+"""From what each rank's call left behind to what is wrong with it: the values in t, and the traffic.
+
+A solution's traffic must be the algorithm's, per rank, S being the tensor's bytes:
+    hub (naive): every message has rank 0 at one end; every other rank sends its S bytes to rank 0 and
+        receives S back; rank 0 sends S to each of the others, (N-1) x S in all.
+    ring: every rank sends only to its right neighbour (r + 1) mod N and receives only from its left
+        one, in 2(N-1) messages (one chunk of t.tensor_split(N) per step), and exactly the bytes of the
+        chunks a ring sends (`ring_nbytes_per_rank`): 2(N-1)/N x S when N divides S
+        (labkit.plan.ring_allreduce_bytes; Patarasuk & Yuan 2009), and for other sizes every chunk but
+        the one it completes, then every chunk but the one it receives last. Any consistent numbering of
+        the chunks is accepted.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from labkit.checks import whole
+from labkit.exercises.guard import Outcome, rank_input
+from labkit.plan.counts import shard_sizes
+from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
+
+__all__ = ["hub_traffic", "ring_nbytes_per_rank", "ring_traffic", "unmatched", "wrong_values"]
+
+
+def ring_nbytes_per_rank(numel: int, world_size: int, element_size: int = 4,
+                         order: tuple[int, ...] | None = None) -> list[int]:
+    """Bytes each rank sends in a ring AllReduce of `numel` elements cut with tensor_split(world_size).
+
+    In a ring what rank r sends at step s is what rank r - 1 sent at step s - 1, so it is chunk
+    order[(r - s) mod N] for one numbering `order` of the chunks. Rank r completes chunk order[r + 1], the
+    one it never sends in the reduce-scatter; in the all-gather it sends every chunk but order[r + 2], the
+    last it receives. The default is the lesson's numbering (rank r sends chunk r - s - 1 and completes
+    chunk r). When N divides numel, every rank sends 2(N-1)/N x S bytes (labkit.plan.ring_allreduce_bytes).
+
+    >>> ring_nbytes_per_rank(10, 4)    # chunks of 3, 3, 2, 2 elements, 4 bytes each
+    [56, 60, 64, 60]
+    """
+    numel, world_size = whole("numel", numel, minimum=0), whole("world_size", world_size)
+    element_size = whole("element_size", element_size)
+    sizes = shard_sizes(numel, world_size)  # torch.tensor_split's chunk sizes
+    order = order or tuple((i - 1) % world_size for i in range(world_size))
+    return [element_size * (2 * numel - sizes[order[(r + 1) % world_size]] - sizes[order[(r + 2) % world_size]])
+            for r in range(world_size)]
+
+
+def wrong_values(outcomes: list[Outcome], numel: int, ring: bool) -> str | None:
+    """The first rank whose t does not hold the sum, in its own memory, and the likely reason."""
+    world_size = len(outcomes)
+    total = sum(rank_input(r, numel) for r in range(world_size))
+    for rank, outcome in enumerate(outcomes):
+        got, mine = torch.tensor(outcome.tensor), rank_input(rank, numel)
+        if not outcome.same_memory:
+            return (f"rank {rank}'s t was pointed at new memory (t.set_ or t.data = ...): an AllReduce works in "
+                    "place, in t's own memory, so that every view of it (a gradient bucket, a parameter) sees the "
+                    "sum. Receive or add into t, or finish with t.copy_(result).")
+        if torch.equal(got, total):
+            continue
+        if outcome.returned is not None and torch.equal(torch.tensor(outcome.returned), total):
+            state = "unchanged" if torch.equal(got, mine) else f"{got.tolist()}"
+            return (f"rank {rank} returned the sum in a new tensor, but its t is {state}: the AllReduce must work "
+                    "in place, so that t itself holds the sum. Receive into t, add into t, or finish with "
+                    "t.copy_(result).")
+        if got.shape != total.shape:
+            return f"rank {rank} ended with {got.numel()} elements in t instead of {numel}."
+        if torch.equal(got, mine):
+            return (f"rank {rank} still holds its own input {mine.tolist()}: the result never reached it. "
+                    "Did the result get sent back to every rank (and received into the same tensor)?")
+        if torch.equal(got, total + mine):
+            return (f"rank {rank} holds its input plus the sum: it added the result to its own tensor instead "
+                    "of replacing it (summed twice). Receive into the tensor, or copy the result over it.")
+        missing = [r for r in range(world_size) if torch.equal(total - got, rank_input(r, numel))]
+        if missing:
+            return (f"rank {rank} got {got.tolist()}, expected {total.tolist()}: the sum is missing rank "
+                    f"{missing[0]}'s input {rank_input(missing[0], numel).tolist()}. Did every rank's tensor get "
+                    "added, once?")
+        if ring:
+            return _wrong_ring_values(rank, got, total, world_size, numel)
+        return f"rank {rank} got {got.tolist()}, expected {total.tolist()}."
+    return None
+
+
+def _wrong_ring_values(rank: int, got: torch.Tensor, total: torch.Tensor, world_size: int, numel: int) -> str:
+    expected = f"rank {rank} got {got.tolist()}, expected {total.tolist()}."
+    if numel % world_size:  # the cases that N divides come first, so those passed
+        return (f"{expected} {numel} is not a multiple of {world_size}: split with t.tensor_split(N), whose chunks "
+                "may differ by one element, and size every buffer like the chunk it receives.")
+    chunks = list(zip(got.tensor_split(world_size), total.tensor_split(world_size), strict=True))
+    complete = [c for c, (g, t) in enumerate(chunks) if torch.equal(g, t)]
+    if len(complete) == 1:
+        return (f"on rank {rank} only chunk {complete[0]} is fully reduced: the reduce-scatter worked; the "
+                "all-gather that passes the finished chunks around the ring is missing.")
+    wrong = [c for c in range(world_size) if c not in complete]
+    return (f"{expected} Chunks {wrong} of t.tensor_split({world_size}) are wrong: check which chunk each step "
+            "sends and which it adds into. With the lesson's numbering, at reduce-scatter step s rank r sends "
+            "chunk (r - s - 1) mod N and adds what it receives into chunk (r - s - 2) mod N; at all-gather step s "
+            "it sends chunk (r - s) mod N and receives chunk (r - s - 1) mod N.")
+
+
+def ring_traffic(outcomes: list[Outcome], numel: int) -> str | None:
+    """Each rank: only to its right neighbour, only from its left, 2(N-1) messages, exactly a ring's bytes."""
+    n = len(outcomes)
+    element_size = rank_input(0, 1).element_size()
+    nbytes = numel * element_size
+    for rank, outcome in enumerate(outcomes):
+        right, left = (rank + 1) % n, (rank - 1) % n
+        for verb, peers, allowed in (("sent to", outcome.sends, right), ("received from", outcome.recvs, left)):
+            strays = sorted({peer for peer, _ in peers} - {allowed})
+            if strays:
+                backwards = "" if {peer for peer, _ in peers} != {left if allowed == right else right} else \
+                    f" (its {'left' if allowed == right else 'right'} neighbour only: your ring runs the wrong way)"
+                return (f"rank {rank} {verb} rank(s) {strays}{backwards}. In a ring each rank sends only to its "
+                        f"right neighbour, here rank {right}, and receives only from its left one, rank {left}. "
+                        "The answer may be right, but this is not a ring.")
+    unpaired = unmatched([(o.sends, o.recvs) for o in outcomes])
+    if unpaired:
+        return unpaired
+    expected = ring_nbytes_per_rank(numel, n, element_size)
+    rule = (f"one chunk of t.tensor_split({n}) per step, N-1 steps of reduce-scatter then N-1 of all-gather: "
+            f"2(N-1)/N x S = {ring_allreduce_bytes(nbytes, n):g} bytes per rank")
+    for rank, outcome in enumerate(outcomes):
+        sent = sum(b for _, b in outcome.sends)
+        if len(outcome.sends) != 2 * (n - 1):
+            largest_chunk = shard_sizes(numel, n)[0] * element_size
+            whole = "" if nbytes <= largest_chunk or all(b != nbytes for _, b in outcome.sends) else (
+                f" Its messages carried the whole tensor ({nbytes} bytes): passing the whole tensor around the ring "
+                "gives the right answer but moves (N-1) x S bytes per rank, more for every rank you add.")
+            count = f"{len(outcome.sends)} message" + "s" * (len(outcome.sends) != 1)
+            return (f"rank {rank} sent {count}, {sent} bytes in all, to rank {(rank + 1) % n}. "
+                    f"A ring AllReduce sends 2(N-1) = {2 * (n - 1)} messages, {rule} (exactly {expected[rank]} bytes "
+                    f"from rank {rank} here).{whole}")
+    sent = tuple(sum(b for _, b in o.sends) for o in outcomes)
+    accepted = {tuple(ring_nbytes_per_rank(numel, n, element_size, order))
+                for order in itertools.permutations(range(n))}
+    if sent not in accepted:
+        rank = next(r for r in range(n) if sent[r] != expected[r])
+        return (f"rank {rank} sent {sent[rank]} bytes to rank {(rank + 1) % n} in {2 * (n - 1)} messages; expected "
+                f"{expected[rank]}: {rule}. Exactly, each rank sends every chunk but the one it completes in the "
+                "reduce-scatter, then every chunk but the one it receives last in the all-gather. Check which "
+                "chunk each step sends.")
+    return None
+
+
+def hub_traffic(outcomes: list[Outcome], numel: int) -> str | None:
+    """Every message has rank 0 at one end; S bytes each way between rank 0 and every other rank."""
+    n = len(outcomes)
+    nbytes = numel * rank_input(0, 1).element_size()
+    for rank, outcome in enumerate(outcomes[1:], start=1):
+        for verb, peers in (("sent to", outcome.sends), ("received from", outcome.recvs)):
+            strays = sorted({peer for peer, _ in peers} - {0})
+            if strays:
+                return (f"rank {rank} {verb} rank(s) {strays}. In the naive AllReduce every message has rank 0, the "
+                        "hub, at one end: every other rank sends to rank 0 and receives from rank 0 only. The answer "
+                        "may be right, but it did not go through the hub.")
+    unpaired = unmatched([(o.sends, o.recvs) for o in outcomes])
+    if unpaired:
+        return unpaired
+    per_peer = (f"each rank sends its whole tensor (S = {nbytes} bytes) to rank 0 once and receives the sum back "
+                f"once; rank 0 sends S to each of the others, (N-1) x S = {naive_allreduce_bytes(nbytes, n):g} "
+                "bytes in all")
+    hub = outcomes[0]
+    for rank, outcome in enumerate(outcomes[1:], start=1):
+        for who, verb, count, peer in (
+            (f"rank {rank}", "sent", sum(b for _, b in outcome.sends), "to rank 0"),
+            (f"rank {rank}", "received", sum(b for _, b in outcome.recvs), "from rank 0"),
+            ("rank 0 (the hub)", "sent", sum(b for p, b in hub.sends if p == rank), f"to rank {rank}"),
+            ("rank 0 (the hub)", "received", sum(b for p, b in hub.recvs if p == rank), f"from rank {rank}"),
+        ):
+            if count != nbytes:
+                return f"{who} {verb} {count} bytes {peer}, expected {nbytes}: in the naive AllReduce {per_peer}."
+    return None
+
+
+def unmatched(messages: list[tuple[list, list]]) -> str | None:
+    """A send that no recv took, or a recv that no send filled, given each rank's (sends, recvs): left
+    over, it would meet the next call's messages."""
+    for src, dst in itertools.permutations(range(len(messages)), 2):
+        sent = [b for peer, b in messages[src][0] if peer == dst]
+        received = [b for peer, b in messages[dst][1] if peer == src]
+        if sent != received:
+            return (f"rank {src} sent {len(sent)} message(s) to rank {dst} (bytes: {sent}), but rank {dst} posted "
+                    f"{len(received)} receive(s) from rank {src} (bytes: {received}). Every send needs exactly one "
+                    "recv of the same size on the other rank, and every recv one send.")
+    return None
+

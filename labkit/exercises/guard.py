@@ -1,0 +1,223 @@
+"""On a rank, while a grader runs the student's AllReduce: its input, the guard, and what the call left behind.
+
+While `fn` runs, a guard is on in each rank, and always removed afterwards (try/finally), even when `fn`
+raises, or is interrupted after a hang (a rank that does not stop is killed with its pool). It replaces,
+for the whole process: torch.distributed's collective functions (in `torch.distributed` and in
+`torch.distributed.distributed_c10d`), the collective methods of the ProcessGroup and Backend classes (so
+`dist.group.WORLD.allreduce` too), every c10d operator under torch.ops (`torch.ops.c10d.allreduce_`,
+functional collectives), and labkit.comm's transport. They raise `ForbiddenCall`, which is reported even
+if `fn` catches it. Messages are counted in ProcessGroup.send and ProcessGroup.recv, where dist.send,
+dist.isend and dist.batch_isend_irecv all arrive, once per message. Data moved any other way (the
+rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import labkit
+from labkit.checks import whole
+
+__all__ = ["ForbiddenCall", "Guard", "Outcome", "attempt", "forbidden_message", "forbidden_spelling",
+           "messages_of_last_attempt", "rank_input"]
+
+POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
+
+# What the guard switches off: torch.distributed's functions other than point-to-point, ...
+_TORCH_FUNCTIONS = (
+    "all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+    "all_gather_coalesced", "all_gather_single", "all_gather_object", "gather", "gather_object", "scatter",
+    "scatter_object_list", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_to_all", "all_to_all_single", "barrier", "monitored_barrier",
+    "send_object_list", "recv_object_list", "_all_gather_base", "_reduce_scatter_base", "new_group",
+    "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group", "init_device_mesh",
+    "init_process_group", "destroy_process_group",
+)
+# ... the ProcessGroup's methods other than send and recv, ...
+_GROUP_METHODS = (
+    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
+    "all_to_all_single", "barrier", "monitored_barrier", "recv_anysource", "split_group", "merge_remote_group",
+)
+# ... and every communication method of a backend (gloo, NCCL), reached through ProcessGroup._get_backend.
+_BACKEND_METHODS = (
+    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+    "allgather_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall",
+    "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+)
+_GROUP_MAKERS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group",
+                 "merge_remote_group", "init_device_mesh", "init_process_group", "destroy_process_group")
+_SWITCHED_OFF = " is switched off while this exercise is graded"
+
+
+def rank_input(rank: int, numel: int, device=None) -> torch.Tensor:
+    """Rank r's input: (r + 1) x [1, 2, ..., numel]. Distinct per rank, so every mistake shows.
+
+    >>> rank_input(1, 3)
+    tensor([2., 4., 6.])
+    """
+    rank, numel = whole("rank", rank, minimum=0), whole("numel", numel, minimum=0)
+    return (rank + 1) * torch.arange(1.0, numel + 1, device=device)
+
+
+class ForbiddenCall(RuntimeError):
+    """Raised on a rank when graded code calls what the exercise asks it to build from send and recv."""
+
+
+def forbidden_spelling(summary: str) -> str | None:
+    """What a rank called, from the one-line summary labkit gives of its ForbiddenCall; None for another error."""
+    prefix = f"{ForbiddenCall.__module__}.{ForbiddenCall.__qualname__}: "
+    if not summary.startswith(prefix):
+        return None
+    return summary.removeprefix(prefix).removesuffix(_SWITCHED_OFF)
+
+
+def forbidden_message(rank: int, spelling: str, caught: bool) -> str:
+    """Rank `rank` called `spelling`, which the guard switched off: say why, and what to use instead."""
+    also = " (and caught the error; it still counts)" if caught else ""
+    called = spelling.split(" (")[0].replace("'s ", ".").rsplit(".", 1)[-1].split()[-1]  # the function's own name
+    if "labkit.comm" in spelling:
+        why = ("labkit.comm's ring_allreduce and naive_allreduce are the course's own answer; this exercise is "
+               f"to write one yourself, from {POINT_TO_POINT}.")
+    elif called.startswith("recv_any"):
+        why = "A dist.recv without src takes a message from any rank; name the rank you expect: dist.recv(t, src)."
+    elif called in ("send_object_list", "recv_object_list"):
+        why = ("It sends a pickled Python object in two messages (its size, then its bytes); send the tensor itself "
+               "with dist.send or dist.isend.")
+    elif called in _GROUP_MAKERS:
+        why = "Work in the default process group, which every rank already shares: leave out group=."
+    else:
+        why = (f"That is a ready-made collective, which does the exercise for you. Build the AllReduce from "
+               f"{POINT_TO_POINT}: torch's collectives and labkit.comm's are switched off while it is graded.")
+    return f"rank {rank} called {spelling}{also}. {why}"
+
+
+@dataclass
+class Outcome:
+    """What one rank's call left behind: t's values, what fn returned, and every message it posted."""
+
+    tensor: list[float]
+    returned: list | None  # a tensor fn returned other than t, as a list
+    same_memory: bool  # t still uses the memory it came in
+    sends: list[tuple[int, int]] = field(default_factory=list)  # (dst, nbytes) per message, in order
+    recvs: list[tuple[int, int]] = field(default_factory=list)  # (src, nbytes)
+    forbidden: list[str] = field(default_factory=list)  # what it called that is switched off
+
+
+class Guard:
+    """While graded code runs on a rank: collectives raise, point-to-point messages are counted.
+
+    Everything is replaced where Python looks it up, for the whole process (threads too): torch.distributed's
+    functions, the ProcessGroup and Backend classes' methods, the c10d operators under torch.ops, and
+    labkit.comm's transport. Messages are counted in ProcessGroup.send and ProcessGroup.recv, where
+    dist.send, dist.isend and dist.batch_isend_irecv all arrive, once per message."""
+
+    def __init__(self):
+        self.sends: list[tuple[int, int]] = []
+        self.recvs: list[tuple[int, int]] = []
+        self.forbidden: list[str] = []
+        self._saved: list[tuple[object, str, object]] = []
+
+    def __enter__(self) -> Guard:
+        try:
+            self._switch_off_collectives()
+            self._count(self.sends, "send")
+            self._count(self.recvs, "recv")
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._restore()
+
+    def refuse(self, spelling: str):
+        """Note that graded code called `spelling`, and raise ForbiddenCall (reported even if it is caught)."""
+        self.forbidden.append(spelling)
+        raise ForbiddenCall(spelling + _SWITCHED_OFF)
+
+    def _switch_off_collectives(self) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        from labkit.comm.transport import TorchTransport
+
+        for module, prefix in ((dist, "torch.distributed"), (distributed_c10d, "torch.distributed.distributed_c10d")):
+            for name in _TORCH_FUNCTIONS:
+                self._replace(module, name, f"{prefix}.{name}")
+        for name in _GROUP_METHODS:
+            self._replace(dist.ProcessGroup, name, f"ProcessGroup.{name} (as in dist.group.WORLD.{name})")
+        for name in _BACKEND_METHODS:
+            self._replace(torch._C._distributed_c10d.Backend, name, f"the process group's backend's {name}")
+        for qualified in torch._C._dispatch_get_all_op_names():  # "c10d::allreduce_", "_c10d_functional::..."
+            namespace, _, name = qualified.partition("::")
+            if "c10d" in namespace:
+                self._replace(getattr(torch.ops, namespace), name, f"torch.ops.{namespace}.{name}", cached=False)
+        for name in ("_post_send", "_post_recv"):
+            self._replace(TorchTransport, name, "a labkit.comm collective")
+
+    def _replace(self, owner, name: str, spelling: str, cached: bool = True) -> None:
+        """Make owner.name raise; `cached=False` for torch.ops namespaces, which create attributes on first use."""
+        original = vars(owner).get(name, _ABSENT)
+        if original is _ABSENT and cached:  # not in this torch release
+            return
+
+        def refused(*args, **kwargs):
+            self.refuse(spelling)
+
+        self._saved.append((owner, name, original))
+        setattr(owner, name, refused)
+
+    def _count(self, messages: list[tuple[int, int]], name: str) -> None:
+        """Record (peer, nbytes) for each ProcessGroup.send or .recv (tensors, peer, tag), then post it."""
+        import torch.distributed as dist
+
+        original = vars(dist.ProcessGroup)[name]
+
+        def counted(group, tensors, peer, *args, **kwargs):
+            messages.append((int(peer), sum(t.numel() * t.element_size() for t in tensors)))
+            return original(group, tensors, peer, *args, **kwargs)
+
+        self._saved.append((dist.ProcessGroup, name, original))
+        setattr(dist.ProcessGroup, name, counted)
+
+    def _restore(self) -> None:
+        while self._saved:
+            owner, name, original = self._saved.pop()
+            if original is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
+_ABSENT = object()
+
+
+_last_messages: tuple[list, list] = ([], [])  # on a rank: (sends, recvs) of the last graded call
+
+
+def attempt(fn, numel: int) -> Outcome:
+    """On a rank: call fn on this rank's input under the guard; what happened, for the grader."""
+    global _last_messages
+    t = rank_input(labkit.rank(), numel, device=labkit.device())
+    memory = t.data_ptr()
+    guard = Guard()
+    try:
+        with guard:
+            returned = fn(t)
+    finally:
+        _last_messages = (guard.sends, guard.recvs)
+    if isinstance(returned, torch.Tensor) and returned is not t:
+        returned = returned.detach().tolist()
+    else:
+        returned = None
+    return Outcome(t.tolist(), returned, t.data_ptr() == memory, guard.sends, guard.recvs, guard.forbidden)
+
+
+def messages_of_last_attempt() -> tuple[list, list]:
+    """On a rank: what the last graded call posted, when it raised instead of returning it."""
+    return _last_messages

@@ -1,0 +1,67 @@
+"""The stack map of notebook 10: each NVIDIA component's purpose in one clause, and its grader.
+
+    >>> check_stack_map({"NCCL": "communicates"})
+    Not yet. match every component; still open: TensorRT-LLM, Triton, NIM, NeMo, RAPIDS.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Mapping
+
+from labkit.exercises.verdict import Verdict
+
+__all__ = ["STACK_MAP", "check_stack_map"]
+
+# The lesson's stack map: each NVIDIA component's purpose in one clause.
+STACK_MAP = {"NCCL": "communicates", "TensorRT-LLM": "optimizes", "Triton": "serves", "NIM": "packages",
+             "NeMo": "builds", "RAPIDS": "processes data"}
+
+
+def check_stack_map(answers: Mapping[str, str]) -> Verdict:
+    """Grade a matching of NVIDIA components to what they do, e.g. {"NCCL": "...", "NeMo": "...", ...}.
+
+    Case, spaces and hyphens in names ("tensorrt llm") and case and spaces in answers do not count; anything
+    else must be exact: every component once, each answer one of the choices, all of them right."""
+    choices = sorted(STACK_MAP.values())
+    if not isinstance(answers, Mapping):
+        return Verdict(False, f"pass a dict that maps each component to what it does, like "
+                              f"{{'NCCL': '...', 'NeMo': '...'}}; got {type(answers).__name__}.")
+    components = {_name_key(name): name for name in STACK_MAP}
+    given: dict[str, str] = {}
+    for name, answer in answers.items():
+        component = components.get(_name_key(name)) if isinstance(name, str) else None
+        if component is None:
+            return Verdict(False, f"{name!r} is not one of the components: {', '.join(STACK_MAP)}.")
+        if component in given:
+            return Verdict(False, f"{component} is answered twice; give each component one answer.")
+        if answer is not None and not isinstance(answer, str):
+            return Verdict(False, f"give {component}'s answer as text, one of: {', '.join(choices)}; "
+                                  f"got {type(answer).__name__}.")
+        given[component] = _normalized(answer or "")
+    missing = [name for name in STACK_MAP if not given.get(name)]
+    if missing:
+        return Verdict(False, f"match every component; still open: {', '.join(missing)}.")
+    unknown = [name for name in STACK_MAP if given[name] not in choices]
+    if unknown:
+        named = ", ".join(f"{given[name]!r} for {name}" for name in unknown)
+        return Verdict(False, f"{named}: not one of the choices, which are {', '.join(choices)}.")
+    wrong = [name for name, verb in STACK_MAP.items() if given[name] != verb]
+    if not wrong:
+        return Verdict(True, "NCCL communicates, TensorRT-LLM optimizes, Triton serves, NIM packages, NeMo builds, "
+                             "RAPIDS processes data.")
+    shuffled = " Each answer is used once, but not with its component." if sorted(given.values()) == choices else ""
+    hint = " NCCL is a communication library: not a training framework, not a scheduler, not a server." \
+        if "NCCL" in wrong else ""
+    return Verdict(False, f"{len(STACK_MAP) - len(wrong)} of {len(STACK_MAP)} right; look again at "
+                          f"{', '.join(wrong)}.{shuffled}{hint}")
+
+
+def _normalized(text: str) -> str:
+    """'  Processes   DATA ' -> 'processes data': case and spacing do not count."""
+    return " ".join(unicodedata.normalize("NFKC", text).split()).casefold()
+
+
+def _name_key(name: str) -> str:
+    """'tensorrt llm', 'TensorRT-LLM' and ' TENSORRT-llm' all name the same component."""
+    return "".join(_normalized(name).replace("-", " ").split())
