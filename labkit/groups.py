@@ -21,8 +21,8 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["check_same", "gather_objects", "global_rank", "group_is_up", "group_rank", "group_ranks", "group_size",
-           "new_group", "require_group"]
+__all__ = ["check_gathered", "check_same", "gather_objects", "global_rank", "group_is_up", "group_rank", "group_ranks",
+           "group_size", "new_group", "require_group", "require_member"]
 
 OUTSIDE = ("{caller} needs a torch.distributed process group: call it inside a rank (in a function given to "
            "labkit.run, in a %%ranks cell, or in a script started by torchrun). Here none is initialised.")
@@ -44,6 +44,16 @@ def require_group(caller: str) -> None:
     """RuntimeError naming `caller` unless a process group is up."""
     if not group_is_up():
         raise RuntimeError(OUTSIDE.format(caller=caller))
+
+
+def require_member(caller: str, group=None) -> None:
+    """`require_group`, then a ValueError naming `caller` unless this rank belongs to `group`. On a rank outside
+    it, torch.distributed.new_group returned a placeholder (GroupMember.NON_GROUP_MEMBER), and torch's
+    collectives on it only warn and return, leaving the tensor as it was: here that is an error instead."""
+    require_group(caller)
+    if _dist().get_rank(group) < 0:
+        raise ValueError(f"{caller}: global rank {_dist().get_rank()} is not in the group passed as group=. Call it "
+                         "only on the group's ranks (every rank creates the group; only its members use it).")
 
 
 def new_group(ranks: list[int]):
@@ -92,8 +102,14 @@ def check_same(value, caller: str, what: str, fix: str, group=None) -> None:
 
     `what` names the thing ("tensors", "models"); `fix` tells the student what to do."""
     everyone = gather_objects(value, group)
+    check_gathered(everyone, caller, what, fix, group_ranks(group) if group_is_up() else [0])
+
+
+def check_gathered(everyone: list, caller: str, what: str, fix: str, ranks: list[int]) -> None:
+    """`check_same` once every rank's value is at hand (`everyone`, in group-rank order; `ranks`: their global
+    ranks, for the message): for callers that exchange the values their own, faster way (labkit.comm's
+    transport sends its tensor signatures point to point, and runs in its simulator too)."""
     differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
-        ranks = group_ranks(group) if group_is_up() else [0]
         described = "; ".join(f"rank {ranks[r]}: {everyone[r]}" for r in [0, *differ])
         raise ValueError(f"{caller}: the ranks passed different {what} ({described}). {fix}")

@@ -7,8 +7,10 @@
     broadcast(t, src)         binomial tree from src
     reduce(t, dst)            binomial tree into dst
 
-Inside a rank they use torch.distributed's default group; `traced()` records their transfers, and
-`simulate(...)` runs the same code on simulated ranks in this process.
+Inside a rank each runs on `group=` (None: the whole world; a group from `labkit.groups.new_group` or a
+mesh axis), whose members must all call it, and numbers ranks inside it: src, dst and the ring's
+neighbours are group ranks, 0 .. group size - 1. `traced()` records their transfers, and `simulate(...)`
+runs the same code on simulated ranks in this process.
 """
 
 from labkit.comm.naive import naive_allreduce

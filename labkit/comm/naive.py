@@ -1,8 +1,8 @@
 """AllReduce the naive way: everyone sends to a hub, the hub reduces and sends the result back.
 
-Rank 0 receives N-1 whole tensors and sends N-1 back: (N-1) x S bytes each way through one link,
-growing linearly with N. That link is why this design stops scaling almost at once, and why the
-ring (`labkit.comm.ring`) exists.
+Rank 0 (of the group the call runs on) receives N-1 whole tensors and sends N-1 back: (N-1) x S
+bytes each way through one link, growing linearly with N. That link is why this design stops scaling
+almost at once, and why the ring (`labkit.comm.ring`) exists.
 """
 
 from __future__ import annotations
@@ -10,14 +10,17 @@ from __future__ import annotations
 import torch
 
 from labkit.comm.ops import combiner, finish
-from labkit.comm.transport import Transport, default_transport, flat_buffer, write_back
+from labkit.comm.transport import Transport, flat_buffer, resolve_transport, write_back
 
-HUB = 0
+__all__ = ["HUB", "naive_allreduce"]
+
+HUB = 0  # a group rank: the hub of a group is its first member
 
 
-def naive_allreduce(tensor: torch.Tensor, op="sum", *, transport: Transport | None = None) -> torch.Tensor:
-    """Reduce `tensor` across ranks through rank 0, in place; returns it. Same result as `dist.all_reduce`."""
-    transport = transport or default_transport()
+def naive_allreduce(tensor: torch.Tensor, op="sum", *, group=None, transport: Transport | None = None) -> torch.Tensor:
+    """Reduce `tensor` across the ranks of `group` (None: all ranks) through the group's rank 0, in place;
+    returns it. Same result as `dist.all_reduce(tensor, op, group=group)`."""
+    transport = resolve_transport(transport, group, "naive_allreduce")
     transport.check_same_tensors(tensor, "naive_allreduce")
     combine = combiner(op, tensor.dtype)
     flat = flat_buffer(tensor)

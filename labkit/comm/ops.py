@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+__all__ = ["Combine", "combiner", "finish", "op_name"]
+
 Combine = Callable[[torch.Tensor, torch.Tensor], None]
 
 _COMBINE: dict[str, Combine] = {

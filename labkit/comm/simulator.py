@@ -17,6 +17,9 @@ import torch
 
 from labkit.comm.transport import Transfer, Transport
 
+__all__ = ["ALPHA_SECONDS", "BETA_SECONDS_PER_BYTE", "SimTransport", "canonical_order", "run_simulated", "simulate",
+           "with_model_times"]
+
 ALPHA_SECONDS = 20e-6  # per-message latency of the model
 BETA_SECONDS_PER_BYTE = 1 / 10e9  # a 10 GB/s link (GB = 1e9 bytes)
 _WAIT_SECONDS = 30.0

@@ -23,9 +23,11 @@ from typing import Protocol
 
 import torch
 
+from labkit.groups import check_gathered, group_rank, group_ranks, group_size, require_member
+
 __all__ = ["DTYPES", "MAX_DIMS", "NCCL_DTYPES", "Batch", "Carriage", "Pending", "TorchTransport", "Transfer",
            "Transport", "carriage", "carrier", "check_rank", "default_transport", "describe_signature", "dtype_index",
-           "flat_buffer", "on_the_wire", "signature", "traced", "write_back"]
+           "flat_buffer", "on_the_wire", "resolve_transport", "signature", "traced", "write_back"]
 
 MAX_DIMS = 8  # a signature holds a shape of up to this many dimensions
 HEADER_TAG = 1 << 20  # for the signature exchange; data tags stay below it
@@ -227,6 +229,10 @@ class Transport:
         if self.events is not None:
             self.events.append(event)
 
+    def global_ranks(self) -> list[int]:
+        """The global rank of each of this transport's ranks, in rank order: what error messages name."""
+        return list(range(self.world_size))
+
     @property
     def right(self) -> int:
         return (self.rank + 1) % self.world_size
@@ -238,10 +244,8 @@ class Transport:
     def check_same_tensors(self, tensor: torch.Tensor, name: str) -> None:
         """Raise on every rank if the ranks passed tensors of different dtype or shape to `name`."""
         theirs = self.signatures(signature(tensor), tensor.device)
-        if any(s != theirs[0] for s in theirs):
-            described = ", ".join(f"rank {r}: {describe_signature(s)}" for r, s in enumerate(theirs))
-            raise ValueError(f"{name}: the ranks passed different tensors ({described}). Every rank must pass a "
-                             "tensor of the same dtype and shape.")
+        check_gathered([describe_signature(s) for s in theirs], name, "tensors",
+                       "Every rank must pass a tensor of the same dtype and shape.", self.global_ranks())
 
 
 def flat_buffer(tensor: torch.Tensor) -> torch.Tensor:
@@ -259,8 +263,10 @@ def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 def check_rank(transport: Transport, rank: int, name: str) -> None:
+    """ValueError unless `rank` is one of the transport's ranks: a group rank, 0 .. world_size - 1."""
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < transport.world_size:
-        raise ValueError(f"{name} must be a rank between 0 and {transport.world_size - 1}, got {rank!r}.")
+        raise ValueError(f"{name} must be a rank between 0 and {transport.world_size - 1} (its number in group=, "
+                         f"not its global rank), got {rank!r}.")
 
 
 def dtype_index(dtype: torch.dtype) -> int:
@@ -284,7 +290,10 @@ def describe_signature(sig: list[int]) -> str:
 
 
 class TorchTransport(Transport):
-    """Point-to-point over torch.distributed's default process group (gloo or NCCL).
+    """Point-to-point over a torch.distributed process group (gloo or NCCL): `group` (None: the whole world).
+
+    `rank` and `world_size` are the group's, and the peers of `isend`, `irecv` and the collectives built
+    on them are group ranks (0 .. world_size-1); the transport hands torch what it wants for each call.
 
     Each tensor travels as `carriage` says for its dtype and device. Single sends and receives go
     straight to the ProcessGroup object (dist.isend's Python wrapper costs about 0.1 ms a call here,
@@ -293,20 +302,22 @@ class TorchTransport(Transport):
 
     `batched`: None to decide per backend, True or False to force one path (both work on gloo)."""
 
-    def __init__(self, batched: bool | None = None):
+    def __init__(self, group=None, batched: bool | None = None):
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("labkit.comm needs a torch.distributed process group: call it inside a rank "
-                               "(labkit.run, a %%ranks cell, or a script under torchrun).")
+        require_member("labkit.comm", group)
         super().__init__()
-        self._group = dist.distributed_c10d._get_default_group()
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.group = group
+        self._group = dist.group.WORLD if group is None else group  # the ProcessGroup: its ranks are group ranks
+        self.rank, self.world_size = group_rank(group), group_size(group)
+        self._global_ranks = group_ranks(group)
         self.backend_config = dist.get_backend_config(self._group)
         self.batched = batched
         self._carriages: dict[tuple, Carriage] = {}
         self._batch: Batch | _Batch | None = None  # collecting inside batch()
+
+    def global_ranks(self) -> list[int]:
+        return list(self._global_ranks)
 
     def carriage(self, tensor: torch.Tensor) -> Carriage:
         """How `tensor` travels in this group (looked up once per dtype and device type)."""
@@ -330,12 +341,14 @@ class TorchTransport(Transport):
         return self._post(on_the_wire(tensor, how.wire_dtype), src, tag, send=False)
 
     def _post(self, wire: torch.Tensor, peer: int, tag: int, send: bool) -> Pending:
-        """Post now, or add to the batch that batch() is collecting."""
+        """Post now, or add to the batch that batch() is collecting. `peer` is a group rank, as the ProcessGroup
+        object takes it (dist.send would want a global one) and P2POp's `group_peer`."""
         if self._batch is None:
             return self._group.send([wire], peer, tag) if send else self._group.recv([wire], peer, tag)
         import torch.distributed as dist
 
-        self._batch.ops.append(dist.P2POp(dist.isend if send else dist.irecv, wire, peer, self._group, tag))
+        op = dist.isend if send else dist.irecv
+        self._batch.ops.append(dist.P2POp(op, wire, group=self._group, tag=tag, group_peer=peer))
         return self._batch
 
     @contextmanager
@@ -424,28 +437,52 @@ class _Staged:
             self.into = None
 
 
-_default: TorchTransport | None = None
+_transports: dict = {}  # group (None: the world) -> its TorchTransport, while the world below lasts
+_world = None
 
 
-def default_transport() -> TorchTransport:
-    """The transport of this rank's default process group, made once per process group."""
-    global _default
+def default_transport(group=None) -> TorchTransport:
+    """This rank's transport of `group` (None: the whole world), made once per group and kept, with its
+    receive buffers, until the world's process group is replaced."""
+    global _world
     import torch.distributed as dist
 
-    if _default is None or not dist.is_initialized() or _default._group is not dist.group.WORLD:
-        _default = TorchTransport()
-    return _default
+    require_member("labkit.comm", group)
+    if dist.group.WORLD is not _world:
+        _transports.clear()
+        _world = dist.group.WORLD
+    if group not in _transports:
+        _transports[group] = TorchTransport(group)
+    return _transports[group]
+
+
+def resolve_transport(transport: Transport | None, group, caller: str) -> Transport:
+    """What a collective runs on: `transport` if one is given (a simulated rank, a forced carriage), else
+    this rank's transport of `group`. Both at once is an error: a transport already has its group."""
+    if transport is None:
+        require_member(caller, group)
+        return default_transport(group)
+    if group is not None:
+        raise ValueError(f"{caller}: pass group= or transport=, not both (a transport has its group: "
+                         "TorchTransport(group=...)).")
+    return transport
 
 
 @contextmanager
-def traced(transport: Transport | None = None):
-    """Record every transfer labkit.comm's collectives make on this rank inside the block.
+def traced(transport: Transport | None = None, *, group=None):
+    """Record every transfer labkit.comm's collectives make on this rank inside the block: those on `group`
+    (None: the whole world), or on `transport`. Sources and destinations are group ranks, like the algorithm's.
 
-    >>> with traced() as events:
-    ...     ring_allreduce(t)
-    >>> events[0]      # Transfer(step=0, phase='reduce-scatter', src=..., dst=..., chunk=..., nbytes=...)
+    >>> import labkit, torch
+    >>> from labkit import comm
+    >>> def first_transfer():
+    ...     with comm.traced() as events:
+    ...         comm.ring_allreduce(torch.ones(4))
+    ...     return events[0].key()    # (step, phase, src, dst, chunk, nbytes): rank r starts with chunk r-1
+    >>> labkit.run(first_transfer, world_size=2)
+    [(0, 'reduce-scatter', 0, 1, 1, 8), (0, 'reduce-scatter', 1, 0, 0, 8)]
     """
-    transport = transport or default_transport()
+    transport = resolve_transport(transport, group, "traced")
     previous, transport.events = transport.events, []
     try:
         yield transport.events

@@ -330,18 +330,21 @@ def test_mismatched_tensors_are_a_clear_error_on_every_rank(kind, algorithm):
     assert len(info.value.failures) == 3
     message = str(info.value)
     assert "ranks 0-2: ValueError" in message and "the ranks passed different tensors" in message
-    assert ("rank 0: float32[4], rank 1: float32[5]" if kind == "shape" else "rank 1: int64[4]") in message
+    assert ("rank 0: float32[4]; rank 1: float32[5]; rank 2: float32[6]" if kind == "shape"
+            else "rank 0: float32[4]; rank 1: int64[4]; rank 2: int64[4]") in message
 
 
 def test_allgather_of_different_dtypes_is_a_clear_error():
     def f():
         comm.ring_allgather(torch.zeros(2, dtype=torch.float32 if labkit.rank() else torch.float64))
-    with pytest.raises(labkit.RankError, match="ranks 0-1: ValueError: ring_allgather: the ranks passed chunks"):
+    expected = r"ranks 0-1: ValueError: ring_allgather: the ranks passed different chunk dtypes \(rank 0: float64; "
+    with pytest.raises(labkit.RankError, match=expected):
         labkit.run(f, world_size=2, timeout=20)
 
 
 def test_bad_root_is_a_clear_error():
-    with pytest.raises(labkit.RankError, match="broadcast's src must be a rank between 0 and 1, got 2"):
+    expected = r"broadcast's src must be a rank between 0 and 1 \(its number in group=, not its global rank\), got 2"
+    with pytest.raises(labkit.RankError, match=expected):
         labkit.run(lambda: comm.broadcast(torch.zeros(1), 2), world_size=2, timeout=20)
 
 
