@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from labkit import comm
 from labkit.comm import ring
 from labkit.comm.simulator import ALPHA_SECONDS, BETA_SECONDS_PER_BYTE, with_model_times
-from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
+from labkit.plan.traffic import allreduce_seconds, naive_allreduce_bytes, ring_allreduce_bytes
 
 
 @settings(max_examples=40, deadline=None)
@@ -53,6 +53,10 @@ def test_model_times_show_the_hub_waiting_its_turn():
     alpha, beta = ALPHA_SECONDS, BETA_SECONDS_PER_BYTE
     assert hub_time == pytest.approx(2 * (n - 1) * (alpha + nbytes * beta))
     assert ring_time == pytest.approx(2 * (n - 1) * (alpha + nbytes / n * beta))
+    # one alpha-beta model: the simulator's times are the planner's formulas (Thakur et al. 2005)
+    model = {"latency": alpha, "bandwidth": 1 / beta}
+    assert hub_time == pytest.approx(allreduce_seconds(nbytes, n, algorithm="naive", **model))
+    assert ring_time == pytest.approx(allreduce_seconds(nbytes, n, algorithm="ring", **model))
 
 
 def test_with_model_times_keeps_the_transfers():
