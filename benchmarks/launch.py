@@ -4,7 +4,7 @@ Two jobs, each timed three ways. The empty job (a function that does nothing) me
 own round trip: the owner pickles the call, every rank runs it and replies. The all_reduce job (4 floats)
 adds one small collective, which alone takes milliseconds over gloo on a busy laptop. The baselines run the
 same job per call: start 4 processes (forked from this one, or spawned as fresh interpreters), join a
-gloo group, run the job, leave. Then the pool's own start: cold (the fork server imports torch, then
+gloo group, run the job, meet at a barrier, leave. Then the pool's own start: cold (the fork server imports torch, then
 forks 4 ranks) and with the fork server already warm (3 ranks). Targets: the launcher's warm round trip
 under 1 ms (issue 16), the cold start under 3 s (issue 2).
 
@@ -43,6 +43,7 @@ def per_call_rank(rank, store_path, job_name):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD_SIZE)
     JOBS[job_name]()
+    dist.barrier()  # no rank leaves while a peer still connects to it (gloo: "Connection closed by peer")
     dist.destroy_process_group()
 
 
