@@ -91,7 +91,7 @@ gpu-test: ## on a CUDA machine, its own torch: tests/gpu, then every notebook un
 	PYTHONPATH=. $(GPU_PYTHON) tests/gpu/run_notebooks.py
 
 gpu-check: setup ## on a CUDA machine: devices, backend choice, labkit's kernels on GPUs vs torch's
-	$(BIN)/python -m labkit.gpu_check
+	$(BIN)/python -m labkit.commands.gpu_check
 
 clean: ## remove .venv, caches and test artifacts
 	rm -rf .venv $(ARTIFACTS) .pytest_cache .ruff_cache .hypothesis *.egg-info

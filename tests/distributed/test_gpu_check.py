@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import labkit
-from labkit import gpu_check
-from labkit.gpu_check import DeviceFacts, Run, plan
+from labkit.commands import gpu_check
+from labkit.commands.gpu_check import DeviceFacts, Run, plan
 
 CPU_LAPTOP = DeviceFacts("2.13.0+cpu", None, None, 0, None, nccl=False)
 GPU_BOX = DeviceFacts("2.13.0+cu130", "13.0", "nvidia-smi", 8, None, nccl=True)
@@ -142,3 +142,21 @@ def test_every_check_of_a_run_passes_on_cpu_ranks():
 def test_table_printing(capsys):
     gpu_check.print_table("T", ("a", "bb"), [(1, "x"), (22, "yyy")])
     assert capsys.readouterr().out.splitlines()[-1] == "  22  yyy"
+
+
+def timings_through_labkit_measure():
+    """check_kernels with labkit.measure.median_seconds replaced by a recorder: what it timed, on which device."""
+    timed = []
+    real = gpu_check.median_seconds
+    gpu_check.median_seconds = lambda fn, repeats, device: timed.append((repeats, str(device))) or 0.00125
+    try:
+        rows = gpu_check.check_kernels(1 << 12)
+    finally:
+        gpu_check.median_seconds = real
+    return timed, [row[3:] for row in rows if row[3]]
+
+
+def test_the_ring_is_timed_by_labkit_measures_barrier_and_median():
+    timed, times = labkit.run(timings_through_labkit_measure, world_size=2)[0]
+    assert timed == [(5, "cpu")] * 4  # batched and paired: labkit's ring, then torch's all_reduce
+    assert times == [("1.25", "1.25")] * 2

@@ -11,7 +11,8 @@ import pytest
 def torchrun(node_rank: int, port: int, *cli_args: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
                "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
-               "--rdzv-id", "labkit-test", "--max-restarts", "0", "-m", "labkit.cli", *cli_args]
+               "--rdzv-id", "labkit-test", "--max-restarts", "0", "-m", "labkit.commands.allreduce_check",
+               *cli_args]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}  # both "nodes" are this machine
     return subprocess.Popen(command, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
@@ -19,7 +20,7 @@ def torchrun(node_rank: int, port: int, *cli_args: str) -> subprocess.Popen:
 
 @pytest.mark.parametrize("algorithm", ["ring_allreduce", "naive_allreduce"])
 def test_two_torchrun_nodes_agree_with_torch(algorithm, port):
-    nodes = [torchrun(node, port, "allreduce", "--algorithm", algorithm, "--numel", "37") for node in (0, 1)]
+    nodes = [torchrun(node, port, "--algorithm", algorithm, "--numel", "37") for node in (0, 1)]
     outputs = [node.communicate(timeout=240) for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [err[-2000:] for _, err in outputs]
     results = [json.loads(line) for out, _ in outputs for line in out.splitlines() if line.startswith("{")]
@@ -27,9 +28,9 @@ def test_two_torchrun_nodes_agree_with_torch(algorithm, port):
     assert all(r["ok"] and r["world_size"] == 4 and r["algorithm"] == algorithm for r in results)
 
 
-def test_without_torchrun_the_cli_says_how_to_start_it():
+def test_without_torchrun_the_command_says_how_to_start_it():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-m", "labkit.cli", "allreduce"], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-m", "labkit.commands.allreduce_check"], env=env, capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode != 0
     assert "start it with torchrun" in done.stderr

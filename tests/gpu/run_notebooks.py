@@ -32,6 +32,8 @@ import textwrap
 import time
 from dataclasses import dataclass
 
+from labkit.tables import text_table
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NCCL_LINE = re.compile(r"NCCL INFO (\w+): opCount")
 KERNEL = "labkit-this-interpreter"
@@ -135,9 +137,7 @@ def print_table(results: list[Result], world_size: int, backend: str) -> None:
     header = ("notebook", "seconds", "NCCL ops", "gloo ops", "carried by", "result")
     rows = [(r.notebook, f"{r.seconds:.0f}", r.nccl_ops, r.gloo_ops, r.carried_by,
              "pass" if r.passed else f"FAIL: {r.error}") for r in results]
-    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=True)]
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    print(text_table(header, rows, indent="  "))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 import labkit
-from labkit import comm, gpu_check
+from labkit import comm
 from labkit.comm.transport import DTYPES
+from labkit.commands import gpu_check
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NO_CUDA = f"CUDA is not available (torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})"
@@ -166,7 +167,7 @@ def tp_against_torch():
         y = module(inputs)
         y.backward(grad_out)
         outs.append((y.detach(), inputs.grad))
-    return max(gpu_check._relative_error(a, b) for a, b in zip(*outs, strict=True))
+    return max(gpu_check.relative_error(a, b) for a, b in zip(*outs, strict=True))
 
 
 @needs_gpus(1)

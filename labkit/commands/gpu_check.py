@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import sys
-import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -26,6 +24,12 @@ import torch
 
 import labkit
 from labkit.launch.backend import choose_backend
+from labkit.measure import median_seconds
+from labkit.tables import text_table
+
+__all__ = ["KERNEL_DTYPES", "TIMED_NBYTES", "TOLERANCE", "DeviceFacts", "Plan", "Run", "backend_rows", "check_ddp",
+           "check_health", "check_kernels", "check_tp", "device_rows", "execute", "gather_facts", "main", "plan",
+           "print_table", "relative_error"]
 
 TIMED_NBYTES = 64 << 20
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int16, torch.complex64)
@@ -59,6 +63,9 @@ class Run:
 
 @dataclass
 class Plan:
+    """What `plan` decided: an exit status and its message when the facts alone decide, else the runs to check,
+    notes to print beside them and problems that fail the check whatever the runs show."""
+
     exit_code: int | None  # set when the facts alone decide (nothing to run)
     message: str
     runs: list[Run] = field(default_factory=list)
@@ -135,6 +142,7 @@ def plan(facts: DeviceFacts, max_world_size: int = labkit.MAX_WORLD_SIZE) -> Pla
 
 
 def _shared_gloo_run() -> Run:
+    """Two ranks on one GPU over gloo: what can be checked between ranks when NCCL cannot pair them."""
     return Run("gloo", 2, "cuda:0", ("kernels",),
                "gloo, 2 ranks sharing cuda:0: gloo's collectives on CUDA tensors are broadcast and all_reduce only, "
                "so torch's answers come from those two, and labkit's sends go through host memory")
@@ -179,8 +187,8 @@ def check_kernels(timed_nbytes: int = TIMED_NBYTES, device: str | None = None) -
         for batched in (True, False):
             transport = comm.TorchTransport(batched=batched)
             rows.append((f"ring_allreduce {timed_nbytes >> 20} MiB, {'batched' if batched else 'paired'} steps",
-                         "float32", True, _median_ms(lambda t=transport: comm.ring_allreduce(big, transport=t)),
-                         _median_ms(lambda: dist.all_reduce(big))))
+                         "float32", True, _median_ms(lambda t=transport: comm.ring_allreduce(big, transport=t), device),
+                         _median_ms(lambda: dist.all_reduce(big), device)))
     return rows
 
 
@@ -217,7 +225,7 @@ def check_ddp(device: str | None = None, steps: int = 3) -> list[tuple]:
             if net is ours:
                 ours.finish()
             optimizer.step()
-    error = max(_relative_error(a, b) for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True))
+    error = max(relative_error(a, b) for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True))
     return [("BucketedDDP vs torch DDP", f"{steps} SGD steps, max relative error {error:.1e}",
              error <= TOLERANCE, "", "")]
 
@@ -241,30 +249,19 @@ def check_tp(device: str | None = None) -> list[tuple]:
         out = module(inputs)
         out.backward(grad_out)
         results.append((out.detach(), inputs.grad))
-    error = max(_relative_error(a, b) for a, b in zip(*results, strict=True))
+    error = max(relative_error(a, b) for a, b in zip(*results, strict=True))
     return [("ParallelMLP vs the unsplit MLP", f"output and input gradient, max relative error {error:.1e}",
              error <= 1e-12, "", "")]
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference between `a` and the reference `b`, over `b`'s largest magnitude (0 when empty)."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item() if b.numel() else 0.0
 
 
-def _median_ms(fn, repeats: int = 5) -> str:
-    import torch.distributed as dist
-
-    fn()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return f"{statistics.median(times) * 1e3:.2f}"
+def _median_ms(fn, device: torch.device) -> str:
+    """labkit.measure.median_seconds of `fn` on every rank, in milliseconds as the table shows them."""
+    return f"{median_seconds(fn, repeats=5, device=device) * 1e3:.2f}"
 
 
 def _fail_on_every_rank() -> None:
@@ -321,13 +318,12 @@ def device_rows() -> list[tuple]:
 
 
 def print_table(title: str, header: tuple, rows: list[tuple]) -> None:
-    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=True)]
-    print(f"\n{title}")
-    for row in [header, tuple("-" * w for w in widths), *rows]:
-        print("  " + "  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+    """`title`, then the rows under `header` as an indented labkit.tables.text_table."""
+    print(f"\n{title}\n{text_table(header, rows, indent='  ')}")
 
 
 def main(facts: DeviceFacts | None = None) -> int:
+    """Print this machine's facts, the verdict and every check's table; 1 if a check failed or a problem was found."""
     facts = facts or gather_facts()
     print(f"labkit gpu-check: torch {facts.torch_version}, CUDA build {facts.cuda_build or 'none'}, NVIDIA driver "
           f"{facts.driver or 'not found'}, usable GPUs {facts.gpu_count}")
