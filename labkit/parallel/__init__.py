@@ -28,16 +28,16 @@ from labkit.parallel.tensor import (
     ColumnParallelLinear,
     ParallelMLP,
     RowParallelLinear,
-    f,
-    g,
-    gather_last,
-    shard_sizes,
-    split_last,
+    copy_to_tensor_parallel,
+    gather_from_tensor_parallel,
+    reduce_from_tensor_parallel,
+    split_to_tensor_parallel,
 )
+from labkit.plan.counts import shard_sizes  # notebook 05 shows the cut the tensor-parallel layers use
 
 __all__ = ["AXES", "Action", "AllReduceCounter", "Bucket", "BucketedDDP", "CollectiveCounter", "ColumnParallelLinear",
            "Event", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "ParallelMLP", "PipelineEvent", "PipelineResult",
-           "RowParallelLinear", "all_reduce_sum", "average_gradients", "broadcast_parameters", "count_allreduces",
-           "count_collectives", "f", "g", "gather_last", "measured_bubble", "mesh_layout", "peak_in_flight",
-           "record_collective", "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_last",
-           "stage_layers"]
+           "RowParallelLinear", "all_reduce_sum", "average_gradients", "broadcast_parameters",
+           "copy_to_tensor_parallel", "count_allreduces", "count_collectives", "gather_from_tensor_parallel",
+           "measured_bubble", "mesh_layout", "peak_in_flight", "record_collective", "reduce_from_tensor_parallel",
+           "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_to_tensor_parallel", "stage_layers"]

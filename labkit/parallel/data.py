@@ -1,20 +1,21 @@
-"""Data parallelism by hand: every rank holds a whole replica and its own slice of the batch, and the
+"""Data parallelism by hand: every rank of a group holds a whole replica and its own slice of the batch, and the
 ranks average their gradients before each optimizer step, so that the replicas stay identical.
 
-    broadcast_parameters(model)   step 0: rank 0's parameters and buffers copied to every rank
+    broadcast_parameters(model)   step 0: group rank 0's parameters and buffers copied to every rank
     average_gradients(model)      the naive way: one all_reduce per gradient, after the backward
     BucketedDDP(model)            torch DDP's way: gradients in buckets (25 MiB), last layer first, each
                                   bucket all-reduced as soon as it is full, while the backward goes on
-    count_allreduces()            how many all_reduces the two above made, and how many bytes
-    count_collectives()           the same for every kind of collective labkit.parallel makes (tensor.py,
-                                  pipeline.py record theirs here too)
+
+Each takes `group=`: None for the whole world, or a sub-group (torch.distributed.new_group, the `dp` axis of a
+labkit.parallel.Mesh), whose ranks then average among themselves only, as torch's DistributedDataParallel does
+with `process_group=`. labkit.parallel.counters counts their collectives (`count_allreduces()`).
 
 Source: Li et al., "PyTorch Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020,
 section 3.2 (a naive solution, gradient bucketing, overlapping computation with communication, gradient
 accumulation with no_sync, unused parameters). Averages are SUM then divide: ReduceOp.AVG is missing or
-buggy on gloo in some torch releases. Every collective runs on the parameters' own device (CPU under
-gloo, the rank's GPU under NCCL); BucketedDDP's timeline is kept with labkit.measure.Stopwatch (CUDA
-events on a GPU), the only place torch.cuda is touched.
+buggy on gloo in some torch releases. Every collective runs on labkit.device() (CPU under gloo, the rank's
+GPU under NCCL), where broadcast_parameters and BucketedDDP require the model to be; BucketedDDP's timeline is
+kept with labkit.measure.Stopwatch (CUDA events on a GPU), the only place torch.cuda is touched.
 """
 
 from __future__ import annotations
@@ -27,27 +28,61 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit import measure
-from labkit.parallel.counters import all_reduce_sum
+from labkit import groups, measure
+from labkit.checks import number, shown, whole
+from labkit.launch import device
+from labkit.parallel.counters import all_reduce_sum, record_collective
+
+__all__ = ["FIRST_BUCKET_MB", "Bucket", "BucketedDDP", "Event", "MiB", "average_gradients", "broadcast_parameters"]
 
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
 FIRST_BUCKET_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES: a small first bucket starts traffic early
 
 
-def _check_same_model(model: nn.Module, src: int, caller: str) -> None:
-    """Raise ValueError on every rank when the ranks' models differ (names, shapes, dtypes, frozen or not):
-    a broadcast or bucket of mismatched tensors would hang or abort gloo instead of saying why."""
-    mine = [(f"parameter {n!r}", tuple(p.shape), str(p.dtype).replace("torch.", ""), p.requires_grad)
-            for n, p in model.named_parameters()]
-    mine += [(f"buffer {n!r}", tuple(b.shape), str(b.dtype).replace("torch.", ""), False)
-             for n, b in model.named_buffers()]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)  # the same list on every rank, so every rank raises the same error
-    problems = [f"rank {r}: {_first_difference(everyone[src], sig, src)}" for r, sig in enumerate(everyone)
-                if sig != everyone[src]]
+# --- Every rank of the group holds the same model, on its labkit.device() ---
+
+def _signature(model: nn.Module) -> list[tuple]:
+    """(what, shape, dtype, trainable) of every parameter and buffer, in order: what the replicas must share."""
+    return ([(f"parameter {n!r}", tuple(p.shape), str(p.dtype).removeprefix("torch."), p.requires_grad)
+             for n, p in model.named_parameters()] +
+            [(f"buffer {n!r}", tuple(b.shape), str(b.dtype).removeprefix("torch."), False)
+             for n, b in model.named_buffers()])
+
+
+def _misplaced(model: nn.Module) -> str:
+    """The first parameter or buffer that is not on this rank's labkit.device(), described; "" if none. Under
+    NCCL a CPU tensor would quietly travel over gloo, a tensor on another rank's GPU would hang or fail."""
+    home = device()
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if tensor.device != home:
+                return f"{kind} {name!r} is on {tensor.device}, not on labkit.device() = {home}"
+    return ""
+
+
+def _check_replicas(model: nn.Module, src, caller: str, group) -> int:
+    """`src` as a group rank, once every rank of `group` has its model on its labkit.device(), passed the same
+    src, and holds the same model (names, shapes, dtypes, frozen or not); else the same ValueError on every
+    rank: a broadcast or bucket of mismatched tensors would hang or abort the backend instead of saying why."""
+    groups.require_member(caller, group)
+    everyone = groups.gather_objects((_misplaced(model), src, _signature(model)), group)
+    ranks = groups.group_ranks(group)
+    misplaced = [f"rank {ranks[r]}: {where}" for r, (where, _, _) in enumerate(everyone) if where]
+    if misplaced:
+        raise ValueError(f"{caller}: the model must live on each rank's labkit.device() (the CPU under gloo, "
+                         f"cuda:LOCAL_RANK under NCCL), but " + "; ".join(misplaced) +
+                         ". Move it there first: model.to(labkit.device()).")
+    groups.check_gathered([s for _, s, _ in everyone], caller, "src", "Pass the same src on every rank.", ranks)
+    src = whole("src", src, minimum=0)
+    if src >= len(ranks):
+        raise ValueError(f"{caller}: src={shown(src)}: pass a rank of the group, 0 to {len(ranks) - 1} (group ranks; "
+                         f"the group holds global ranks {ranks}).")
+    problems = [f"rank {ranks[r]}: {_first_difference(everyone[src][2], signature, ranks[src])}"
+                for r, (_, _, signature) in enumerate(everyone) if signature != everyone[src][2]]
     if problems:
         raise ValueError(f"{caller}: every rank needs the same model, but "
-                         f"{len(problems)} rank(s) differ from rank {src}. " + "; ".join(problems))
+                         f"{len(problems)} rank(s) differ from rank {ranks[src]}. " + "; ".join(problems))
+    return src
 
 
 def _first_difference(ref: list, other: list, src: int) -> str:
@@ -64,10 +99,12 @@ def _first_difference(ref: list, other: list, src: int) -> str:
 
 # --- Step 0 and the naive averaging ---
 
-def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
-    """Copy rank `src`'s parameters and buffers into every rank's model, so all replicas start identical.
+def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
+    """Copy the parameters and buffers of `group`'s rank `src` into every rank's model, so that all replicas
+    start identical. `src` is a group rank (0 .. group size - 1, not a global rank); `group` None is the world.
 
-    Checks first that every rank has the same model (a clear ValueError otherwise, not a hang).
+    Checks first that every rank of the group has the same model, on its labkit.device(), and passed the same
+    src (a clear ValueError otherwise, not a hang).
 
     Example::
 
@@ -75,25 +112,29 @@ def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
         >>> from labkit.models import mlp
         >>> from labkit.parallel import broadcast_parameters
         >>> def first_weight():
-        ...     model = mlp(seed=labkit.rank())      # a different initialisation on every rank
-        ...     broadcast_parameters(model)          # now rank 0's everywhere
+        ...     model = mlp(seed=labkit.rank()).to(labkit.device())   # a different initialisation on every rank
+        ...     broadcast_parameters(model)                           # now rank 0's everywhere
         ...     return model[0].weight[0, 0].item()
         >>> a, b = labkit.run(first_weight, world_size=2); a == b
         True
     """
-    _check_same_model(model, src, "broadcast_parameters")
-    _broadcast(model, src)
+    src = _check_replicas(model, src, "broadcast_parameters", group)
+    _broadcast(model, src, group)
 
 
-def _broadcast(model: nn.Module, src: int) -> None:
+def _broadcast(model: nn.Module, src: int, group) -> None:
+    """Group rank `src`'s parameters and buffers to the group's other ranks; torch takes the global rank."""
+    root = groups.global_rank(group, src)
     for tensor in [*model.parameters(), *model.buffers()]:
-        dist.broadcast(tensor.detach(), src)
+        record_collective("broadcast", tensor)
+        dist.broadcast(tensor.detach(), root, group=group)
 
 
-def average_gradients(model: nn.Module) -> None:
-    """Replace every gradient by its average over the ranks: one all_reduce (SUM, then divide by the world
-    size) per parameter, after the whole backward (Li et al. 2020, 3.2.1, "a naive solution"). Parameters
-    that are frozen or have no gradient are skipped, so every rank must have gradients for the same ones.
+def average_gradients(model: nn.Module, group=None) -> None:
+    """Replace every gradient by its average over the ranks of `group` (None: the world): one all_reduce (SUM,
+    then divide by the group's size) per parameter, after the whole backward (Li et al. 2020, 3.2.1, "a naive
+    solution"). Parameters that are frozen or have no gradient are skipped, so every rank must have gradients
+    for the same ones.
 
     Example::
 
@@ -101,19 +142,21 @@ def average_gradients(model: nn.Module) -> None:
         >>> from labkit.models import mlp
         >>> from labkit.parallel import average_gradients, broadcast_parameters
         >>> def step():
-        ...     model = mlp()
+        ...     model = mlp().to(labkit.device())
         ...     broadcast_parameters(model)
-        ...     model(torch.randn(8, 16) + labkit.rank()).sum().backward()   # different data per rank
+        ...     x = torch.randn(8, 16, device=labkit.device()) + labkit.rank()   # different data per rank
+        ...     model(x).sum().backward()
         ...     average_gradients(model)
         ...     return model[0].bias.grad
         >>> g0, g1 = labkit.run(step, world_size=2); torch.equal(g0, g1)
         True
     """
-    world = dist.get_world_size()
+    groups.require_member("average_gradients", group)
+    size = groups.group_size(group)
     for param in model.parameters():
         if param.requires_grad and param.grad is not None:
-            all_reduce_sum(param.grad)
-            param.grad.div_(world)
+            all_reduce_sum(param.grad, group=group)
+            param.grad.div_(size)
 
 
 # --- Buckets overlapped with the backward ---
@@ -160,6 +203,10 @@ class BucketedDDP(nn.Module):
     DistributedDataParallel). After the backward, `finish()` (or `step(optimizer)`) waits for every bucket
     and writes the averaged gradients back into `.grad`.
 
+    - `group`: the ranks that average together (None: the world), as torch DDP's `process_group=`. At
+      construction group rank 0's parameters and buffers are copied to the group's other ranks, after checking
+      that every rank wraps the same model, on its labkit.device().
+
     - Buckets hold at most `bucket_mb` MiB of gradients (a larger parameter gets one of its own); the first
       at most `first_bucket_mb` (torch's 1 MiB; torch 2.13 DDP drops it when bucket_cap_mb is given). They
       are filled in reverse parameter order, roughly the order the backward produces gradients, and
@@ -167,7 +214,7 @@ class BucketedDDP(nn.Module):
     - Frozen parameters are in no bucket; a tied parameter (one tensor in two modules) is in one.
     - Unused parameters: a bucket that a missing gradient keeps from filling is launched by finish(), with
       zeros for the missing gradients. Each bucket also sums one flag per parameter, how many ranks produced
-      its gradient: used somewhere, every rank gets the average (sum / world size); used nowhere, its
+      its gradient: used somewhere, every rank gets the average (sum / group size); used nowhere, its
       `.grad` is left as it was (None). That is torch DDP with find_unused_parameters=True, except that a
       stale `.grad` of an unused parameter counts as zero (torch sends it). Buckets after such a bucket lose
       their overlap.
@@ -185,8 +232,8 @@ class BucketedDDP(nn.Module):
         >>> from labkit.models import make_classification, mlp
         >>> from labkit.parallel import BucketedDDP
         >>> def train(steps=3):
-        ...     x, y = make_classification()
-        ...     model = BucketedDDP(mlp(seed=labkit.rank()), bucket_mb=0.01)   # rank 0's weights everywhere
+        ...     x, y = (t.to(labkit.device()) for t in make_classification())
+        ...     model = BucketedDDP(mlp(seed=labkit.rank()).to(labkit.device()), bucket_mb=0.01)  # rank 0's weights
         ...     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         ...     mine = slice(labkit.rank() * 32, (labkit.rank() + 1) * 32)     # this rank's half of 64
         ...     for _ in range(steps):
@@ -199,16 +246,16 @@ class BucketedDDP(nn.Module):
         (True, True)
     """
 
-    def __init__(self, model: nn.Module, bucket_mb: float = 25.0, first_bucket_mb: float = FIRST_BUCKET_MB):
+    def __init__(self, model: nn.Module, bucket_mb: float = 25.0, first_bucket_mb: float = FIRST_BUCKET_MB,
+                 group=None):
         super().__init__()
-        if not bucket_mb > 0 or not first_bucket_mb > 0:
-            raise ValueError(f"bucket sizes must be positive, got bucket_mb={bucket_mb}, "
-                             f"first_bucket_mb={first_bucket_mb}.")
-        self.module = model
+        bucket_mb = number("bucket_mb", bucket_mb, minimum=0, inclusive=False)
+        first_bucket_mb = number("first_bucket_mb", first_bucket_mb, minimum=0, inclusive=False)
+        self.module, self.group = model, group
         self.timeline: list[Event] = []
         self._sync, self._next, self._t0 = True, 0, None
-        _check_same_model(model, 0, "BucketedDDP")
-        _broadcast(model, 0)  # identical replicas, as torch DDP does at construction
+        _check_replicas(model, 0, "BucketedDDP", group)
+        _broadcast(model, 0, group)  # identical replicas, as torch DDP does at construction
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.buckets = _make_buckets(trainable[::-1], bucket_mb * MiB, min(first_bucket_mb, bucket_mb) * MiB)
         for handle in _hooks.pop(model, []):  # a model wrapped again: the old wrapper's hooks go
@@ -266,7 +313,7 @@ class BucketedDDP(nn.Module):
         parts = [p.grad.reshape(-1) if ok else p.new_zeros(p.numel()) for ok, p in zip(have, params, strict=True)]
         torch.cat([*parts, torch.tensor(have, dtype=bucket.flat.dtype, device=bucket.flat.device)], out=bucket.flat)
         start = self._t0.mark()
-        bucket.work = all_reduce_sum(bucket.flat, async_op=True)
+        bucket.work = all_reduce_sum(bucket.flat, group=self.group, async_op=True)
         event = Event("all_reduce", f"bucket {bucket.index}", bucket.index, start, float("nan"), bucket.nbytes)
         self.timeline.append(event)
         clock = self._t0
@@ -275,7 +322,7 @@ class BucketedDDP(nn.Module):
 
     def finish(self) -> None:
         """Launch the buckets the backward left (unused parameters), wait for all, and write the averages
-        (SUM / world size) into `.grad`. Call it once after every synchronised backward."""
+        (SUM / group size) into `.grad`. Call it once after every synchronised backward."""
         if not self._sync:
             raise RuntimeError("BucketedDDP.finish() inside no_sync(): gradients are averaged after the "
                                "first backward outside it.")
@@ -284,7 +331,7 @@ class BucketedDDP(nn.Module):
         finishing = Event("finish", "finish", -1, self._t0.mark(), float("nan"), 0)
         while self._next < len(self.buckets):  # bucket order, so the same collectives on every rank
             self._launch(self.buckets[self._next])
-        world = dist.get_world_size()
+        world = groups.group_size(self.group)
         for bucket in self.buckets:
             bucket.work.wait()
             bucket.done.wait()

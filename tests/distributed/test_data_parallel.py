@@ -3,6 +3,7 @@ with the whole batch gives, and what torch's DistributedDataParallel gives, step
 
 import contextlib
 import hashlib
+import re
 
 import pytest
 import torch
@@ -42,8 +43,8 @@ def my_share(t: torch.Tensor, step: int, batch: int = BATCH) -> torch.Tensor:
 # --- N ranks with B/N each equal one process with B ---
 
 def train_on_ranks(method, optimizer, dtype):
-    x, y = make_classification(BATCH * STEPS, dtype=dtype)
-    model = mlp(dtype=dtype, seed=labkit.rank())  # different on every rank until broadcast
+    x, y = (t.to(labkit.device()) for t in make_classification(BATCH * STEPS, dtype=dtype))
+    model = mlp(dtype=dtype, seed=labkit.rank()).to(labkit.device())  # different on every rank until broadcast
     if method == "naive":
         broadcast_parameters(model)
         net = model
@@ -327,6 +328,31 @@ def test_a_rank_with_a_different_model_gets_a_clear_error_not_a_hang(which):
     assert "rank 1: parameter '0.weight' (9, 16) float32 where rank 0 has parameter '0.weight' (8, 16) float32" in text
     assert "rank 2: 8 parameters and buffers where rank 0 has 6; parameter '4.weight' (8, 8) float32 where rank 0 " \
         "has parameter '4.weight' (4, 8) float32" in text, text
+
+
+def test_outside_a_rank_or_with_a_bad_bucket_size_the_errors_say_what_to_do():
+    for call in (lambda: broadcast_parameters(mlp()), lambda: average_gradients(mlp()), lambda: BucketedDDP(mlp())):
+        with pytest.raises(RuntimeError, match="needs a torch.distributed process group: call it inside a rank"):
+            call()
+    with pytest.raises(ValueError, match=re.escape("bucket_mb=0: pass a finite number > 0")):
+        BucketedDDP(mlp(), bucket_mb=0)
+    with pytest.raises(TypeError, match="first_bucket_mb='1'"):
+        BucketedDDP(mlp(), first_bucket_mb="1")
+
+
+def off_the_device():
+    model = mlp().to(labkit.device())
+    broadcast_parameters(model.to("meta") if labkit.rank() == 1 else model)
+
+
+def test_a_model_off_labkit_device_gets_a_clear_error_on_every_rank():
+    with pytest.raises(labkit.RankError) as raised:
+        labkit.run(off_the_device, world_size=2, timeout=30)
+    text = str(raised.value)
+    assert "ranks 0-1: ValueError" in text, text
+    assert "broadcast_parameters: the model must live on each rank's labkit.device() (the CPU under gloo, " \
+           "cuda:LOCAL_RANK under NCCL), but rank 1: parameter '0.weight' is on meta, not on labkit.device() = " in text
+    assert ". Move it there first: model.to(labkit.device())." in text, text
 
 
 # --- The counter ---

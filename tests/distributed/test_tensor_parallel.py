@@ -3,6 +3,7 @@
 hold 1/t of the weights, handle uneven sizes, and agree with torch's own tensor-parallel API."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from labkit.parallel import (
     ColumnParallelLinear,
     ParallelMLP,
     RowParallelLinear,
+    copy_to_tensor_parallel,
     count_allreduces,
     count_collectives,
     shard_sizes,
@@ -181,7 +183,20 @@ def test_ranks_with_different_full_layers_get_a_clear_error():
         labkit.run(mismatched, world_size=3, timeout=30)
     text = str(raised.value)
     assert "ranks 0-2: ValueError" in text, text
-    assert "every rank must pass the same full nn.Linear, but rank(s) 1, 2 differ from rank 0" in text, text
+    assert "ColumnParallelLinear.from_linear: the ranks passed different full layers (rank 0: nn.Linear(8, 8, " \
+           "bias=True) float32, weights sha256 " in text, text
+    assert "; rank 1: nn.Linear(8, 8, bias=True) float32" in text and "; rank 2: nn.Linear" in text, text
+    assert "build it from the same seed on every rank" in text, text
+
+
+def test_outside_a_rank_and_with_no_linear_the_errors_say_what_to_do():
+    with pytest.raises(RuntimeError, match="copy_to_tensor_parallel needs a torch.distributed process group"):
+        copy_to_tensor_parallel(torch.ones(2))
+    with pytest.raises(RuntimeError, match="ColumnParallelLinear.from_linear needs a torch.distributed process"):
+        ColumnParallelLinear.from_linear(nn.Linear(2, 2))
+    message = "RowParallelLinear.from_linear: linear is a Sequential, not a torch.nn.Linear: pass the full nn.Linear"
+    with pytest.raises(labkit.RankError, match=re.escape(message)):
+        labkit.run(RowParallelLinear.from_linear, nn.Sequential(nn.Linear(2, 2)), world_size=1)
 
 
 # --- torch's own tensor-parallel API (DTensor) ---
