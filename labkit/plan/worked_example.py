@@ -14,6 +14,9 @@ from labkit.checks import fraction, number, overflow_named, whole
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
 from labkit.plan.step_time import bandwidth_for_speedup, step_seconds
 from labkit.plan.traffic import GB, allreduce_seconds, ring_allreduce_bytes
+from labkit.tables import text_table
+
+__all__ = ["GROWS_WITH", "SLOW_LINK_SPEEDUP", "WorkedExample", "worked_example"]
 
 SLOW_LINK_SPEEDUP = 3.0  # Step 3: "over a slow link it dominates and your 8x becomes 3x"
 COMM = ("params", "gradient_bytes_per_param", "devices")  # the gradient AllReduce grows with these
@@ -233,12 +236,7 @@ class WorkedExample:
 
     def table(self) -> str:
         """The rows as aligned text: step, quantity, value, lesson (GB = 1e9 bytes)."""
-        header = ("step", "quantity", "value", "lesson")
-        rows = [header, *self.rows()]
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
-        lines = ["  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)) + "  " + row[3]
-                 for row in rows]
-        return "\n".join(lines)
+        return text_table(("step", "quantity", "value", "lesson"), self.rows(), rule=False)
 
     def __str__(self) -> str:
         return self.table()

@@ -131,3 +131,13 @@ def test_the_table_shows_every_step_next_to_the_lesson():
         assert expected in text
     assert "with comm" not in text
     assert "speedup, with comm" in str(worked_example(bandwidth=14.7e9))
+
+
+def test_the_table_layout_is_the_lessons():
+    """labkit.tables.text_table, no rule under the header, no trailing spaces: notebook 08 shows these lines."""
+    lines = worked_example().table().splitlines()
+    assert lines[:3] == ["step  quantity                                value               lesson",
+                         "1     effective batch, 1 GPU                  16                  8 x 1 x 2 = 16",
+                         "1     steps per epoch                         2,500               40,000 / 16 = 2,500"]
+    assert lines[-1] == "6     weights + grads + Adam state            112.0 GB            16 bytes/param ~ 112 GB"
+    assert all(line == line.rstrip() for line in lines)
