@@ -292,6 +292,7 @@ def describe_signature(sig: list[int]) -> str:
 class TorchTransport(Transport):
     """Point-to-point over a torch.distributed process group (gloo or NCCL): `group` (None: the whole world).
 
+    `group` is the group as given (None: the world), for torch's own collectives beside the transport's;
     `rank` and `world_size` are the group's, and the peers of `isend`, `irecv` and the collectives built
     on them are group ranks (0 .. world_size-1); the transport hands torch what it wants for each call.
 
@@ -314,7 +315,7 @@ class TorchTransport(Transport):
         self.backend_config = dist.get_backend_config(self._group)
         self.batched = batched
         self._carriages: dict[tuple, Carriage] = {}
-        self._batch: Batch | _Batch | None = None  # collecting inside batch()
+        self._batch: Batch | None = None  # collecting inside batch()
 
     def global_ranks(self) -> list[int]:
         return list(self._global_ranks)
@@ -401,22 +402,6 @@ class Batch:
         if not self.posted:
             raise RuntimeError("wait() inside a transport.batch() block: the batch is posted when the block "
                                "ends; wait for its requests after it.")
-        if not self.done:
-            for work in self.works:
-                work.wait()
-            self.done = True
-
-
-class _Batch:  # the pipeline executor's until it uses TorchTransport.batch(); then deleted
-    """The operations of one dist.batch_isend_irecv and its requests: on NCCL one request for the whole
-    batch, on gloo one per operation. Waiting for any operation of the batch waits for all of them."""
-
-    def __init__(self):
-        self.ops: list = []
-        self.works: list = []
-        self.done = False
-
-    def wait(self) -> None:
         if not self.done:
             for work in self.works:
                 work.wait()
