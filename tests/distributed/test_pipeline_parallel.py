@@ -247,6 +247,16 @@ def test_a_rank_outside_the_group_gets_a_clear_error():
         labkit.run(outside_the_group, world_size=3, timeout=30)
 
 
+def batched_as_a_word():
+    x, y = make_classification(8)
+    run_pipeline(mlp(), "gpipe", 2, x, y, F.cross_entropy, batched="yes")
+
+
+def test_batched_must_be_a_flag():
+    with pytest.raises(labkit.RankError, match=r"batched='yes': pass True or False"):
+        labkit.run(batched_as_a_word, world_size=2, timeout=30)
+
+
 def too_short():
     x, y = make_classification(8)
     run_pipeline(mlp(layers=0), "gpipe", 2, x, y, F.cross_entropy)  # one Linear on two ranks

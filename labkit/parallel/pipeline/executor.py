@@ -4,8 +4,9 @@ neighbouring stages over point-to-point messages, as `communication_plan` says, 
     run_pipeline(model, "1f1b", 8, x, y, loss_fn, group=None)   one training step, called on every rank of group
     stage_layers(len(model), stages)                             which layers each stage holds
 
-Stage r is the rank r of `group` (its group rank); a message to stage r goes to that rank's global rank, so
-several pipelines can run side by side on disjoint groups of one world (the `pp` axis of a mesh).
+Stage r is the rank r of `group` (its group rank), and messages name stages: the group's transport
+(labkit.comm.default_transport(group)) hands torch the global ranks. So several pipelines run side by side on
+disjoint groups of one world (the `pp` axis of a mesh).
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from torch import nn
 
 import labkit
 from labkit import groups, measure
-from labkit.checks import number, whole
-from labkit.comm.transport import DTYPES, MAX_DIMS, Pending, default_transport, signature
+from labkit.checks import flag, number, whole
+from labkit.comm.transport import DTYPES, MAX_DIMS, Pending, TorchTransport, default_transport, signature
 from labkit.parallel.counters import record_collective
 from labkit.parallel.pipeline.schedule import Action, Message, communication_plan
 from labkit.parallel.pipeline.timeline import PipelineEvent
@@ -59,15 +60,15 @@ class PipelineResult:
 class StageLink:
     """How a stage posts a group of Messages to its neighbours: as one dist.batch_isend_irecv (`batched`, through
     `transport.batch()`), or each operation in turn, as a gloo isend or irecv. Both work on gloo; NCCL needs
-    the batch (see communication_plan). A Message's `peer` is a stage, a rank of `group`; torch's point-to-point
-    calls take global ranks, so the link converts (labkit.groups.global_rank)."""
+    the batch (see communication_plan). A Message's `peer` is a stage: a rank of the transport's group, which
+    the transport turns into the global rank torch wants."""
 
-    def __init__(self, transport, batched: bool, group=None):
-        self.transport, self.batched, self.group = transport, batched, group
+    def __init__(self, transport: TorchTransport, batched: bool):
+        self.transport, self.batched = transport, batched
 
     def barrier(self) -> None:
         """Wait until every stage of the group is here (the timeline's common start)."""
-        dist.barrier(group=self.group)
+        dist.barrier(group=self.transport.group)
 
     def post(self, messages: list[tuple[Message, torch.Tensor]]) -> list[Pending]:
         """Post every message (with its tensor) together; one request per message, to wait on."""
@@ -78,10 +79,9 @@ class StageLink:
         return pending
 
     def _one(self, message: Message, tensor: torch.Tensor) -> Pending:
-        peer = groups.global_rank(self.group, message.peer)
         if message.op == "send":
-            return self.transport.isend(tensor, peer, message.tag)
-        return self.transport.irecv(tensor, peer, message.tag)
+            return self.transport.isend(tensor, message.peer, message.tag)
+        return self.transport.irecv(tensor, message.peer, message.tag)
 
 
 def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, inputs: torch.Tensor,
@@ -134,7 +134,8 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     device = labkit.device()
     run = _StageRun(model[layers.start:layers.stop].to(device), stage, stages, device,
                     _MicroBatches(inputs.tensor_split(m), targets.tensor_split(m), len(inputs), loss_fn), emulated)
-    link = StageLink(default_transport(), _batched(batched, device), group)
+    transport = default_transport(group)
+    link = StageLink(transport, _batched(batched, transport, device))
     run.start_clock(link)
     for step in plan:
         if isinstance(step, Action):
@@ -163,11 +164,12 @@ def _emulated(seconds: float | tuple[float, float]) -> dict[str, float]:
     return {"F": forward, "B": backward}
 
 
-def _batched(batched: bool | None, device: torch.device) -> bool:
-    """Whether each group of messages goes out as one batch: as asked, or (None) where the backend is NCCL."""
+def _batched(batched: bool | None, transport: TorchTransport, device: torch.device) -> bool:
+    """Whether each group of messages goes out as one batch: as asked, or (None) where the group's backend for
+    `device` is NCCL."""
     if batched is None:
-        return default_transport().carriage(torch.empty(0, device=device)).backend == "nccl"
-    return batched
+        return transport.carriage(torch.empty(0, device=device)).backend == "nccl"
+    return flag("batched", batched)
 
 
 @dataclass(frozen=True)
