@@ -10,7 +10,9 @@ durably, and load the newest checkpoint that is intact.
       (durability, across a run)   run killed at step 23 resumes from step 20 and ends as if never stopped
 
 This module is the second. In data parallelism one rank writes and all ranks load (the directory must be
-on storage every rank sees). Without a process group both functions act as rank 0 of 1. What they promise:
+on storage every rank sees). Both functions take `group=`: None for the whole world, or a sub-group (one
+replica set, a mesh axis's group), whose rank 0 writes and whose ranks load; groups that checkpoint apart use
+directories apart. Without a process group both functions act as rank 0 of 1. What they promise:
 
 - A save is atomic: a temporary file in the same directory, fsync'ed, read back, renamed onto its name with
   os.replace, then the directory fsync'ed. A crash mid-write never leaves a half-written step-000040.pt, and
@@ -23,10 +25,11 @@ on storage every rank sees). Without a process group both functions act as rank 
   torch.from_numpy(), str(path), .isoformat(), (start, stop, step)).
 - The newest `keep` checkpoints stay, so a damaged one falls back to the one before; older ones are removed
   only after the new one has loaded back.
-- One run per directory: rank 0's process takes an exclusive flock(2) on the directory at its first save
-  there and holds it until it ends (the kernel drops it even on a crash). A second run saving into the same
-  directory is refused, naming the holder's pid, instead of overwriting and rotating away the first one's
-  checkpoints. A temporary file is removed by its writer, or once its writer's process is gone.
+- One run per directory: the writer's process takes an exclusive flock(2) on the directory at its first save
+  there and holds it until it ends (the kernel drops it even on a crash). A second run (or a second group)
+  saving into the same directory is refused, naming the holder's pid, instead of overwriting and rotating
+  away the first one's checkpoints. A temporary file is removed by its writer, or once its writer's process
+  is gone.
 - A load is all or nothing: the checkpoint is checked against the model and optimizer (keys, shapes, dtypes,
   parameter groups, an optimizer state to load) before anything is copied; one that does not fit raises
   and leaves model, optimizer and RNGs as they were.
@@ -56,6 +59,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit import groups
+from labkit.checks import whole
 from labkit.launch import device
 
 try:
@@ -82,20 +87,22 @@ class CheckpointWarning(UserWarning):
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or used: none is intact, the directory belongs to another run, a file
-    lacks an entry, or (on the other ranks) rank 0 failed to save."""
+    lacks an entry, or (on the group's other ranks) its writer, group rank 0, failed to save."""
 
 
 def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int,
-                    data_position, extra=None, *, keep: int = 3) -> Path:
+                    data_position, extra=None, *, keep: int = 3, group=None) -> Path:
     """Write step `step`'s checkpoint into `directory` (created if needed); every rank gets its path.
 
-    Call it on every rank at the same step. Rank 0 writes the model and optimizer state_dicts, the step, the
-    data position (how far the data stream got: examples consumed, epoch and offset...), `extra` and every
-    rank's RNG states (torch CPU, Python's random, numpy's global one, CUDA's if in use); every rank waits
-    until it is on disk. Of the older checkpoints, the newest keep - 1 stay; higher steps are left alone.
+    Call it on every rank of `group` (None: the whole world) at the same step. The group's rank 0 writes the
+    model and optimizer state_dicts, the step, the data position (how far the data stream got: examples
+    consumed, epoch and offset...), `extra` and every group rank's RNG states (torch CPU, Python's random,
+    numpy's global one, CUDA's if in use); every rank of the group waits until it is on disk. Of the older
+    checkpoints, the newest keep - 1 stay; higher steps are left alone.
     Raises TypeError for a value torch.load(weights_only=True) cannot read back, CheckpointError if another
-    run holds the directory, OSError (naming the file) if writing fails; the other ranks then raise
-    CheckpointError("save_checkpoint: rank 0 failed to save: <rank 0's error>").
+    run holds the directory, OSError (naming the file) if writing fails; the group's other ranks then raise
+    CheckpointError("save_checkpoint: rank 0 failed to save: <rank 0's error>") (rank 0: the writer's global
+    rank). ValueError on every rank when the ranks pass different steps, or on a rank outside `group`.
 
     Example::
 
@@ -108,38 +115,27 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
         >>> path.name, state["step"], state["data_position"]
         ('step-000040.pt', 40, 1280)
     """
-    for name, value, least in (("step", step, 0), ("keep", keep, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"save_checkpoint: {name} must be a whole number >= {least}, got {value!r}.")
-    rank = _rank_and_world()[0]
+    step, keep = whole("step", step, minimum=0), whole("keep", keep, minimum=1)
+    rank = _rank_in(group, "save_checkpoint")
     path = Path(directory) / f"step-{step:06d}.pt"
-    everyone = _all_gather((step, _rng_state()))  # also a barrier: every rank has reached the save
-    if len(set(steps := [s for s, _ in everyone])) > 1:
-        raise ValueError(f"save_checkpoint: every rank must save the same step, got steps {steps} (rank order).")
+    everyone = groups.gather_objects((step, _rng_state()), group)  # also a barrier: every rank reached the save
+    groups.check_gathered([s for s, _ in everyone], "save_checkpoint", "steps",
+                          "Call save_checkpoint at the same step on every rank.", _global_ranks(group))
     error = None
     if rank == 0:
         try:
             payload = {"format": 1, "step": step, "data_position": data_position, "extra": extra, "model":
                        model.state_dict(), "optimizer": None if optimizer is None else optimizer.state_dict(),
                        "rng": [rng for _, rng in everyone]}  # every rank's: each draws its own dropout masks
-            _refuse_unloadable(payload)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _lock(path.parent)
-            _write_atomically(path, payload)
-            _remove_old(path.parent, step, keep)
+            _write_checkpoint(path, payload, keep)
         except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
             error = exc
-    reason = _from_rank_0(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    if reason is not None:
-        follow_on = CheckpointError(f"save_checkpoint: rank 0 failed to save: {reason}")
-        follow_on.labkit_follow_on = True  # labkit.run then names rank 0's own error as the root cause
-        raise follow_on
+    _raise_on_every_rank(error, group)
     return path
 
 
-def load_latest_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict | None:
+def load_latest_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                           group=None) -> dict | None:
     """Restore the newest intact checkpoint in `directory` into `model`, `optimizer` and this rank's RNGs.
 
     Returns {"step", "data_position", "extra", "path"}, or None if the directory holds no checkpoint. A newer
@@ -148,45 +144,86 @@ def load_latest_checkpoint(directory, model: nn.Module, optimizer: torch.optim.O
     directory does not exist (a mistyped path must not restart a run from step 0), NotADirectoryError for a
     file, CheckpointError if no checkpoint is intact or one lacks an entry, ValueError if it does not fit the
     model or optimizer (other keys, shapes or dtypes; no optimizer state): then nothing is changed. Every rank
-    must find the same one and every rank must be able to load it, or every rank raises.
-    RNG states are restored only under the world size that saved them (else a warning).
+    of `group` (None: the whole world) must find the same one and every one must be able to load it, or every
+    rank of the group raises. RNG states are restored only under the group size that saved them (else a
+    warning); group rank r gets the RNG states that group rank r saved.
     """
-    rank, world = _rank_and_world()
-    try:
-        found, error = _newest_intact(Path(directory)), None
-        summary = None if found is None else found[0].name
-    except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
-        error, summary = exc, f"{type(exc).__name__}: {exc}"
-    everyone = _all_gather((str(directory), summary))
-    if len({s for _, s in everyone}) > 1:
-        found_by = "; ".join(f"rank {r}: {s or 'no checkpoint'} in {d}" for r, (d, s) in enumerate(everyone))
-        raise RuntimeError(f"load_latest_checkpoint: the ranks found different checkpoints ({found_by}). "
-                           "Is the directory on storage that every rank sees?")
-    if error is not None:
-        raise error
+    rank, size = _rank_in(group, "load_latest_checkpoint"), _size_of(group)
+    found = _agree_on_newest(Path(directory), group)
     if found is None:
         return None
     path, payload, skipped = found
     for name, problem in skipped:
         warnings.warn(f"checkpoint {name} is {problem}; using {path.name}", CheckpointWarning, stacklevel=2)
-    try:
-        _check_fits(path, payload, model, optimizer)
-    except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
-        error = exc
-    misfits = _all_gather(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    if (failed := next((r for r, misfit in enumerate(misfits) if misfit is not None), None)) is not None:
-        raise CheckpointError(f"load_latest_checkpoint: rank {failed} cannot load {path.name}: {misfits[failed]}")
+    _agree_it_fits(path, payload, model, optimizer, group)
     if optimizer is not None:
         optimizer.load_state_dict(payload["optimizer"])  # checks the groups before it changes anything
     model.load_state_dict(payload["model"])
-    if len(payload["rng"]) != world:
-        warnings.warn(f"checkpoint {path.name} was saved by {len(payload['rng'])} ranks and is loaded by {world}: "
+    if len(payload["rng"]) != size:
+        warnings.warn(f"checkpoint {path.name} was saved by {len(payload['rng'])} ranks and is loaded by {size}: "
                       "RNG states not restored.", CheckpointWarning, stacklevel=2)
     else:
         _restore_rng(payload["rng"][rank])
     return {key: payload[key] for key in ("step", "data_position", "extra")} | {"path": path}
+
+
+def _write_checkpoint(path: Path, payload: dict, keep: int) -> None:
+    """The writer's part of a save: refuse what would not load back, take the directory's lock, write the file
+    atomically, then rotate the older ones away."""
+    _refuse_unloadable(payload)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _lock(path.parent)
+    _write_atomically(path, payload)
+    _remove_old(path.parent, payload["step"], keep)
+
+
+def _raise_on_every_rank(error: Exception | None, group) -> None:
+    """After the writer's part of a save: the writer re-raises its own error; every other rank of `group` raises
+    a CheckpointError quoting it (marked labkit_follow_on: labkit.run then names the writer's error as the root
+    cause); with no error, nothing."""
+    reason = _from_rank_0(None if error is None else f"{type(error).__name__}: {error}", group)
+    if error is not None:
+        raise error
+    if reason is not None:
+        follow_on = CheckpointError(f"save_checkpoint: rank {_global_ranks(group)[0]} failed to save: {reason}")
+        follow_on.labkit_follow_on = True
+        raise follow_on
+
+
+def _agree_on_newest(directory: Path, group):
+    """`_newest_intact(directory)` once every rank of `group` has found the same one: else a RuntimeError naming
+    what each found, on every rank. A rank's own error (no such directory, nothing intact) is raised after the
+    exchange, so that no rank waits for it."""
+    try:
+        found, error = _newest_intact(directory), None
+        summary = None if found is None else found[0].name
+    except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
+        found, error, summary = None, exc, f"{type(exc).__name__}: {exc}"
+    everyone = groups.gather_objects((str(directory), summary), group)
+    if len({s for _, s in everyone}) > 1:
+        found_by = "; ".join(f"rank {r}: {s or 'no checkpoint'} in {d}"
+                             for r, (d, s) in zip(_global_ranks(group), everyone, strict=True))
+        raise RuntimeError(f"load_latest_checkpoint: the ranks found different checkpoints ({found_by}). "
+                           "Is the directory on storage that every rank sees?")
+    if error is not None:
+        raise error
+    return found
+
+
+def _agree_it_fits(path: Path, payload, model: nn.Module, optimizer, group) -> None:
+    """`_check_fits` on every rank of `group`; if it fails on one, every rank raises (this rank's own error, or a
+    CheckpointError naming the first rank that cannot load), before any rank changes anything."""
+    error = None
+    try:
+        _check_fits(path, payload, model, optimizer)
+    except Exception as exc:  # noqa: BLE001 - re-raised below, once every rank knows
+        error = exc
+    misfits = groups.gather_objects(None if error is None else f"{type(error).__name__}: {error}", group)
+    if error is not None:
+        raise error
+    for rank, misfit in zip(_global_ranks(group), misfits, strict=True):
+        if misfit is not None:
+            raise CheckpointError(f"load_latest_checkpoint: rank {rank} cannot load {path.name}: {misfit}")
 
 
 def _refuse_unloadable(payload: dict) -> None:
@@ -425,26 +462,32 @@ def _check_fits(path: Path, payload, model: nn.Module, optimizer: torch.optim.Op
                          f"{here} here, {there} in the checkpoint); nothing was loaded.")
 
 
-def _rank_and_world() -> tuple[int, int]:
-    grouped = dist.is_available() and dist.is_initialized()
-    return (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
+def _rank_in(group, caller: str) -> int:
+    """This rank's number in `group` (None: the world); 0 without a process group. ValueError naming `caller`
+    on a rank outside `group`."""
+    if not groups.group_is_up():
+        return 0
+    groups.require_member(caller, group)
+    return groups.group_rank(group)
 
 
-def _all_gather(obj) -> list:
-    """Every rank's `obj`, in rank order, on every rank; [obj] without a process group."""
-    if _rank_and_world()[1] == 1:
-        return [obj]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obj)
-    return everyone
+def _size_of(group) -> int:
+    """How many ranks `group` holds; 1 without a process group."""
+    return groups.group_size(group) if groups.group_is_up() else 1
 
 
-def _from_rank_0(obj):
-    """Rank 0's `obj` on every rank (broadcast through labkit.device()); `obj` without a process group."""
-    if _rank_and_world()[1] == 1:
+def _global_ranks(group) -> list[int]:
+    """`group`'s global ranks in group-rank order, for messages; [0] without a process group."""
+    return groups.group_ranks(group) if groups.group_is_up() else [0]
+
+
+def _from_rank_0(obj, group):
+    """Group rank 0's `obj` on every rank of `group` (broadcast through labkit.device()); `obj` itself without
+    a process group or in a group of one."""
+    if _size_of(group) == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0, device=device())
+    dist.broadcast_object_list(box, src=groups.global_rank(group, 0), group=group, device=device())
     return box[0]
 
 

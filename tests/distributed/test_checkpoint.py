@@ -23,6 +23,7 @@ from torch import nn
 
 import labkit
 import labkit.checkpoint
+from labkit import groups
 from labkit.checkpoint import CheckpointError, CheckpointWarning, load_latest_checkpoint, save_checkpoint
 from labkit.models import make_classification, mlp
 from labkit.parallel import average_gradients, broadcast_parameters
@@ -234,7 +235,8 @@ def test_ranks_that_disagree_get_the_same_clear_error_not_a_hang(tmp_path):
     with pytest.raises(labkit.RankError) as raised:
         labkit.run(save_different_steps, str(tmp_path), timeout=30)
     assert "ranks 0-1: ValueError" in str(raised.value)
-    assert "every rank must save the same step, got steps [10, 11] (rank order)" in str(raised.value)
+    assert ("save_checkpoint: the ranks passed different steps (rank 0: 10; rank 1: 11). Call save_checkpoint at "
+            "the same step on every rank.") in str(raised.value)
     assert names(tmp_path) == []
 
     save_checkpoint(tmp_path / "a", mlp(), None, step=5, data_position=0)
@@ -244,6 +246,43 @@ def test_ranks_that_disagree_get_the_same_clear_error_not_a_hang(tmp_path):
     assert "ranks 0-1: RuntimeError" in str(raised.value)
     assert (f"the ranks found different checkpoints (rank 0: step-000005.pt in {tmp_path / 'a'}; rank 1: no "
             f"checkpoint in {tmp_path / 'b'}). Is the directory on storage that every rank sees?") in str(raised.value)
+
+
+# --- Sub-groups: ranks {1, 3} checkpoint together while ranks {0, 2} do on their own ---
+
+def checkpoint_in_pairs(directories):
+    """Pair p (ranks p and p + 2 of 4) saves its own model into directories[p] and loads it back into a fresh
+    model, with the RNG states each rank had at the save. Returns (step, data_position, model as saved, RNG as
+    at the save, what a rank outside the other pair is told when it passes that pair's group)."""
+    pairs = [groups.new_group([0, 2]), groups.new_group([1, 3])]  # every rank creates both
+    mine = labkit.rank() % 2
+    pair, directory = pairs[mine], directories[mine]
+    try:
+        save_checkpoint(directory, mlp(), None, step=0, data_position=0, group=pairs[1 - mine])
+        outsider = "no error"
+    except ValueError as error:
+        outsider = str(error)
+    model = mlp(seed=10 + mine)
+    torch.manual_seed(100 + labkit.rank())
+    save_checkpoint(directory, model, None, step=5 + mine, data_position=labkit.rank(), group=pair)
+    draw = torch.rand(3)  # what this rank's torch RNG gives after the save, and must give again after the load
+    torch.manual_seed(7)
+    fresh = mlp(seed=99)
+    state = load_latest_checkpoint(directory, fresh, group=pair)
+    same_model = all(torch.equal(fresh.state_dict()[k], v) for k, v in model.state_dict().items())
+    return state["step"], state["data_position"], same_model, torch.equal(torch.rand(3), draw), outsider
+
+
+def test_two_groups_checkpoint_apart_each_rank_getting_its_own_rng_back(tmp_path):
+    directories = [str(tmp_path / "even"), str(tmp_path / "odd")]
+    results = labkit.run(checkpoint_in_pairs, directories, world_size=4, timeout=120)
+    outsider = "is not in the group passed as group="
+    assert [r[:4] for r in results] == [(5, 0, True, True), (6, 1, True, True)] * 2  # the writer's data position
+    assert all(f"save_checkpoint: global rank {rank} {outsider}" in r[4] for rank, r in enumerate(results)), results
+    assert names(tmp_path / "even") == ["step-000005.pt"] and names(tmp_path / "odd") == ["step-000006.pt"]
+    with pytest.warns(CheckpointWarning, match="saved by 2 ranks and is loaded by 1"):  # the pair's RNGs, not 4
+        state = load_latest_checkpoint(tmp_path / "odd", mlp())
+    assert state["step"] == 6
 
 
 # --- Files, in this process: no process group, so rank 0 of 1 ---
@@ -351,10 +390,12 @@ def test_keeps_the_newest_k_and_removes_what_crashed_saves_left(tmp_path):
     save_checkpoint(tmp_path, mlp(), None, 35, 35, keep=2)  # a rerun from 30: older trimmed, newer left alone
     assert names(tmp_path) == ["step-000030.pt", "step-000035.pt", "step-000040.pt", "step-000050.pt"]
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match="step must be a whole number >= 0"):
+        with pytest.raises(ValueError, match=rf"step={bad}: pass a whole number >= 0 \(an int, not a bool\)"):
             save_checkpoint(tmp_path, mlp(), None, bad, 0)
-    with pytest.raises(ValueError, match="keep must be a whole number >= 1, got 0"):
+    with pytest.raises(ValueError, match="keep=0: pass a whole number >= 1"):
         save_checkpoint(tmp_path, mlp(), None, 60, 0, keep=0)
+    with pytest.raises(TypeError, match="step='10': pass a whole number >= 0"):
+        save_checkpoint(tmp_path, mlp(), None, "10", 0)
 
 
 def test_rng_states_optimizer_and_extra_come_back(tmp_path):

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import labkit
 import labkit.checkpoint
+from labkit import groups
 from labkit.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from labkit.models import make_classification, mlp
 
@@ -155,6 +156,33 @@ def test_two_runs_saving_into_one_directory_at_once_the_second_is_refused(tmp_pa
     assert last >= 2, results
     assert checkpoint_names(directory) == [f"step-{step:06d}.pt" for step in (last - 1, last)]
     assert load_latest_checkpoint(directory, mlp())["extra"] == {"run": holder}
+
+
+def two_pairs_saving_into_one_directory(directory):
+    """Ranks {0, 2} and {1, 3} of 4 each save as a group into the same directory. Returns (this rank's pid,
+    what the save said)."""
+    pairs = [groups.new_group([0, 2]), groups.new_group([1, 3])]
+    try:
+        save_checkpoint(directory, mlp(), None, 10, 10, group=pairs[labkit.rank() % 2])
+        return os.getpid(), "saved"
+    except CheckpointError as error:
+        return os.getpid(), str(error)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="flock and /proc/locks as on Linux")
+def test_two_groups_saving_into_one_directory_the_second_is_refused(tmp_path):
+    """Two groups of one job are two runs to the directory: the writer of one (rank 0 or 1) holds it, the other
+    pair is refused, its writer naming the holder's pid and its other rank saying that its writer failed."""
+    results = labkit.run(two_pairs_saving_into_one_directory, str(tmp_path), world_size=4, timeout=120)
+    holder = next(p for p in (0, 1) if results[p][1] == "saved")
+    loser = 1 - holder
+    assert results[holder + 2][1] == "saved", results
+    refusal = (f"checkpoint directory {tmp_path} is in use by another run: process {results[holder][0]} holds "
+               "its lock")
+    assert results[loser][1].startswith(refusal), results
+    assert results[loser + 2][1].startswith(f"save_checkpoint: rank {loser} failed to save: CheckpointError: "
+                                            f"{refusal}"), results
+    assert checkpoint_names(tmp_path) == ["step-000010.pt"]
 
 
 HOLDER = """
@@ -300,3 +328,31 @@ def test_on_ranks_the_others_say_that_rank_0_failed_to_save_and_why(tmp_path):
     assert f"--- root cause, rank 0: {reason}" in text, text
     assert f"rank 1: labkit.checkpoint.CheckpointError: save_checkpoint: rank 0 failed to save: {reason}" in text, text
     assert checkpoint_names(tmp_path) == []
+
+
+def save_in_pairs_with_a_small_disk_on_rank_1(directories):
+    """Ranks {1, 3} save into directories[1], rank 1 (their writer) with 4 KiB per file; ranks {0, 2} save into
+    directories[0] without trouble."""
+    pairs = [groups.new_group([0, 2]), groups.new_group([1, 3])]
+    mine = labkit.rank() % 2
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if labkit.rank() == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))
+    try:
+        return save_checkpoint(directories[mine], mlp(), None, 10, 10, group=pairs[mine]).name
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_FSIZE as on Linux (Python ignores SIGXFSZ)")
+def test_in_a_group_its_other_ranks_say_that_its_writer_failed_and_the_other_group_saves(tmp_path):
+    directories = [tmp_path / "even", tmp_path / "odd"]
+    with pytest.raises(labkit.RankError) as raised:
+        labkit.run(save_in_pairs_with_a_small_disk_on_rank_1, [str(d) for d in directories], world_size=4,
+                   timeout=60)
+    text = str(raised.value)
+    reason = f"OSError: [Errno 27] could not write checkpoint {directories[1] / 'step-000010.pt'}: File too large"
+    assert f"--- root cause, rank 1: {reason}" in text, text
+    assert f"rank 3: labkit.checkpoint.CheckpointError: save_checkpoint: rank 1 failed to save: {reason}" in text, text
+    assert "rank 0:" not in text and "rank 2:" not in text, text  # the other pair saved
+    assert checkpoint_names(directories[0]) == ["step-000010.pt"] and checkpoint_names(directories[1]) == []
