@@ -5,7 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from labkit.plan import bubble_fraction
-from labkit.viz.style import BLUE, ORANGE
+from labkit.viz.style import BLUE, ORANGE, WHITE
 
 __all__ = ["bubble_chart", "pipeline_timeline"]
 
@@ -28,7 +28,7 @@ def pipeline_timeline(events, title: str = "Pipeline timeline", unit_seconds: fl
         figure.add_bar(base=[e.start / unit_seconds for e in chosen], x=[e.seconds / unit_seconds for e in chosen],
                        y=[f"stage {e.stage}" for e in chosen], orientation="h", marker_color=color, name=name,
                        text=[str(e.microbatch) for e in chosen], textposition="inside", insidetextanchor="middle",
-                       marker_line={"color": "white", "width": 1},
+                       marker_line={"color": WHITE, "width": 1},
                        hovertemplate="%{y}: " + name + " of micro-batch %{text}, %{x:.3g} " + unit + "<extra></extra>")
     figure.update_layout(title=title, barmode="overlay", xaxis_title=f"time, {unit}", height=140 + 45 * len(stages),
                          uniformtext={"minsize": 10, "mode": "hide"},  # no label squeezed below 10 px: hidden

@@ -10,6 +10,7 @@ from labkit import plan
 from labkit.checks import number
 from labkit.plan import GB
 from labkit.viz.plan import memory_bars, speedup_chart
+from labkit.viz.style import GREEN, RED
 from labkit.widgets.figure_slot import FigureSlot
 
 __all__ = ["CONVENTIONS", "describe", "planner", "what_is_running_out"]
@@ -25,7 +26,6 @@ CONVENTIONS = {
 }
 LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "180px", "450px", 500  # fit a 1280 px window with the file browser open
 _LABEL_STYLE = {"description_width": LABEL_WIDTH}
-RED, GREEN = "#e45756", "#54a24b"
 NOTE = "<div style='font-size:0.9em; line-height:1.3'>{}</div>"  # under the parameters field, 3 lines at most
 
 

@@ -11,6 +11,7 @@ import string
 import ipywidgets as widgets
 
 from labkit.exercises import STACK_MAP, Flashcard, Question, check_stack_map, load_flashcards, load_questions
+from labkit.viz.style import GREY
 
 __all__ = ["OptionRows", "flashcards", "quiz", "stack_map_exercise"]
 
@@ -122,7 +123,7 @@ def flashcards(cards: list[Flashcard] | None = None) -> widgets.VBox:
         text, side = (current.back, "back") if state["back"] else (current.front, "front")
         note = (f"<hr><small><b>More precisely</b> (a note, not the lesson's words): {html.escape(current.note)}"
                 "</small>") if state["back"] and current.note else ""
-        face.value = (f"<div style='border:1px solid #999;padding:12px;min-height:60px'><small>card "
+        face.value = (f"<div style='border:1px solid {GREY};padding:12px;min-height:60px'><small>card "
                       f"{state['card'] + 1} of {len(cards)}, {side}</small><br>{html.escape(text)}{note}</div>")
 
     def on_flip(_=None) -> None:
