@@ -1,7 +1,8 @@
 """Parallelism by hand, checked against torch's own: data parallelism (`data`: gradient averaging,
 bucketed and overlapped with the backward as torch DDP does), tensor parallelism (`tensor`: Megatron's
 column- and row-parallel layers) and pipeline parallelism (`pipeline`: GPipe and 1F1B schedules, an
-executor over point-to-point sends, and a simulator)."""
+executor over point-to-point sends, and a simulator), combined on a mesh (`mesh`: the ranks on named axes
+dp, pp and tp, each axis's process groups from torch's DeviceMesh)."""
 
 from labkit.parallel.counters import (
     AllReduceCounter,
