@@ -6,28 +6,27 @@ per gradient after the backward, labkit.parallel.average_gradients), "bucketed" 
 and "torch" (DistributedDataParallel), the last two with the same bucket size, uniform (torch 2.13 uses no
 smaller first bucket when bucket_cap_mb is given; BucketedDDP gets first_bucket_mb = bucket_mb to match).
 The variants take turns, in rotating order, several steps each per round; the median round counts, and a
-round's time is its slowest rank's. Target (issue: data parallelism): bucketed <= 1.15 x torch.
+round's time is its slowest rank's (labkit.measure.seconds_taking_turns and slowest_rank_median).
+Target (issue: data parallelism): bucketed <= 1.15 x torch.
 
     python benchmarks/ddp.py
 """
 
-import statistics
-import time
-
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import labkit
-from labkit.measure import synchronize
+from labkit.measure import seconds_taking_turns, slowest_rank_median
 from labkit.models import mlp
 from labkit.parallel import BucketedDDP, average_gradients, broadcast_parameters
+from labkit.tables import text_table
 
 BUCKETS_MB = [25, 4]
 ROUNDS, STEPS, WARMUP = 9, 5, 3
 BATCH, FEATURES, HIDDEN, LAYERS, CLASSES = 32, 512, 768, 4, 16
 TARGET = 1.15
+HEADER = ("bucket", "buckets", "local ms", "naive ms", "ratio", "bucketed ms", "ratio", "torch ms")
 
 
 def make_variants(bucket_mb: float) -> dict:
@@ -64,27 +63,22 @@ def make_variants(bucket_mb: float) -> dict:
 
 
 def measure(bucket_mb: float):
-    """On every rank: seconds per step of each variant, one entry per round; and BucketedDDP's bucket count."""
+    """On every rank: seconds per step of each variant, one entry per round (labkit.measure: the variants take
+    turns, each round after a barrier, synchronized on a GPU); and BucketedDDP's bucket count."""
     variants, buckets = make_variants(bucket_mb)
     for run in variants.values():
         for _ in range(WARMUP):  # buffers, connections, torch DDP's bucket rebuild after its first step
             run()
-    names = list(variants)
-    rounds = {name: [] for name in names}
-    for i in range(ROUNDS):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            dist.barrier()
-            synchronize(labkit.device())  # on a GPU: time the steps as run, not as queued
-            start = time.perf_counter()
-            for _ in range(STEPS):
-                variants[name]()
-            synchronize(labkit.device())
-            rounds[name].append((time.perf_counter() - start) / STEPS)
-    return rounds, buckets
+    return seconds_taking_turns(variants, ROUNDS, calls=STEPS), buckets
 
 
-def slowest_rank_median(per_rank: list[dict], name: str) -> float:
-    return statistics.median(max(rank[name][i] for rank in per_rank) for i in range(ROUNDS))
+def row(bucket_mb: float) -> tuple:
+    """One line of the table, and whether BucketedDDP met the target at this bucket size."""
+    results = labkit.run(measure, bucket_mb, world_size=2, timeout=600)
+    ms = {name: seconds * 1e3 for name, seconds in slowest_rank_median([rounds for rounds, _ in results]).items()}
+    ratio = {name: ms[name] / ms["torch"] for name in ms}
+    return (f"{bucket_mb} MiB", results[0][1], f"{ms['local']:.2f}", f"{ms['naive']:.2f}", f"{ratio['naive']:.2f}",
+            f"{ms['bucketed']:.2f}", f"{ratio['bucketed']:.2f}", f"{ms['torch']:.2f}"), ratio["bucketed"] <= TARGET
 
 
 def main():
@@ -92,19 +86,10 @@ def main():
     print(f"ddp: one SGD step on 2 gloo ranks, mlp {FEATURES}-{LAYERS}x{HIDDEN}-{CLASSES} ({params / 1e6:.2f} M "
           f"parameters, {params * 4 / 1e6:.1f} MB of gradients), batch {BATCH} per rank, median of {ROUNDS} rounds "
           f"of {STEPS} steps, torch {torch.__version__}")
-    print(f"{'bucket':>7} {'buckets':>7} | {'local ms':>8} | {'naive ms':>8} {'ratio':>5} | {'bucketed ms':>11} "
-          f"{'ratio':>5} | {'torch ms':>8}")
-    met = True
-    for bucket_mb in BUCKETS_MB:
-        results = labkit.run(measure, bucket_mb, world_size=2, timeout=600)
-        per_rank = [rounds for rounds, _ in results]
-        ms = {name: slowest_rank_median(per_rank, name) * 1e3 for name in per_rank[0]}
-        ratio = {name: ms[name] / ms["torch"] for name in ms}
-        met &= ratio["bucketed"] <= TARGET
-        print(f"{bucket_mb:>3} MiB {results[0][1]:>7} | {ms['local']:8.2f} | {ms['naive']:8.2f} "
-              f"{ratio['naive']:5.2f} | {ms['bucketed']:11.2f} {ratio['bucketed']:5.2f} | {ms['torch']:8.2f}")
+    rows, met = zip(*(row(bucket_mb) for bucket_mb in BUCKETS_MB), strict=True)
+    print(text_table(HEADER, rows, align=">" * len(HEADER)))
     print("ratio = step time / torch DDP's step time; local = the same step without any communication")
-    print(f"target: bucketed <= {TARGET:.2f} x torch DDP at every bucket size: {'met' if met else 'NOT met'}")
+    print(f"target: bucketed <= {TARGET:.2f} x torch DDP at every bucket size: {'met' if all(met) else 'NOT met'}")
     labkit.shutdown()
 
 
