@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+__all__ = ["BACKENDS", "BackendChoice", "choose_backend", "cpu_count", "init_process_group", "threads_per_rank",
+           "usable_gpu_count"]
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 

@@ -8,33 +8,27 @@ from __future__ import annotations
 
 import os
 
-_OUTSIDE = (
-    "labkit.{name}() works inside a rank: in a function given to labkit.run, in a %%ranks cell, "
-    "or in a script started by torchrun. Here no process group is initialised."
-)
+from labkit.groups import require_group
+
+__all__ = ["device", "local_rank", "rank", "world_size"]
 
 
-def _dist():
+def _dist(caller: str):
+    """torch.distributed, once `caller` (say "labkit.rank()") is known to run inside a rank."""
     import torch.distributed as dist
 
-    return dist
-
-
-def _require_group(name: str):
-    dist = _dist()
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(_OUTSIDE.format(name=name))
+    require_group(caller)
     return dist
 
 
 def rank() -> int:
     """This process's rank in the default process group (0 .. world_size() - 1)."""
-    return _require_group("rank").get_rank()
+    return _dist("labkit.rank()").get_rank()
 
 
 def world_size() -> int:
     """Number of ranks in the default process group."""
-    return _require_group("world_size").get_world_size()
+    return _dist("labkit.world_size()").get_world_size()
 
 
 def local_rank() -> int:
@@ -49,7 +43,7 @@ def device():
     Under labkit's NCCL pools, CPU tensors still work: they travel over gloo."""
     import torch
 
-    dist = _require_group("device")
+    dist = _dist("labkit.device()")
     if "nccl" in dist.get_backend():  # "nccl", or "cpu:gloo,cuda:nccl"
         return torch.device("cuda", local_rank())
     return torch.device("cpu")

@@ -1,10 +1,14 @@
 """What went wrong on which rank, told once and in the student's own lines.
 
 A worker turns an exception (or its current stack) into plain data: `describe_exception` and
-`describe_stack`. The kernel fills in source lines from its own `linecache`, where IPython keeps
-every cell, and raises one `RankError` that names the failing ranks, shows the root cause (the
-earliest failure, as torchelastic's ChildFailedError does) and merges identical failures
-("ranks 0-3: NameError ...").
+`describe_stack` (protocol.py holds their types). The kernel fills in source lines from its own
+`linecache`, where IPython keeps every cell, and raises one `RankError` that names the failing ranks,
+shows the root cause (the earliest failure, as torchelastic's ChildFailedError does) and merges
+identical failures ("ranks 0-3: NameError ...").
+
+An exception with the attribute `labkit_follow_on = True` (FOLLOW_ON_ATTRIBUTE) says "I only follow
+another rank's failure" (for instance "rank 0 failed to save"): the owner then names another rank's
+failure as the root cause, whenever it came.
 """
 
 from __future__ import annotations
@@ -16,34 +20,39 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-Frame = tuple[str, int, str]  # (filename, lineno, function name)
+from labkit.launch.protocol import Chained, ExceptionDescription, ExceptionLink, Frame, Stack
+
+__all__ = ["FOLLOW_ON_ATTRIBUTE", "CellSyntaxError", "Failure", "Interrupted", "RankError", "RankTimeout",
+           "cell_name", "describe_exception", "describe_stack", "exception_line", "format_exception",
+           "format_frames", "is_user_file", "rank_list", "still_running", "where"]
+
+FOLLOW_ON_ATTRIBUTE = "labkit_follow_on"
 
 _LABKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_DIR = os.path.join(_LABKIT_DIR, "launch")
 
 
-def describe_exception(exc: BaseException) -> dict:
+def describe_exception(exc: BaseException) -> ExceptionDescription:
     """Plain, picklable description of `exc` and the chain that caused it, without labkit's own
     launch frames (they sit above every call and say nothing about the student's code)."""
-    chain = []
-    seen = set()
+    follow_on = bool(getattr(exc, FOLLOW_ON_ATTRIBUTE, False))
+    links, seen = [], set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        link = {
-            "type": type(exc).__qualname__,
-            "module": type(exc).__module__,
-            "message": _message(exc),
-            "frames": _below_launch(traceback.extract_tb(exc.__traceback__)),
-            "after": None,  # how this exception relates to the one printed before it
-        }
-        chain.append(link)
-        if exc.__cause__ is not None:
-            link["after"], exc = "cause", exc.__cause__
-        elif not exc.__suppress_context__ and exc.__context__ is not None:
-            link["after"], exc = "context", exc.__context__
-        else:
-            exc = None
-    return {"chain": chain[::-1]}  # oldest first, as Python prints them
+        after, previous = _previous_in_chain(exc)
+        links.append(ExceptionLink(type(exc).__qualname__, type(exc).__module__, _message(exc),
+                                   _below_launch(traceback.extract_tb(exc.__traceback__)), after))
+        exc = previous
+    return ExceptionDescription(links[::-1], follow_on)  # oldest first, as Python prints them
+
+
+def _previous_in_chain(exc: BaseException) -> tuple[Chained | None, BaseException | None]:
+    """The exception Python prints before `exc`, and how `exc` follows it; (None, None) if none."""
+    if exc.__cause__ is not None:
+        return Chained.CAUSE, exc.__cause__
+    if not exc.__suppress_context__ and exc.__context__ is not None:
+        return Chained.CONTEXT, exc.__context__
+    return None, None
 
 
 def _message(exc: BaseException) -> str:
@@ -53,18 +62,15 @@ def _message(exc: BaseException) -> str:
         return f"<{type(exc).__name__} whose message could not be printed>"
 
 
-_SENDING_RESULT = "<labkit: sending the result>"  # a stack of one pseudo-frame: (this, nbytes, "")
-
-
-def describe_stack(frame) -> list[Frame]:
+def describe_stack(frame) -> Stack:
     """The call stack ending at `frame`, outermost first, without labkit's own launch frames.
 
     A rank that has finished the call and is writing its result to the owner would show only
-    multiprocessing's `_send`; that stack becomes one pseudo-frame carrying the result's size."""
+    multiprocessing's `_send`; that stack says the result's size instead."""
     nbytes = _result_being_sent(frame)
     if nbytes is not None:
-        return [(_SENDING_RESULT, nbytes, "")]
-    return _below_launch(traceback.extract_stack(frame))
+        return Stack([], sending_result_nbytes=nbytes)
+    return Stack(_below_launch(traceback.extract_stack(frame)))
 
 
 def _result_being_sent(frame) -> int | None:
@@ -81,19 +87,20 @@ def _result_being_sent(frame) -> int | None:
     return None
 
 
-def still_running(frames: list[Frame] | None) -> tuple[str, str]:
-    """(summary, detail) for a rank that had not answered when the call was abandoned."""
-    if frames and frames[0][0] == _SENDING_RESULT:
-        return f"was sending its result ({frames[0][1] / 1e6:.1f} MB) when the timeout passed", ""
-    if frames:
-        return f"was still running {where(frames)}", format_frames(frames)
+def still_running(stack: Stack | None) -> tuple[str, str]:
+    """(summary, detail) for a rank that had not answered when the call was abandoned; `stack` is
+    where it was (None: it did not say)."""
+    if stack is not None and stack.sending_result_nbytes is not None:
+        return f"was sending its result ({stack.sending_result_nbytes / 1e6:.1f} MB) when the timeout passed", ""
+    if stack is not None and stack.frames:
+        return f"was still running {where(stack.frames)}", format_frames(stack.frames)
     return "was still running and did not say where", ""
 
 
 def _below_launch(summary: traceback.StackSummary) -> list[Frame]:
     """The frames under labkit's launch code: those of the call itself."""
-    frames = [(f.filename, f.lineno, f.name) for f in summary]
-    launch = [i for i, f in enumerate(frames) if f[0].startswith(_LAUNCH_DIR)]
+    frames = [Frame(f.filename, f.lineno, f.name) for f in summary]
+    launch = [i for i, f in enumerate(frames) if f.filename.startswith(_LAUNCH_DIR)]
     return frames[launch[-1] + 1:] if launch else frames
 
 
@@ -115,35 +122,36 @@ def _place(filename: str, lineno: int) -> str:
 def format_frames(frames: list[Frame]) -> str:
     """Render frames like a Python traceback, taking source lines from this process's linecache."""
     lines = []
-    for filename, lineno, name in frames:
-        lines.append(f"  {_place(filename, lineno)}, in {name}\n")
-        source = linecache.getline(filename, lineno).strip()
+    for frame in frames:
+        lines.append(f"  {_place(frame.filename, frame.lineno)}, in {frame.function}\n")
+        source = linecache.getline(frame.filename, frame.lineno).strip()
         if source:
             lines.append(f"    {source}\n")
     return "".join(lines)
 
 
 _CHAIN_TEXT = {
-    "cause": "\nThe above exception was the direct cause of the following exception:\n\n",
-    "context": "\nDuring handling of the above exception, another exception occurred:\n\n",
+    Chained.CAUSE: "\nThe above exception was the direct cause of the following exception:\n\n",
+    Chained.CONTEXT: "\nDuring handling of the above exception, another exception occurred:\n\n",
 }
 
 
-def format_exception(description: dict) -> str:
+def format_exception(description: ExceptionDescription) -> str:
     """Render a `describe_exception` result the way Python would print the original."""
     parts = []
-    for link in description["chain"]:
-        if link["after"]:
-            parts.append(_CHAIN_TEXT[link["after"]])
-        if link["frames"]:
-            parts.append("Traceback (most recent call last):\n" + format_frames(link["frames"]))
+    for link in description.chain:
+        if link.after:
+            parts.append(_CHAIN_TEXT[link.after])
+        if link.frames:
+            parts.append("Traceback (most recent call last):\n" + format_frames(link.frames))
         parts.append(exception_line(link) + "\n")
     return "".join(parts)
 
 
-def exception_line(link: dict) -> str:
-    name = link["type"] if link["module"] in ("builtins", "__main__") else f"{link['module']}.{link['type']}"
-    return f"{name}: {link['message']}" if link["message"] else name
+def exception_line(link: ExceptionLink) -> str:
+    """The exception's last line, as Python prints it: 'ValueError: bad', 'torch.AcceleratorError: ...'."""
+    name = link.type_name if link.module in ("builtins", "__main__") else f"{link.module}.{link.type_name}"
+    return f"{name}: {link.message}" if link.message else name
 
 
 def is_user_file(filename: str) -> bool:
@@ -161,13 +169,13 @@ def where(frames: list[Frame]) -> str:
     if not frames:
         return "idle"
     innermost = frames[-1]
-    user = next((f for f in reversed(frames) if is_user_file(f[0])), None)
-    text = f"in {innermost[2]}"
+    user = next((f for f in reversed(frames) if is_user_file(f.filename)), None)
+    text = f"in {innermost.function}"
     if user is not None and user is not innermost:
-        source = linecache.getline(user[0], user[1]).strip()
-        text += f", called from {_place(*user[:2])}" + (f": {source}" if source else "")
+        source = linecache.getline(user.filename, user.lineno).strip()
+        text += f", called from {_place(user.filename, user.lineno)}" + (f": {source}" if source else "")
     elif user is not None:
-        text += f" at {_place(*user[:2])}"
+        text += f" at {_place(user.filename, user.lineno)}"
     return text
 
 

@@ -6,7 +6,7 @@ starts this small process with subprocess instead: it imports torch, never touch
 thread pool, and forks one child per rank on request. This is Python's own forkserver pattern
 (the default start method on Linux from Python 3.14). Where fork is not safe (macOS, or
 LABKIT_START_METHOD=spawn) it starts each rank as a fresh interpreter instead; the protocol is the
-same.
+same: `ForkRank` and `SignalRanks` in, `Forked` and `Exited` out (protocol.py).
 
 The server reaps its children and reports their exit status to the owner. It dies with its owner
 (end of file on its socket, or on Linux a parent-death SIGTERM that it handles), killing every child
@@ -34,6 +34,11 @@ import sys
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
+
+from labkit.launch import protocol
+from labkit.launch.protocol import Exited, Forked, ForkRank, RankSpec, SignalRanks
+
+__all__ = ["ForkServer", "describe_exit", "serve", "set_parent_death_signal", "start_method"]
 
 _PR_SET_PDEATHSIG = 1  # prctl(2) options, from <linux/prctl.h>
 _PR_SET_CHILD_SUBREAPER = 36
@@ -85,11 +90,11 @@ class ForkServer:
         self.alive = True  # until its socket closes: then its ranks have died with it
         self._requests = itertools.count()
 
-    def fork(self, spec: dict, fds: list[int], timeout_seconds: float) -> int:
+    def fork(self, spec: RankSpec, fds: list[int], timeout_seconds: float) -> int:
         """Start one rank with `spec`, handing it `fds` (job, control, stdout, stderr); its pid."""
-        request = next(self._requests)
+        request_id = next(self._requests)
         try:
-            self.connection.send_bytes(pickle.dumps(("fork", request, spec)))
+            protocol.send(self.connection, ForkRank(request_id, spec))
             sendfds(self._socket, fds)
         except OSError:
             self._lost()
@@ -99,15 +104,15 @@ class ForkServer:
             if remaining <= 0 or not self.connection.poll(remaining):
                 raise RuntimeError(f"labkit's fork server did not start a rank within {timeout_seconds:.0f} s.")
             message = self._receive()
-            if message[:2] == ("forked", request):
-                self.exit_status.pop(message[2], None)  # a pid the system has handed out again
-                return message[2]
+            if isinstance(message, Forked) and message.request_id == request_id:
+                self.exit_status.pop(message.pid, None)  # a pid the system has handed out again
+                return message.pid
         raise RuntimeError("labkit's fork server has ended; the next call starts a new one.")
 
     def signal(self, pids, sig: int) -> None:
         """Send `sig` to each rank's process group, if that rank has not been reaped yet."""
         try:
-            self.connection.send_bytes(pickle.dumps(("signal", list(pids), int(sig))))
+            protocol.send(self.connection, SignalRanks(list(pids), int(sig)))
         except OSError:
             self._lost()
 
@@ -126,19 +131,20 @@ class ForkServer:
             self._receive()
         return True
 
-    def _receive(self) -> tuple:
+    def _receive(self) -> Forked | Exited | None:
+        """The server's next message, noting an exit report; None once the server is lost."""
         try:
-            message = pickle.loads(self.connection.recv_bytes())
+            message = protocol.receive(self.connection)
         except (EOFError, OSError):
             self._lost()
-            return ("lost",)
+            return None
         except BaseException:
             # Ctrl-C halfway through a message: what follows on the socket can no longer be framed,
             # so give this server up; the next pool starts a new one, and closing this one ends its ranks.
             self._lost()
             raise
-        if message[0] == "exited":
-            self.exit_status[message[1]] = message[2]
+        if isinstance(message, Exited):
+            self.exit_status[message.pid] = message.status
         return message
 
     def _lost(self) -> None:
@@ -196,18 +202,10 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
         while True:
             if connection.poll(0.02):
                 try:
-                    request = pickle.loads(connection.recv_bytes())
+                    request = protocol.receive(connection)
                 except (EOFError, OSError):
                     return  # the owner is gone
-                if request[0] == "fork":
-                    fds = recvfds(sock, 4)
-                    pid, handle = _start_rank(request[2], fds, method, (sock, connection))
-                    children[pid] = handle
-                    connection.send_bytes(pickle.dumps(("forked", request[1], pid)))
-                elif request[0] == "signal":
-                    for pid in request[1]:
-                        if pid in children:
-                            _signal_group(pid, request[2])
+                _answer(request, children, method, sock, connection)
             _reap(children, connection)
     finally:
         for pid in children:
@@ -215,12 +213,26 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
         _reap_all(children, seconds=1.0)
 
 
+def _answer(request: ForkRank | SignalRanks, children: dict, method: str, sock: socket.socket,
+            connection: Connection) -> None:
+    """Start the rank a ForkRank asks for (its fds follow on `sock`), or signal the ranks SignalRanks names."""
+    if isinstance(request, ForkRank):
+        fds = recvfds(sock, 4)
+        pid, handle = _start_rank(request.spec, fds, method, (sock, connection))
+        children[pid] = handle
+        protocol.send(connection, Forked(request.request_id, pid))
+    elif isinstance(request, SignalRanks):
+        for pid in request.pids:
+            if pid in children:
+                _signal_group(pid, request.signal_number)
+
+
 def _exit_cleanly(signum, frame) -> None:
     """SIGTERM (the owner's death, or anyone's): leave through `serve`'s cleanup."""
     raise SystemExit(0)
 
 
-def _start_rank(spec: dict, fds: list[int], method: str, server_handles) -> tuple[int, object]:
+def _start_rank(spec: RankSpec, fds: list[int], method: str, server_handles) -> tuple[int, object]:
     job, control, stdout, stderr = fds
     if method == "spawn":
         process = subprocess.Popen(
@@ -241,7 +253,7 @@ def _start_rank(spec: dict, fds: list[int], method: str, server_handles) -> tupl
     return pid, handle
 
 
-def _become_rank(spec: dict, fds: list[int], server_pid: int, server_handles) -> None:
+def _become_rank(spec: RankSpec, fds: list[int], server_pid: int, server_handles) -> None:
     job, control, stdout, stderr = fds
     try:
         os.setsid()
@@ -288,7 +300,7 @@ def _reap(children: dict, connection: Connection | None) -> bool:
         if pid in children:
             del children[pid]
             if connection is not None:
-                connection.send_bytes(pickle.dumps(("exited", pid, status)))
+                protocol.send(connection, Exited(pid, status))
 
 
 def _reap_one(children: dict) -> tuple[int, int | None] | None:

@@ -26,9 +26,12 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
+from labkit.checks import rank_count, timeout_seconds
+from labkit.launch.cells import run_cell
 from labkit.launch.errors import CellSyntaxError
-from labkit.launch.owner import _check_timeout, _check_world_size, _owner, run
-from labkit.launch.worker import run_cell
+from labkit.launch.owner import OWNER, prestart, run
+
+__all__ = ["RanksMagics", "assigned_names", "load_ipython_extension"]
 
 
 @magics_class
@@ -48,13 +51,13 @@ class RanksMagics(Magics):
         """Run this cell on N ranks: %%ranks N [--timeout SECONDS] [--backend auto|gloo|nccl]"""
         __tracebackhide__ = True  # IPython shows the cell's lines, not labkit's
         options = parse_argstring(self.ranks, line)
-        world_size, timeout = _check_world_size(options.world_size), _check_timeout(options.timeout)
+        world_size, timeout = rank_count(options.world_size), timeout_seconds("timeout", options.timeout)
         filename = self._cell_filename()
         # Line numbers count the %%ranks line too, as the notebook shows them.
         shown = [f"%%ranks {line}\n", *cell.splitlines(True)]
         linecache.cache[filename] = (sum(map(len, shown)), None, shown, filename)
         tree = _parse("\n" + cell, filename, self._notebook_cell_filename() or filename)
-        self._announce_losses(world_size, _owner.pool_key(world_size, options.backend))
+        self._announce_losses(world_size, OWNER.pool_key(world_size, options.backend))
         values = run(run_cell, "\n" + cell, filename, world_size=world_size, backend=options.backend,
                      timeout=timeout)
         self._names.setdefault(world_size, set()).update(assigned_names(tree))
@@ -65,11 +68,11 @@ class RanksMagics(Magics):
     def _announce_losses(self, world_size: int, key: tuple[int, str]) -> None:
         """Say once, before the cell runs, if the variables of earlier cells on `world_size` ranks
         are gone (their pool was restarted), or live in other world sizes' pools only."""
-        serial = _owner.serial(key)
+        serial = OWNER.serial(key)
         previous = self._pools.get(world_size)
         self._pools[world_size] = (key, serial)
         if previous is not None and previous[1] != serial:
-            why = _owner.ended.get(previous[1], "it was replaced")
+            why = OWNER.ended.get(previous[1], "it was replaced")
             print(f"labkit: the {world_size}-rank pool was restarted ({why}): variables from earlier "
                   f"%%ranks {world_size} cells are gone.", file=sys.stderr)
             self._names.pop(world_size, None)
@@ -77,7 +80,7 @@ class RanksMagics(Magics):
             return
         others = [f"%%ranks {n}'s {_some(names)} {'is' if len(names) == 1 else 'are'} still there"
                   for n, names in sorted(self._names.items())
-                  if names and _owner.serial(self._pools[n][0]) == self._pools[n][1]]
+                  if names and OWNER.serial(self._pools[n][0]) == self._pools[n][1]]
         if others:
             self._told_per_world_size = True
             print(f"labkit: each world size keeps its own variables: %%ranks {world_size} starts empty; "
@@ -155,7 +158,6 @@ def _some(names: set[str], shown: int = 4) -> str:
 
 
 def load_ipython_extension(ipython) -> None:
-    from labkit.launch.owner import prestart
-
+    """`%load_ext labkit`: add %%ranks, and start the fork server (its `import torch`) in the background."""
     ipython.register_magics(RanksMagics)
     prestart()

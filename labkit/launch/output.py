@@ -15,6 +15,8 @@ import sys
 import time
 from collections import deque
 
+__all__ = ["HOLD_SECONDS", "STREAMS", "RankOutput", "end_of_call_marker", "release_held", "start_call"]
+
 STREAMS = ("stdout", "stderr")
 HOLD_SECONDS = 0.5
 _END_OF_CALL = re.compile(rb"\x1elabkit-end-of-call (\d+)\x1e")

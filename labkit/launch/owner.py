@@ -14,28 +14,30 @@ or plant keys for the next pool; a file another user cannot open leaves nothing 
 from __future__ import annotations
 
 import atexit
-import numbers
 import os
 import secrets
 import shutil
 import tempfile
 from collections import OrderedDict
 
+from labkit.checks import rank_count, timeout_seconds
 from labkit.launch import serialize
 from labkit.launch.backend import BackendChoice, choose_backend, usable_gpu_count
 from labkit.launch.errors import Interrupted, rank_list
 from labkit.launch.forkserver import ForkServer, describe_exit
 from labkit.launch.pool import Pool
 
-MAX_WORLD_SIZE = 16  # ranks per call; beyond a laptop's worth, use torchrun (README: instructors)
+__all__ = ["MAX_LIVE_RANKS", "OWNER", "PG_TIMEOUT_SECONDS", "START_TIMEOUT_SECONDS", "Owner", "prestart", "run",
+           "shutdown"]
+
 MAX_LIVE_RANKS = 16  # ranks kept warm across all pools before the least recently used is stopped
 PG_TIMEOUT_SECONDS = float(os.environ.get("LABKIT_PG_TIMEOUT", 30))
 START_TIMEOUT_SECONDS = float(os.environ.get("LABKIT_START_TIMEOUT", 120))
-MAX_TIMEOUT_SECONDS = 7 * 24 * 3600  # a week: longer waits overflow gloo's and NCCL's millisecond timeouts
 
 
-class _Owner:
+class Owner:
     """What this process holds for its ranks: the fork server, the warm pools, the store directory.
+    There is one, OWNER; `run`, `shutdown` and %%ranks use it.
 
     Each pool gets a serial number; when a pool goes, `ended[serial]` says why, so that %%ranks can
     tell the student why the variables it held are gone."""
@@ -51,6 +53,7 @@ class _Owner:
         self.pools_started = 0
 
     def pool(self, world_size: int, backend: str) -> Pool:
+        """A healthy pool for `world_size` ranks on `backend` ("auto", "gloo" or "nccl"), started if need be."""
         return self.pools[self.pool_key(world_size, backend)]
 
     def pool_key(self, world_size: int, backend: str) -> tuple[int, str]:
@@ -64,7 +67,7 @@ class _Owner:
             self.pools.move_to_end(key)
             return key
         if pool is not None:
-            self._retire(key, _why_unhealthy(pool))
+            self.retire(key, _why_unhealthy(pool))
         self._make_room(world_size)
         self._announce(world_size, choice)
         self.pools[key] = self._start_pool(world_size, choice)
@@ -82,16 +85,16 @@ class _Owner:
         store_path = os.path.join(self.store_dir, secrets.token_hex(16))
         return Pool(world_size, choice, self.server, store_path, PG_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS)
 
-    def _retire(self, key: tuple[int, str], reason: str) -> None:
+    def retire(self, key: tuple[int, str], reason: str) -> None:
         """Stop the pool kept for `key` and remember why."""
         self.pools.pop(key).close()
         self.ended[self.serials.pop(key)] = reason
 
     def _make_room(self, world_size: int) -> None:
         for key in [k for k, p in self.pools.items() if p.closed]:
-            self._retire(key, _why_unhealthy(self.pools[key]))
+            self.retire(key, _why_unhealthy(self.pools[key]))
         while self.pools and sum(p.world_size for p in self.pools.values()) + world_size > MAX_LIVE_RANKS:
-            self._retire(next(iter(self.pools)), f"it was stopped to make room for {world_size} ranks: labkit "
+            self.retire(next(iter(self.pools)), f"it was stopped to make room for {world_size} ranks: labkit "
                                                  f"keeps at most {MAX_LIVE_RANKS} ranks running")
 
     def _announce(self, world_size: int, choice: BackendChoice) -> None:
@@ -105,7 +108,7 @@ class _Owner:
 
     def shutdown(self) -> None:
         for key in list(self.pools):
-            self._retire(key, "labkit.shutdown() stopped it")
+            self.retire(key, "labkit.shutdown() stopped it")
         if self.server is not None:
             self.server.close()
             self.server = None
@@ -118,7 +121,7 @@ def _why_unhealthy(pool: Pool) -> str:
     """Why a kept pool cannot serve the next call, in words for the student."""
     if pool.closed:
         return "it was stopped after a call failed, timed out or was interrupted"
-    exits = pool._server.exit_status
+    exits = pool.server.exit_status
     dead = [r for r in pool.ranks if r.gone or r.pid in exits]
     if not dead:
         return "labkit's fork server ended, and its ranks with it"
@@ -134,8 +137,8 @@ def _devices(world_size: int, backend: str) -> str:
     return f"rank i on cuda:i (i = 0..{world_size - 1})"
 
 
-_owner = _Owner()
-atexit.register(_owner.shutdown)
+OWNER = Owner()
+atexit.register(OWNER.shutdown)
 
 
 def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 60.0, **kwargs) -> list:
@@ -158,8 +161,8 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
         >>> labkit.run(total, 10, world_size=4)
         [46.0, 46.0, 46.0, 46.0]
     """
-    world_size = _check_world_size(world_size)
-    timeout = _check_timeout(timeout)
+    world_size = rank_count(world_size)
+    timeout = timeout_seconds("timeout", timeout)
     if not callable(fn):
         raise TypeError(f"labkit.run needs a function to call, got {type(fn).__name__} {fn!r:.60}.")
     if _inside_rank():
@@ -167,7 +170,7 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
     payload = _pickle_call(fn, args, kwargs)
     __tracebackhide__ = True  # IPython shows the student's lines, not labkit's
     try:
-        return _owner.pool(world_size, backend).call(payload, timeout)
+        return OWNER.pool(world_size, backend).call(payload, timeout)
     except KeyboardInterrupt:
         pass  # the pool has said what became of the ranks
     raise Interrupted from None  # without the selector and pool frames it interrupted
@@ -175,34 +178,13 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
 
 def shutdown() -> None:
     """Stop every rank this process started, and the fork server. The next run starts afresh."""
-    _owner.shutdown()
+    OWNER.shutdown()
 
 
 def prestart() -> None:
     """Start the fork server now (it imports torch in the background), so the first run is quicker."""
-    if _owner.server is None:
-        _owner.server = ForkServer()
-
-
-def _check_world_size(world_size) -> int:
-    if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
-        raise TypeError(f"world_size must be a whole number of ranks, got {world_size!r} "
-                        f"({type(world_size).__name__}).")
-    if not 1 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {world_size}. "
-                         "For more ranks, run a script under torchrun (see the README's instructor guide).")
-    return int(world_size)
-
-
-def _check_timeout(timeout) -> float:
-    """Seconds, more than 0 and at most a week. Compared before any float() so that 10**400 is
-    refused, not an OverflowError; NaN fails both comparisons."""
-    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r:.40} ({type(timeout).__name__}).")
-    if not 0 < timeout <= MAX_TIMEOUT_SECONDS:
-        raise ValueError(f"timeout must be a positive number of seconds, at most a week ({MAX_TIMEOUT_SECONDS} s), "
-                         f"got {timeout!r:.40}.")
-    return float(timeout)
+    if OWNER.server is None:
+        OWNER.server = ForkServer()
 
 
 def _pickle_call(fn, args: tuple, kwargs: dict) -> bytes:

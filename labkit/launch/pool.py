@@ -12,6 +12,9 @@ Whatever happens, the ranks' output is shown first and one clear exception follo
 may be out of step (a rank died, was stopped, or issued operations its peers never matched) is
 closed, so the next call starts from a clean one.
 
+The ranks speak in protocol.py's messages: a `Call` out, one `Reply` back per rank; `StackRequest`
+and `Interrupt` on each rank's control socket.
+
 Ctrl-C asks every rank to stop this very call (worker.py says how). The pool is kept only if every
 rank then answers the call within a grace period, every process group counted the same number of
 operations on each of its ranks during the call, and a tiny all_reduce still works; if anything
@@ -23,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-import pickle
 import selectors
 import signal
 import socket
@@ -32,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from labkit.launch import serialize
+from labkit.launch import protocol, serialize
 from labkit.launch.backend import BackendChoice, threads_per_rank
 from labkit.launch.errors import (
     Failure,
@@ -45,7 +47,21 @@ from labkit.launch.errors import (
 )
 from labkit.launch.forkserver import ForkServer, describe_exit
 from labkit.launch.output import STREAMS, RankOutput, release_held, start_call
-from labkit.launch.worker import STACK_REQUEST, health_probe, interrupt_request
+from labkit.launch.protocol import (
+    Call,
+    Interrupt,
+    Outcome,
+    RankSpec,
+    Ready,
+    Reply,
+    Stack,
+    StackRequest,
+    StartFailed,
+)
+from labkit.launch.worker import health_probe
+
+__all__ = ["DEATH_DETAILS_SECONDS", "HEALTH_CHECK_SECONDS", "INTERRUPT_GRACE_SECONDS", "MIN_START_SECONDS",
+           "SETTLE_SECONDS", "STACK_WAIT_SECONDS", "Pool", "RankHandle", "start_budget_seconds"]
 
 SETTLE_SECONDS = 1.5  # after one rank fails, how long the others get to finish or fail too
 INTERRUPT_GRACE_SECONDS = 1.5  # after Ctrl-C, how long ranks get to stop by themselves
@@ -65,16 +81,27 @@ def start_budget_seconds(call_timeout_seconds: float, start_timeout_seconds: flo
 
 
 @dataclass
-class _Rank:
+class RankHandle:
+    """The owner's end of one rank: its process, its two sockets, its output pipes, what it said."""
+
     rank: int
     pid: int
     job: Connection
     control: Connection
-    pipes: dict[str, int]
+    pipes: dict[str, int]  # "stdout"/"stderr" -> the read end of that pipe
     output: RankOutput
-    inbox: list = field(default_factory=list)
+    started: Ready | StartFailed | None = None  # its first message (None: not yet)
+    replies: dict[int, Reply] = field(default_factory=dict)  # by call id, until the call is concluded
     gone: bool = False  # its job socket closed or its exit was reported
     gone_at: float = 0.0
+
+    def finished(self, call_id: int) -> bool:
+        """Gone, or it has replied to `call_id` and both its streams have shown that call's last line."""
+        return self.gone or (call_id in self.replies and all(self.output.ended_call[s] >= call_id for s in STREAMS))
+
+    def failed(self, call_id: int) -> bool:
+        """Gone, or its reply to `call_id` is not OK."""
+        return self.gone or (call_id in self.replies and self.replies[call_id].outcome != Outcome.OK)
 
 
 class Pool:
@@ -87,12 +114,12 @@ class Pool:
         self.choice = choice
         self.closed = False
         self.started = False
-        self._server = server
+        self.server = server
         self._selector = selectors.DefaultSelector()
         self._selector.register(server.fileno(), selectors.EVENT_READ, ("server", None))
         self._pg_timeout_seconds = pg_timeout_seconds
         self._start_timeout_seconds = start_timeout_seconds
-        self.ranks: list[_Rank] = []
+        self.ranks: list[RankHandle] = []
 
     def _start(self, budget_seconds: float) -> None:
         """Start every rank and wait until all are in the group: at most `budget_seconds`, and no
@@ -100,7 +127,7 @@ class Pool:
         deadline = time.monotonic() + budget_seconds
         try:
             for rank in range(self.world_size):
-                spec = self._spec(rank, self.store_path, self._pg_timeout_seconds)
+                spec = self.rank_spec(rank, self.store_path, self._pg_timeout_seconds)
                 self.ranks.append(self._start_rank(spec, max(0.0, deadline - time.monotonic())))
             self._wait_until_ready(deadline, budget_seconds)
         except BaseException:
@@ -108,28 +135,27 @@ class Pool:
             raise
         self.started = True
 
-    def _spec(self, rank: int, store_path: str, pg_timeout_seconds: float) -> dict:
+    def rank_spec(self, rank: int, store_path: str, pg_timeout_seconds: float) -> RankSpec:
+        """What rank `rank` of this pool is started with: its group, this process's directory and path,
+        and the environment torchrun would give it."""
         threads = threads_per_rank(self.world_size)
-        return {
-            "rank": rank, "world_size": self.world_size, "backend": self.choice.backend,
-            "store_path": store_path,
-            "pg_timeout_seconds": pg_timeout_seconds, "threads": threads,
-            "cwd": os.getcwd(), "sys_path": list(sys.path),
-            "env": {
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-                "LOCAL_WORLD_SIZE": str(self.world_size), "OMP_NUM_THREADS": str(threads),
-                "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
-                "PYTHONUNBUFFERED": "1", "LABKIT_RANK_PROCESS": "1",
-            },
+        env = {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.world_size), "OMP_NUM_THREADS": str(threads),
+            "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
+            "PYTHONUNBUFFERED": "1", "LABKIT_RANK_PROCESS": "1",
         }
+        return RankSpec(rank=rank, world_size=self.world_size, backend=self.choice.backend, store_path=store_path,
+                        pg_timeout_seconds=pg_timeout_seconds, threads=threads, cwd=os.getcwd(),
+                        sys_path=list(sys.path), env=env)
 
-    def _start_rank(self, spec: dict, timeout_seconds: float) -> _Rank:
+    def _start_rank(self, spec: RankSpec, timeout_seconds: float) -> RankHandle:
         job_ours, job_theirs = socket.socketpair()
         control_ours, control_theirs = socket.socketpair()
         pipes = {stream: os.pipe() for stream in STREAMS}
         theirs = [job_theirs.fileno(), control_theirs.fileno()] + [w for _, w in pipes.values()]
         try:
-            pid = self._server.fork(spec, theirs, timeout_seconds)
+            pid = self.server.fork(spec, theirs, timeout_seconds)
         except BaseException:
             for ours in (job_ours, control_ours):
                 ours.close()
@@ -141,8 +167,8 @@ class Pool:
             control_theirs.close()
             for _, write_end in pipes.values():
                 os.close(write_end)
-        rank = spec["rank"]
-        state = _Rank(rank, pid, Connection(job_ours.detach()), Connection(control_ours.detach()),
+        rank = spec.rank
+        state = RankHandle(rank, pid, Connection(job_ours.detach()), Connection(control_ours.detach()),
                       {stream: r for stream, (r, _) in pipes.items()}, RankOutput(rank, live=rank == 0))
         self._selector.register(state.job.fileno(), selectors.EVENT_READ, ("job", state))
         for stream, fd in state.pipes.items():
@@ -150,28 +176,31 @@ class Pool:
         return state
 
     def _wait_until_ready(self, deadline: float, budget_seconds: float) -> None:
-        def failed(r: _Rank) -> bool:
-            return r.gone or bool(r.inbox and r.inbox[0][0] == "init_error")
+        def failed(r: RankHandle) -> bool:
+            return r.gone or isinstance(r.started, StartFailed)
 
-        self._pump(deadline, lambda: all(r.inbox or r.gone for r in self.ranks) or any(map(failed, self.ranks)))
-        stacks = self._stacks([r for r in self.ranks if not (r.inbox or r.gone)])
+        self._pump(deadline, lambda: (all(r.started is not None or r.gone for r in self.ranks)
+                                      or any(map(failed, self.ranks))))
+        stacks = self._stacks([r for r in self.ranks if r.started is None and not r.gone])
         when = "when another rank failed" if any(map(failed, self.ranks)) else f"after {budget_seconds:g} s"
-        failures = []
-        for r in self.ranks:
-            if r.inbox and r.inbox[0][0] == "init_error":
-                description = r.inbox[0][1]
-                failures.append(Failure(r.rank, "error", exception_line(description["chain"][-1]),
-                                        format_exception(description)))
-            elif r.gone:
-                failures.append(self._death(r))
-            elif not r.inbox:
-                summary, detail = still_running(stacks[r.rank])
-                failures.append(Failure(r.rank, "stopped", f"not ready {when}: "
-                                        + summary.replace("was still running", "was still starting"), detail))
-            r.inbox.clear()
+        failures = [self._start_failure(r, stacks.get(r.rank), when) for r in self.ranks]
         self._flush_output()
-        if failures:
-            raise RankError(f"labkit could not start {self.world_size} ranks ({self.choice.reason}).", failures)
+        if any(failures):
+            raise RankError(f"labkit could not start {self.world_size} ranks ({self.choice.reason}).",
+                            [f for f in failures if f is not None])
+
+    def _start_failure(self, r: RankHandle, stack: Stack | None, when: str) -> Failure | None:
+        """Why rank `r` is not ready (`when` says at which moment it was given up), or None if it is."""
+        if isinstance(r.started, StartFailed):
+            error = r.started.error
+            return Failure(r.rank, "error", exception_line(error.chain[-1]), format_exception(error))
+        if r.gone:
+            return self._death(r)
+        if r.started is None:
+            summary, detail = still_running(stack)
+            return Failure(r.rank, "stopped", f"not ready {when}: "
+                           + summary.replace("was still running", "was still starting"), detail)
+        return None
 
     # ---- calls ------------------------------------------------------------------------------------
 
@@ -183,35 +212,14 @@ class Pool:
         if not, the pool is closed."""
         if not self.started:
             self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds))
-        call_id = next(_call_ids)
-        message = pickle.dumps((call_id, timeout_seconds, payload))
-        deadline = time.monotonic() + timeout_seconds
-
-        def finished(r: _Rank) -> bool:
-            return r.gone or (any(m[0] == call_id for m in r.inbox)
-                              and all(r.output.ended_call[s] >= call_id for s in STREAMS))
-
-        def all_finished() -> bool:
-            return all(finished(r) for r in self.ranks)
-
-        def some_failed() -> bool:
-            return any(r.gone or any(m[0] == call_id and m[1] != "ok" for m in r.inbox) for r in self.ranks)
-
+        call = Call(next(_call_ids), timeout_seconds, payload)
         try:
-            start_call([r.output for r in self.ranks])
-            for r in self.ranks:
-                try:
-                    r.job.send_bytes(message)
-                except OSError:
-                    self._mark_gone(r)
-            self._pump(deadline, lambda: all_finished() or some_failed())
-            if not all_finished() and some_failed():
-                self._pump(min(deadline, time.monotonic() + SETTLE_SECONDS), all_finished)
+            self._send_and_wait(call)
         except KeyboardInterrupt:
             try:
                 if not check_health:
                     raise  # the health probe itself was interrupted: nothing left to judge the pool by
-                self._stop_after_interrupt(call_id, finished)
+                self._stop_after_interrupt(call.call_id)
             except BaseException:
                 self.close()  # a second Ctrl-C, or a stream left broken: give up the pool
                 raise
@@ -220,80 +228,110 @@ class Pool:
             self.close()  # e.g. a test timeout's exception: the ranks may still run this call
             raise
         try:
-            running = [r for r in self.ranks if not finished(r)]
-            return self._conclude(call_id, running, timeout_seconds, check_health)
+            return self._conclude(call, check_health)
         except (RankError, TypeError):
             raise  # the call's own verdict; _conclude has decided whether the pool stays
         except BaseException:
             self.close()  # interrupted or broken while concluding: the ranks may be out of step
             raise
 
-    def _conclude(self, call_id: int, running: list[_Rank], timeout_seconds: float, check_health: bool) -> list:
+    def _send_and_wait(self, call: Call) -> None:
+        """Send `call` to every rank, then pump until all have finished it, or one has failed and the
+        others had SETTLE_SECONDS to follow, or its timeout passes."""
+        deadline = time.monotonic() + call.timeout_seconds
+        frame = protocol.encode(call)  # pickled once, sent to every rank
+
+        def all_finished() -> bool:
+            return all(r.finished(call.call_id) for r in self.ranks)
+
+        def some_failed() -> bool:
+            return any(r.failed(call.call_id) for r in self.ranks)
+
+        start_call([r.output for r in self.ranks])
+        for r in self.ranks:
+            try:
+                r.job.send_bytes(frame)
+            except OSError:
+                self._mark_gone(r)
+        self._pump(deadline, lambda: all_finished() or some_failed())
+        if not all_finished() and some_failed():
+            self._pump(min(deadline, time.monotonic() + SETTLE_SECONDS), all_finished)
+
+    def _conclude(self, call: Call, check_health: bool) -> list:
+        """The results in rank order, or the one exception that says what went wrong; whether the pool
+        is kept is decided here."""
+        running = [r for r in self.ranks if not r.finished(call.call_id)]
         stacks = self._stacks(running)
         self._flush_output()
-        replies = {r.rank: next(m for m in r.inbox if m[0] == call_id) for r in self.ranks
-                   if any(m[0] == call_id for m in r.inbox)}
-        for r in self.ranks:
-            r.inbox.clear()
+        replies = self._take_replies(call.call_id)
         self._close_if_group_destroyed(replies)
         failures = [self._death(r) for r in self.ranks if r.gone and r.rank not in replies]
-        failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply[1] != "ok"]
+        failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply.outcome != Outcome.OK]
         failures += [Failure(r.rank, "stopped", *still_running(stacks[r.rank])) for r in running]
         if not failures:
-            return [serialize.load_result(r, replies[r][2]) for r in range(self.world_size)]
+            return [serialize.load_result(r, replies[r].body) for r in range(self.world_size)]
         if not (running or any(r.gone for r in self.ranks) or self.closed) and check_health:
             self._keep_if_in_step(replies)
         else:
             self.close()
+        raise self._call_error(failures, [r.rank for r in running], call.timeout_seconds)
+
+    def _call_error(self, failures: list[Failure], running: list[int], timeout_seconds: float) -> Exception:
+        """The exception a failed call raises: TypeError if every failure is an unpicklable result,
+        RankTimeout if every failure is a rank still running, RankError otherwise."""
         restarted = "" if not self.closed else (
             f" The {self.world_size}-rank pool was stopped; the next call starts a fresh one"
             " (variables defined in %%ranks cells are gone)."
         )
         unpicklable = [f for f in failures if f.kind == "unpicklable"]
         if unpicklable and len(unpicklable) == len(failures):
-            raise TypeError(f"{rank_list(f.rank for f in unpicklable)} returned a value that cannot be "
-                            f"sent back: {unpicklable[0].summary}. Return plain data (tensors, numbers, "
-                            "lists, dicts) instead.")
+            return TypeError(f"{rank_list(f.rank for f in unpicklable)} returned a value that cannot be "
+                             f"sent back: {unpicklable[0].summary}. Return plain data (tensors, numbers, "
+                             "lists, dicts) instead.")
         if running and len(running) == len(failures):
-            done = [r.rank for r in self.ranks if r not in running]
+            done = [r.rank for r in self.ranks if r.rank not in running]
             finished = f" ({rank_list(done)} had returned)" if done else ""
-            raise RankTimeout(f"labkit.run timed out after {timeout_seconds:g} s: {rank_list(r.rank for r in running)} "
-                              f"still running{finished}.{restarted}", failures)
+            return RankTimeout(f"labkit.run timed out after {timeout_seconds:g} s: {rank_list(running)} "
+                               f"still running{finished}.{restarted}", failures)
         failed = sorted({f.rank for f in failures if f.kind != "stopped"})
-        raise RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures)
+        return RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures)
 
-    def _stacks(self, running: list[_Rank]) -> dict[int, list | None]:
+    def _take_replies(self, call_id: int) -> dict[int, Reply]:
+        """Each rank's reply to `call_id`, by rank (those that replied); every rank's replies are cleared."""
+        replies = {r.rank: r.replies[call_id] for r in self.ranks if call_id in r.replies}
+        for r in self.ranks:
+            r.replies.clear()
+        return replies
+
+    def _stacks(self, running: list[RankHandle]) -> dict[int, Stack | None]:
         """Ask each running rank where its main thread is; None where no answer came."""
         for r in running:
             try:
-                r.control.send_bytes(STACK_REQUEST)
+                protocol.send(r.control, StackRequest())
             except OSError:
                 pass
         stacks, deadline = {}, time.monotonic() + STACK_WAIT_SECONDS
         for r in running:
             try:
                 answered = r.control.poll(max(0.0, deadline - time.monotonic()))
-                stacks[r.rank] = pickle.loads(r.control.recv_bytes()) if answered else None
+                stacks[r.rank] = protocol.receive(r.control) if answered else None
             except (EOFError, OSError):
                 stacks[r.rank] = None
         return stacks
 
-    def _stop_after_interrupt(self, call_id: int, finished) -> None:
+    def _stop_after_interrupt(self, call_id: int) -> None:
         """Ctrl-C: ask every rank still running to stop call `call_id`; keep the pool only if each
         rank answered that call and they stopped in step. Anything raised here closes the pool."""
         for r in self.ranks:
-            if not finished(r):
+            if not r.finished(call_id):
                 try:
-                    r.control.send_bytes(interrupt_request(call_id))
+                    protocol.send(r.control, Interrupt(call_id))
                 except OSError:
                     self._mark_gone(r)
-        self._pump(time.monotonic() + INTERRUPT_GRACE_SECONDS, lambda: all(finished(r) for r in self.ranks))
+        self._pump(time.monotonic() + INTERRUPT_GRACE_SECONDS, lambda: all(r.finished(call_id) for r in self.ranks))
         self._flush_output()
-        stuck = [r.rank for r in self.ranks if not finished(r)]
-        replies = {r.rank: next(m for m in r.inbox if m[0] == call_id) for r in self.ranks
-                   if any(m[0] == call_id for m in r.inbox)}
-        for r in self.ranks:
-            r.inbox.clear()
+        stuck = [r.rank for r in self.ranks if not r.finished(call_id)]
+        replies = self._take_replies(call_id)
         self._close_if_group_destroyed(replies)
         if stuck or any(r.gone for r in self.ranks):
             self.close()
@@ -306,10 +344,10 @@ class Pool:
         else:
             print("labkit: interrupted; every rank stopped cleanly and the pool is kept.", file=sys.stderr)
 
-    def _close_if_group_destroyed(self, replies: dict[int, tuple]) -> None:
+    def _close_if_group_destroyed(self, replies: dict[int, Reply]) -> None:
         """A rank that called dist.destroy_process_group() cannot take part in the next call: close
         the pool and say so; the call's results still come back."""
-        destroyed = [rank for rank, reply in replies.items() if reply[5]]
+        destroyed = [rank for rank, reply in replies.items() if reply.group_destroyed]
         if destroyed and not self.closed:
             self.close()
             print(f"labkit: {rank_list(destroyed)} destroyed the process group (dist.destroy_process_group()): "
@@ -317,13 +355,13 @@ class Pool:
                   "defined in %%ranks cells are gone). labkit's pool creates and destroys the group itself.",
                   file=sys.stderr)
 
-    def _keep_if_in_step(self, replies: dict[int, tuple]) -> None:
+    def _keep_if_in_step(self, replies: dict[int, Reply]) -> None:
         """Close the pool unless every rank answered, each process group issued as many operations
         on each of its ranks during the call, and a tiny all_reduce still works.
 
         The all_reduce alone can be fooled: if rank 1 left an all_reduce unmatched, rank 0's probe
         completes against it. The counts cannot: they are read on each rank, with no collective."""
-        if len(replies) != self.world_size or not _same_steps([reply[4] for reply in replies.values()]):
+        if len(replies) != self.world_size or not _same_steps([reply.steps for reply in replies.values()]):
             self.close()
             return
         try:
@@ -344,44 +382,50 @@ class Pool:
             for key, _ in self._selector.select(min(remaining, 0.5)):
                 kind, r = key.data
                 if kind == "server":
-                    self._server.read_reports()
-                    if not self._server.alive:  # its socket would stay readable at end of file
+                    self.server.read_reports()
+                    if not self.server.alive:  # its socket would stay readable at end of file
                         self._selector.unregister(key.fd)
                 elif kind == "job":
                     self._receive(r)
                 else:
                     self._read_pipe(r, kind)
             for r in self.ranks:
-                if not r.gone and r.pid in self._server.exit_status:
+                if not r.gone and r.pid in self.server.exit_status:
                     self._mark_gone(r)
             release_held([r.output for r in self.ranks])
 
-    def _receive(self, r: _Rank) -> None:
+    def _receive(self, r: RankHandle) -> None:
+        """Take one message from rank `r`'s job socket: its start report, or a reply."""
         try:
-            r.inbox.append(pickle.loads(r.job.recv_bytes()))
+            message = protocol.receive(r.job)
         except (EOFError, OSError):
             self._mark_gone(r)
         except BaseException:  # interrupted halfway through a message: this stream can no longer be read
             self._mark_gone(r)
             raise
+        else:
+            if isinstance(message, Reply):
+                r.replies[message.call_id] = message
+            else:
+                r.started = message
 
-    def _read_pipe(self, r: _Rank, stream: str) -> None:
+    def _read_pipe(self, r: RankHandle, stream: str) -> None:
         fd = r.pipes[stream]
         data = os.read(fd, 1 << 16)
         r.output.feed(stream, data)
         if not data:
             self._selector.unregister(fd)
 
-    def _mark_gone(self, r: _Rank) -> None:
+    def _mark_gone(self, r: RankHandle) -> None:
         if not r.gone:
             r.gone, r.gone_at = True, time.time()
             self._selector.unregister(r.job.fileno())
 
-    def _death(self, r: _Rank) -> Failure:
+    def _death(self, r: RankHandle) -> Failure:
         """A dead rank, named with its signal or exit code and its last lines of stderr."""
-        self._server.wait_for_exit([r.pid], DEATH_DETAILS_SECONDS)
+        self.server.wait_for_exit([r.pid], DEATH_DETAILS_SECONDS)
         self._pump(time.monotonic() + DEATH_DETAILS_SECONDS, lambda: all(r.output.closed.values()))
-        how = describe_exit(self._server.exit_status.get(r.pid))
+        how = describe_exit(self.server.exit_status.get(r.pid))
         hint = " (SIGKILL from outside often means the machine ran out of memory)" if "SIGKILL" in how else ""
         return Failure(r.rank, "died", f"process {how}{hint}", time=r.gone_at,
                        stderr_tail=list(r.output.stderr_tail))
@@ -394,8 +438,8 @@ class Pool:
         """Open, and every rank still alive."""
         if self.closed:
             return False
-        self._server.read_reports()
-        return self._server.alive and not any(r.gone or r.pid in self._server.exit_status for r in self.ranks)
+        self.server.read_reports()
+        return self.server.alive and not any(r.gone or r.pid in self.server.exit_status for r in self.ranks)
 
     def close(self) -> None:
         """Stop every rank now and release every file descriptor. Idempotent."""
@@ -404,9 +448,9 @@ class Pool:
         self.closed = True
         pids = [r.pid for r in self.ranks]
         try:
-            if self._server.alive:  # otherwise its ranks have died with it
-                self._server.signal(pids, signal.SIGKILL)
-                self._server.wait_for_exit(pids, 3.0)
+            if self.server.alive:  # otherwise its ranks have died with it
+                self.server.signal(pids, signal.SIGKILL)
+                self.server.wait_for_exit(pids, 3.0)
         finally:  # even if Ctrl-C cut the wait short: a rank whose control socket closes ends itself
             for r in self.ranks:
                 r.job.close()
@@ -429,14 +473,13 @@ def _same_steps(steps: list[dict[str, int] | None]) -> bool:
     return all(len(counts) == 1 for counts in per_group.values())
 
 
-def _failure_from_reply(rank: int, reply: tuple) -> Failure:
-    """A rank's failed reply as a Failure. One marked follow-on (worker.FOLLOW_ON_ATTRIBUTE) gets an
+def _failure_from_reply(rank: int, reply: Reply) -> Failure:
+    """A rank's failed reply as a Failure. One marked follow-on (errors.FOLLOW_ON_ATTRIBUTE) gets an
     unknown time (inf), so that whoever picks the earliest failure as the root cause picks another."""
-    _, status, data, when = reply[:4]
-    if status == "unpicklable":
-        return Failure(rank, "unpicklable", data, time=when)
-    if status == "interrupted":
-        return Failure(rank, "interrupted", "interrupted", format_exception(data), time=when)
-    return Failure(rank, "error", exception_line(data["chain"][-1]), format_exception(data),
-                   time=float("inf") if data.get("follow_on") else when)
-
+    if reply.outcome == Outcome.UNPICKLABLE:
+        return Failure(rank, "unpicklable", reply.body, time=reply.finished_at)
+    if reply.outcome == Outcome.INTERRUPTED:
+        return Failure(rank, "interrupted", "interrupted", format_exception(reply.body), time=reply.finished_at)
+    error = reply.body
+    return Failure(rank, "error", exception_line(error.chain[-1]), format_exception(error),
+                   time=float("inf") if error.follow_on else reply.finished_at)

@@ -21,6 +21,10 @@ from collections import ChainMap
 import cloudpickle
 import torch
 
+from labkit.groups import group_is_up
+
+__all__ = ["dumps", "load_result", "loads"]
+
 
 def _reduce_code(code: types.CodeType):
     return marshal.loads, (marshal.dumps(code),)
@@ -38,9 +42,7 @@ def _rebuild_on_rank_device(data: bytearray, dtype: torch.dtype, shape: tuple, r
 
 def _landing_device() -> torch.device:
     """labkit.device() inside a rank (its own GPU under NCCL), the CPU anywhere else."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    if group_is_up():
         from labkit.launch.context import device
 
         return device()
@@ -67,6 +69,7 @@ class _Pickler(cloudpickle.Pickler):
 
 
 def dumps(obj) -> bytes:
+    """`obj` pickled with cloudpickle and the changes above."""
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=5).dump(obj)
     return buffer.getvalue()

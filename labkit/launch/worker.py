@@ -1,16 +1,17 @@
 """The rank side: one process per rank, joined to the default process group, serving calls.
 
-A worker talks to the owner (the notebook's kernel, or a script) over two sockets. On the job
-socket its main thread receives cloudpickled `(fn, args, kwargs)`, runs it and sends back the
-result. On the control socket a second thread answers "where are you?" with the main thread's
-stack, even while that thread waits inside a collective (c10d releases the GIL while it waits),
-takes interrupts, and ends the process when the owner goes away. Output goes to fds 1 and 2, pipes
+A worker talks to the owner (the notebook's kernel, or a script) over two sockets, in the messages
+of protocol.py. On the job socket its main thread receives each `Call` (a cloudpickled
+`(fn, args, kwargs)`), runs it and sends back a `Reply`. On the control socket a second thread
+answers a `StackRequest` with the main thread's `Stack`, even while that thread waits inside a
+collective (c10d releases the GIL while it waits), takes `Interrupt`s, and ends the process when the
+owner goes away. Output goes to fds 1 and 2, pipes
 the owner drains; after each call a marker line on both says "everything before me belongs to that
 call".
 
 An interrupt names the call it is meant for. A bare SIGINT carries no such name: one that reached a
 rank a moment too early was lost, and one that came late stopped the next call. So the owner sends
-"interrupt <call id>" on the control socket; the control thread notes the id and signals the main
+`Interrupt(call_id)` on the control socket; the control thread notes the id and signals the main
 thread, whose handler raises KeyboardInterrupt only while that very call runs; a call that starts
 after its interrupt came stops before the user's code. Each reply also says how many operations
 each process group issued during the call, so the owner can tell whether the ranks stopped in step.
@@ -22,17 +23,13 @@ uses CUDA waits for its queued work (torch.cuda.synchronize), so that a CUDA err
 collective belongs to the call that caused it. And the reply says whether the call destroyed the
 default process group (dist.destroy_process_group()), so the owner can replace the pool.
 
-An exception with the attribute `labkit_follow_on = True` says "I only follow another rank's
-failure" (for instance "rank 0 failed to save"): the owner then names another rank's failure as
-the root cause, whenever it came.
+A `%%ranks` cell is one more call: cells.py runs it in the rank's own namespace.
 """
 
 from __future__ import annotations
 
-import ast
 import datetime
 import gc
-import linecache
 import os
 import pickle
 import signal
@@ -42,27 +39,33 @@ import time
 import traceback
 from multiprocessing.connection import Connection
 
+from labkit.groups import group_is_up
+from labkit.launch import protocol
 from labkit.launch.errors import describe_exception, describe_stack
 from labkit.launch.output import end_of_call_marker
+from labkit.launch.protocol import (
+    Call,
+    ExceptionDescription,
+    Interrupt,
+    Outcome,
+    RankSpec,
+    Ready,
+    Reply,
+    StackRequest,
+    StartFailed,
+)
 
-STACK_REQUEST = b"stack"
-_INTERRUPT_REQUEST = b"interrupt "
+__all__ = ["GROUP_TIMEOUT_MARGIN_SECONDS", "health_probe", "main", "sequence_numbers", "spawned_main"]
+
 GROUP_TIMEOUT_MARGIN_SECONDS = 15.0
-FOLLOW_ON_ATTRIBUTE = "labkit_follow_on"
 
-_cell_namespace: dict = {"__name__": "__main__"}
 _running_call: int | None = None  # the call whose payload and user code the main thread runs now
 _interrupt_for: int | None = None  # the latest call the owner asked to stop, until the stop is raised
 _output_fds: dict[int, int] = {}  # 1 and 2 -> a duplicate of the pipe the owner reads, taken at start
 
 
-def interrupt_request(call_id: int) -> bytes:
-    """The control message asking a rank to stop call `call_id` (and no other)."""
-    return _INTERRUPT_REQUEST + str(call_id).encode()
-
-
-def main(spec: dict, job_fd: int, control_fd: int) -> None:
-    """Run rank `spec["rank"]` until the owner closes the job socket; never returns."""
+def main(spec: RankSpec, job_fd: int, control_fd: int) -> None:
+    """Run rank `spec.rank` until the owner closes the job socket; never returns."""
     job, control = Connection(job_fd), Connection(control_fd)
     _prepare_process(spec)
     _output_fds.update({fd: os.dup(fd) for fd in (1, 2)})
@@ -71,47 +74,47 @@ def main(spec: dict, job_fd: int, control_fd: int) -> None:
     try:
         _init_process_group(spec)
     except BaseException as exc:  # noqa: BLE001 - reported to the owner, which raises it
-        job.send_bytes(pickle.dumps(("init_error", describe_exception(exc))))
+        protocol.send(job, StartFailed(describe_exception(exc)))
         os._exit(1)
-    job.send_bytes(pickle.dumps(("ready", os.getpid())))
+    protocol.send(job, Ready())
     _serve_calls(job)
 
 
-def _prepare_process(spec: dict) -> None:
-    os.environ.update(spec["env"])
-    os.chdir(spec["cwd"])
-    sys.path[:] = spec["sys_path"]
+def _prepare_process(spec: RankSpec) -> None:
+    os.environ.update(spec.env)
+    os.chdir(spec.cwd)
+    sys.path[:] = spec.sys_path
     signal.signal(signal.SIGINT, _on_interrupt)  # only the owner's control message raises: see _run
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     import torch
 
-    torch.set_num_threads(spec["threads"])
+    torch.set_num_threads(spec.threads)
 
 
-def _init_process_group(spec: dict) -> None:
+def _init_process_group(spec: RankSpec) -> None:
     import torch.distributed as dist
 
     from labkit.launch.backend import init_process_group
 
-    timeout = datetime.timedelta(seconds=spec["pg_timeout_seconds"])
-    store = dist.FileStore(spec["store_path"])  # private to this user: owner.py says why
+    timeout = datetime.timedelta(seconds=spec.pg_timeout_seconds)
+    store = dist.FileStore(spec.store_path)  # private to this user: owner.py says why
     store.set_timeout(timeout)
-    init_process_group(spec["backend"], local_rank=spec["rank"], store=store, rank=spec["rank"],
-                       world_size=spec["world_size"], timeout=timeout)
+    init_process_group(spec.backend, local_rank=spec.rank, store=store, rank=spec.rank,
+                       world_size=spec.world_size, timeout=timeout)
 
 
 def _serve_control(control: Connection, main_thread: int) -> None:
     while True:
         try:
-            request = control.recv_bytes()
+            request = protocol.receive(control)
         except (EOFError, OSError):
             os._exit(0)  # the owner is gone: no rank may outlive it
-        if request == STACK_REQUEST:
+        if isinstance(request, StackRequest):
             frame = sys._current_frames().get(main_thread)
-            control.send_bytes(pickle.dumps(describe_stack(frame) if frame else []))
-        elif request.startswith(_INTERRUPT_REQUEST):
-            _interrupt(int(request[len(_INTERRUPT_REQUEST):]), main_thread)
+            protocol.send(control, describe_stack(frame) if frame else protocol.Stack([]))
+        elif isinstance(request, Interrupt):
+            _interrupt(request.call_id, main_thread)
 
 
 def _interrupt(call_id: int, main_thread: int) -> None:
@@ -138,18 +141,20 @@ def _take_interrupt(call_id: int) -> bool:
 
 
 def _serve_calls(job: Connection) -> None:
+    """Answer each Call with a Reply, forever. The reply says whether the call destroyed the default
+    process group (dist.destroy_process_group()): then no group is up any more."""
     while True:
         try:
-            call_id, timeout_seconds, payload = pickle.loads(job.recv_bytes())
+            call: Call = protocol.receive(job)
         except (EOFError, OSError):
             os._exit(0)
         before = sequence_numbers()
-        reply = _run(call_id, timeout_seconds, payload)
+        outcome, body = _run(call)
         steps = _steps_since(before)
         _restore_output()
-        os.write(1, end_of_call_marker(call_id))
-        os.write(2, end_of_call_marker(call_id))
-        job.send_bytes(pickle.dumps((call_id, *reply, time.time(), steps, _group_destroyed())))
+        os.write(1, end_of_call_marker(call.call_id))
+        os.write(2, end_of_call_marker(call.call_id))
+        protocol.send(job, Reply(call.call_id, outcome, body, time.time(), steps, not group_is_up()))
 
 
 def _restore_output() -> None:
@@ -165,15 +170,9 @@ def _restore_output() -> None:
         os.dup2(saved, fd)
 
 
-def _group_destroyed() -> bool:
-    """True if the default process group, joined at start, is gone: dist.destroy_process_group()."""
-    import torch.distributed as dist
-
-    return not dist.is_initialized()
-
-
-def _run(call_id: int, timeout_seconds: float, payload: bytes) -> tuple[str, object]:
-    """Run one call: ("ok", pickled result) or ("error" | "interrupted", description).
+def _run(call: Call) -> tuple[Outcome, bytes | ExceptionDescription | str]:
+    """Run one call: (OK, the pickled result), (ERROR or INTERRUPTED, what was raised), or
+    (UNPICKLABLE, why the result cannot be sent).
 
     An interrupt for this call raises KeyboardInterrupt anywhere between the two assignments to
     `_running_call`, and nowhere else: a rank idle or sending its result is never disturbed."""
@@ -182,11 +181,11 @@ def _run(call_id: int, timeout_seconds: float, payload: bytes) -> tuple[str, obj
 
     try:
         try:
-            _running_call = call_id
-            if _take_interrupt(call_id):  # it came before the call did
+            _running_call = call.call_id
+            if _take_interrupt(call.call_id):  # it came before the call did
                 raise KeyboardInterrupt
-            _follow_call_timeout(timeout_seconds)
-            fn, args, kwargs = serialize.loads(payload)
+            _follow_call_timeout(call.timeout_seconds)
+            fn, args, kwargs = serialize.loads(call.payload)
             try:
                 result = fn(*args, **kwargs)
             finally:
@@ -194,13 +193,13 @@ def _run(call_id: int, timeout_seconds: float, payload: bytes) -> tuple[str, obj
         finally:
             _running_call = None
     except KeyboardInterrupt as exc:
-        return "interrupted", _forget(exc)
+        return Outcome.INTERRUPTED, _forget(exc)
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: a rank must not exit on a whim
-        return "error", _forget(exc)
+        return Outcome.ERROR, _forget(exc)
     try:
-        return "ok", serialize.dumps(_to_cpu(result))
+        return Outcome.OK, serialize.dumps(_to_cpu(result))
     except Exception as exc:  # noqa: BLE001
-        return "unpicklable", f"{type(result).__name__} cannot be pickled ({type(exc).__name__}: {exc})"
+        return Outcome.UNPICKLABLE, f"{type(result).__name__} cannot be pickled ({type(exc).__name__}: {exc})"
 
 
 def _synchronize_device() -> None:
@@ -213,10 +212,9 @@ def _synchronize_device() -> None:
         torch.cuda.synchronize()
 
 
-def _forget(exc: BaseException) -> dict:
+def _forget(exc: BaseException) -> ExceptionDescription:
     """Describe `exc`, then drop its frames so a failed call does not pin tensors in memory."""
     description = describe_exception(exc)
-    description["follow_on"] = bool(getattr(exc, FOLLOW_ON_ATTRIBUTE, False))
     traceback.clear_frames(exc.__traceback__)
     gc.collect()
     return description
@@ -289,26 +287,6 @@ def health_probe() -> float:
     t = torch.ones(1, device=device())
     dist.all_reduce(t)
     return t.item()
-
-
-def run_cell(source: str, filename: str):
-    """Execute a %%ranks cell in this rank's own namespace, IPython-style: the value of a final
-    expression is returned (and shown by the owner)."""
-    import torch
-    import torch.distributed as dist
-
-    import labkit
-
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    _cell_namespace.setdefault("torch", torch)
-    _cell_namespace.setdefault("dist", dist)
-    _cell_namespace.setdefault("labkit", labkit)
-    tree = ast.parse(source, filename)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    exec(compile(tree, filename, "exec"), _cell_namespace)
-    if last is not None:
-        return eval(compile(ast.Expression(last.value), filename, "eval"), _cell_namespace)
-    return None
 
 
 def spawned_main() -> None:

@@ -249,12 +249,12 @@ def test_a_sigint_not_sent_for_this_call_does_not_stop_it():
 
 def test_an_interrupt_for_an_earlier_call_does_not_stop_this_one():
     from labkit.launch import pool as pool_module
-    from labkit.launch.owner import _owner
-    from labkit.launch.worker import interrupt_request
+    from labkit.launch import protocol
+    from labkit.launch.owner import OWNER
     labkit.run(rank_sum, world_size=2, backend="gloo")
     earlier = next(pool_module._call_ids) - 1  # the id rank_sum ran as
-    ranks = _owner.pools[(2, "gloo")].ranks
-    timer = threading.Timer(0.5, lambda: [r.control.send_bytes(interrupt_request(earlier)) for r in ranks])
+    ranks = OWNER.pools[(2, "gloo")].ranks
+    timer = threading.Timer(0.5, lambda: [protocol.send(r.control, protocol.Interrupt(earlier)) for r in ranks])
     timer.start()
     try:
         assert labkit.run(lambda: time.sleep(1.5) or labkit.rank(), world_size=2, backend="gloo") == [0, 1]
@@ -312,10 +312,10 @@ def test_the_group_timeout_outlasts_the_call_timeout(timeout):
 
 
 def test_a_dead_fork_server_is_replaced():
-    from labkit.launch.owner import _owner
+    from labkit.launch.owner import OWNER
     labkit.run(rank_sum, world_size=2)
-    _owner.server.process.kill()
-    _owner.server.process.wait()
+    OWNER.server.process.kill()
+    OWNER.server.process.wait()
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
 
 

@@ -44,8 +44,8 @@ def test_a_week_is_accepted():
 
 def test_the_first_call_names_each_ranks_device(capsys):
     from labkit.launch.backend import choose_backend
-    from labkit.launch.owner import _Owner
-    owner = _Owner()
+    from labkit.launch.owner import Owner
+    owner = Owner()
     owner._announce(2, choose_backend("auto", 2, 1))  # one GPU, two ranks
     owner._announce(2, choose_backend("auto", 2, 2))
     owner._announce(8, choose_backend("nccl", 8, 8))
@@ -67,7 +67,7 @@ def test_unknown_backend():
 
 
 def test_nccl_without_gpus_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(labkit.launch.owner._owner, "gpu_count", 0)
+    monkeypatch.setattr(labkit.launch.owner.OWNER, "gpu_count", 0)
     with pytest.raises(ValueError, match="needs one CUDA GPU per rank: 2 ranks, 0 CUDA GPUs found"):
         labkit.run(ok, world_size=2, backend="nccl")
 
@@ -85,9 +85,12 @@ def test_unpicklable_result_is_a_type_error_and_the_pool_survives():
     assert labkit.run(ok, world_size=2) == [1, 1]
 
 
-def test_rank_helpers_outside_a_rank_say_where_they_work():
-    with pytest.raises(RuntimeError, match="works inside a rank"):
-        labkit.rank()
+@pytest.mark.parametrize("helper", [labkit.rank, labkit.world_size, labkit.device])
+def test_rank_helpers_outside_a_rank_say_where_they_work(helper):
+    # the one message of labkit.groups.require_group, naming the helper
+    with pytest.raises(RuntimeError, match=rf"^labkit\.{helper.__name__}\(\) needs a torch.distributed process group: "
+                                           r"call it inside a rank \(in a function given to labkit.run, in a %%ranks"):
+        helper()
 
 
 def test_run_inside_a_rank_is_refused():

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit.launch import pool as pool_module
-from labkit.launch.owner import _owner
+from labkit.launch.owner import OWNER
 
 
 def rank_sum():
@@ -23,18 +23,18 @@ def rank_sum():
 
 def fresh_pool(world_size: int) -> None:
     """Close the warm gloo pool of `world_size` ranks, if any, so that the next call starts one."""
-    if (world_size, "gloo") in _owner.pools:
-        _owner._retire((world_size, "gloo"), "a test asked for a fresh pool")
+    if (world_size, "gloo") in OWNER.pools:
+        OWNER.retire((world_size, "gloo"), "a test asked for a fresh pool")
 
 
 def spec_for_rank_1(monkeypatch, **changes) -> None:
     """Start rank 1 of every new pool with `changes` to its spec: a way to make one rank's start go wrong."""
-    original = pool_module.Pool._spec
+    original = pool_module.Pool.rank_spec
 
     def spec(self, rank, *args):
         made = original(self, rank, *args)
-        return {**made, **changes} if rank == 1 else made
-    monkeypatch.setattr(pool_module.Pool, "_spec", spec)
+        return made._replace(**changes) if rank == 1 else made
+    monkeypatch.setattr(pool_module.Pool, "rank_spec", spec)
 
 
 def test_a_rank_that_fails_to_start_fails_the_start_at_once(monkeypatch):
@@ -129,7 +129,7 @@ def test_a_ranks_orphaned_grandchild_is_reaped():
     ranks = labkit.run(os.getpid, world_size=2)
     sleeps = labkit.run(orphan, world_size=2)
     # the fork server is the subreaper of its ranks' descendants: it reaps them, here as in a container without init
-    assert [psutil.Process(p).ppid() for p in sleeps] == [_owner.server.process.pid] * 2
+    assert [psutil.Process(p).ppid() for p in sleeps] == [OWNER.server.process.pid] * 2
     fresh_pool(2)
     assert gone_within(sleeps + ranks, 5) == []
 

@@ -1,5 +1,6 @@
 """The %%ranks cell magic in a real IPython shell: state across cells, values, errors, interrupts."""
 
+import linecache
 import os
 import re
 import signal
@@ -59,6 +60,19 @@ def test_bad_arguments_are_usage_errors(ip):
     assert not run(ip, "%%ranks\nx = 1").success
     result = run(ip, "%%ranks 0\nx = 1")
     assert isinstance(result.error_in_exec, ValueError)
+    # the same checks, and words, as labkit.run's (labkit.checks)
+    assert "world_size must be between 1 and 16, got 0" in str(result.error_in_exec)
+    result = run(ip, "%%ranks 2 --timeout 0\nx = 1")
+    assert "timeout must be a positive number of seconds, at most a week" in str(result.error_in_exec)
+
+
+def test_a_cell_runs_in_one_namespace_and_gives_back_its_last_expression():
+    from labkit.launch.cells import run_cell
+    assert run_cell("cell_x = 20\n", "<ranks-cell-9001>") is None
+    assert run_cell("cell_y = cell_x + 1\ncell_y * 2", "<ranks-cell-9002>") == 42  # cell_x from the first cell
+    assert run_cell("torch.ones(1).item(), dist.is_available(), labkit.rank.__name__", "<ranks-cell-9003>") == (
+        1.0, True, "rank")  # what every rank starts with
+    assert linecache.getline("<ranks-cell-9002>", 2) == "cell_y * 2"  # for tracebacks and stacks
 
 
 @pytest.fixture
@@ -93,9 +107,9 @@ def test_each_world_size_keeps_its_own_variables_and_says_so_once(fresh, capsys)
 
 
 def test_a_rank_that_died_while_idle_is_announced_once(fresh, capsys):
-    from labkit.launch.owner import _owner
+    from labkit.launch.owner import OWNER
     assert run(fresh, "%%ranks 2\nkept = 1").success
-    pool = _owner.pools[(2, "gloo")]
+    pool = OWNER.pools[(2, "gloo")]
     os.kill(pool.ranks[1].pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
     while pool.healthy() and time.monotonic() < deadline:

@@ -1,7 +1,9 @@
 """Error reports: rank lists, merged failures, root cause first, Python-like tracebacks."""
 
+import pickle
+
 from labkit.launch.errors import (
-    _SENDING_RESULT,
+    FOLLOW_ON_ATTRIBUTE,
     CellSyntaxError,
     Failure,
     RankError,
@@ -10,6 +12,7 @@ from labkit.launch.errors import (
     rank_list,
     still_running,
 )
+from labkit.launch.protocol import Chained, ExceptionDescription, Frame, Stack
 
 
 def test_rank_list():
@@ -45,17 +48,36 @@ def test_exception_chain_reads_like_python():
     assert 'raise ValueError("outer") from inner' in text
 
 
+def test_an_exception_travels_as_named_plain_data():
+    try:
+        try:
+            raise KeyError("inner")
+        except KeyError:
+            error = RuntimeError("rank 0 failed to save")
+            setattr(error, FOLLOW_ON_ATTRIBUTE, True)
+            raise error  # noqa: B904 - its context is the point
+    except RuntimeError as exc:
+        description = describe_exception(exc)
+    back = pickle.loads(pickle.dumps(description))
+    assert isinstance(back, ExceptionDescription) and back == description and back.follow_on
+    inner, outer = back.chain
+    assert (inner.type_name, inner.module, inner.after) == ("KeyError", "builtins", None)
+    assert (outer.type_name, outer.message, outer.after) == ("RuntimeError", "rank 0 failed to save", Chained.CONTEXT)
+    assert outer.frames[-1].function == "test_an_exception_travels_as_named_plain_data"
+    assert "During handling of the above exception" in format_exception(back)
+
+
 def test_ipython_shows_only_the_report():
     error = RankError("rank 1 of 2 failed.", [Failure(1, "error", "ValueError: v", "Traceback ...")])
     assert error._render_traceback_() == [f"RankError: {error}"]
 
 
 def test_a_rank_sending_its_result_is_not_said_to_run_in_send():
-    assert still_running([(_SENDING_RESULT, 12_345_678, "")]) == (
+    assert still_running(Stack([], sending_result_nbytes=12_345_678)) == (
         "was sending its result (12.3 MB) when the timeout passed", "")
-    summary, detail = still_running([("/home/me/train.py", 4, "all_reduce")])
+    summary, detail = still_running(Stack([Frame("/home/me/train.py", 4, "all_reduce")]))
     assert summary.startswith("was still running in all_reduce") and "train.py" in detail
-    assert still_running(None) == ("was still running and did not say where", "")
+    assert still_running(None) == still_running(Stack([])) == ("was still running and did not say where", "")
 
 
 def test_a_cell_syntax_error_names_the_line():

@@ -1,0 +1,198 @@
+"""The launcher's wire protocol: every message between the owner, the fork server and the ranks, by name.
+
+Each message is one pickled NamedTuple, sent whole with `send` and read with `receive` (a
+multiprocessing Connection frames it). A NamedTuple pickles as its class's name and its fields, so it
+costs about what a plain tuple does, yet every reader takes its fields by name. Kinds of outcome are
+`StrEnum`s: they print and compare as their text. Who says what, on which socket:
+
+=============================  ===================================================================
+owner -> fork server           `ForkRank` (the rank's four fds follow by SCM_RIGHTS), `SignalRanks`
+fork server -> owner           `Forked` (answers `ForkRank`), `Exited` (whenever a rank is reaped)
+owner -> rank, job socket      `Call`
+rank -> owner, job socket      `Ready` or `StartFailed` once, then one `Reply` per `Call`
+owner -> rank, control socket  `StackRequest`, `Interrupt`
+rank -> owner, control socket  `Stack` (the answer to `StackRequest`)
+=============================  ===================================================================
+
+A rank is started from a `RankSpec`. Errors travel as plain data (`ExceptionDescription`, made of
+`ExceptionLink`s and `Frame`s, errors.py says how), never as the exception itself: its class might not
+exist in the owner, and its frames would pin the rank's tensors.
+
+    >>> import pickle
+    >>> reply = Reply(7, Outcome.ERROR, ExceptionDescription([]), 0.0, {"0/cpu": 1}, False)
+    >>> pickle.loads(pickle.dumps(reply)).outcome
+    <Outcome.ERROR: 'error'>
+    >>> reply.outcome == "error"
+    True
+"""
+
+from __future__ import annotations
+
+import pickle
+from enum import StrEnum
+from multiprocessing.connection import Connection
+from typing import NamedTuple
+
+__all__ = ["Call", "Chained", "ExceptionDescription", "ExceptionLink", "Exited", "ForkRank", "Forked",
+           "Frame", "Interrupt", "Outcome", "RankSpec", "Ready", "Reply", "SignalRanks", "Stack",
+           "StackRequest", "StartFailed", "encode", "receive", "send"]
+
+
+def encode(message: NamedTuple) -> bytes:
+    """`message` as the bytes `send` puts on the wire: to send one message to many ranks, pickle it once."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def send(connection: Connection, message: NamedTuple) -> None:
+    """Pickle `message` and send it as one frame on `connection`."""
+    connection.send_bytes(encode(message))
+
+
+def receive(connection: Connection):
+    """The next message on `connection`; EOFError once the other side has closed it."""
+    return pickle.loads(connection.recv_bytes())
+
+
+# ---- what a rank is told when it starts --------------------------------------------------------------
+
+class RankSpec(NamedTuple):
+    """Everything a rank needs to join its pool's process group, sent with `ForkRank`."""
+
+    rank: int
+    world_size: int
+    backend: str  # "gloo" or "nccl" (backend.py)
+    store_path: str  # the FileStore the ranks meet in (owner.py says why a file)
+    pg_timeout_seconds: float
+    threads: int  # torch.set_num_threads: the machine's cores shared out among the ranks
+    cwd: str  # the owner's, so that relative paths mean the same on every rank
+    sys_path: list[str]  # the owner's, so that the same modules import
+    env: dict[str, str]  # added to the rank's environment: RANK, WORLD_SIZE, OMP_NUM_THREADS, ...
+
+
+# ---- owner and fork server ---------------------------------------------------------------------------
+
+class ForkRank(NamedTuple):
+    """Start one rank from `spec`; the server answers with `Forked` carrying the same `request_id`."""
+
+    request_id: int
+    spec: RankSpec
+
+
+class SignalRanks(NamedTuple):
+    """Send `signal_number` to the process group of each of `pids` that the server has not reaped yet."""
+
+    pids: list[int]
+    signal_number: int
+
+
+class Forked(NamedTuple):
+    """The rank asked for by `ForkRank` number `request_id` runs as process `pid`."""
+
+    request_id: int
+    pid: int
+
+
+class Exited(NamedTuple):
+    """Rank `pid` has ended and been reaped; `status` as os.waitpid gives it (None: unknown)."""
+
+    pid: int
+    status: int | None
+
+
+# ---- owner and rank: calls ---------------------------------------------------------------------------
+
+class Call(NamedTuple):
+    """Run the cloudpickled `(fn, args, kwargs)` in `payload`; answer with a `Reply` for `call_id`."""
+
+    call_id: int
+    timeout_seconds: float
+    payload: bytes
+
+
+class Outcome(StrEnum):
+    """How a call ended on one rank."""
+
+    OK = "ok"  # returned; the Reply's body is the pickled result
+    ERROR = "error"  # raised; the body is an ExceptionDescription
+    INTERRUPTED = "interrupted"  # stopped by an Interrupt for this call; the body is an ExceptionDescription
+    UNPICKLABLE = "unpicklable"  # returned something that cannot be pickled; the body says what, in words
+
+
+class Reply(NamedTuple):
+    """One rank's answer to the `Call` numbered `call_id`."""
+
+    call_id: int
+    outcome: Outcome
+    body: bytes | ExceptionDescription | str  # by `outcome`: see Outcome
+    finished_at: float  # time.time() on the rank: the earliest failure is the root cause
+    steps: dict[str, int] | None  # operations each process group issued during the call (None: unknown)
+    group_destroyed: bool  # the call ran dist.destroy_process_group(): this pool cannot serve another
+
+
+class Ready(NamedTuple):
+    """The rank has joined its process group and waits for calls."""
+
+
+class StartFailed(NamedTuple):
+    """The rank could not join its process group, and will exit."""
+
+    error: ExceptionDescription
+
+
+# ---- owner and rank: the control socket --------------------------------------------------------------
+
+class StackRequest(NamedTuple):
+    """Where is your main thread? Answered with a `Stack`, even while that thread waits in a collective."""
+
+
+class Interrupt(NamedTuple):
+    """Stop call `call_id`, and no other: worker.py says why an interrupt names its call."""
+
+    call_id: int
+
+
+class Frame(NamedTuple):
+    """One line of a stack: what a traceback prints for it, less the source, which the owner looks up."""
+
+    filename: str
+    lineno: int
+    function: str
+
+
+class Stack(NamedTuple):
+    """A rank's main thread, outermost frame first, without labkit's own launch frames.
+
+    `sending_result_nbytes` is set instead when the thread is sending a finished call's result to the
+    owner: its frames would only show multiprocessing's `_send`."""
+
+    frames: list[Frame]
+    sending_result_nbytes: int | None = None
+
+
+# ---- errors as data ----------------------------------------------------------------------------------
+
+class Chained(StrEnum):
+    """How an exception relates to the one printed before it, in Python's own words."""
+
+    CAUSE = "cause"  # raise ... from ...: "The above exception was the direct cause of the following exception"
+    CONTEXT = "context"  # raised while handling: "During handling of the above exception, another exception occurred"
+
+
+class ExceptionLink(NamedTuple):
+    """One exception of a chain: its class, message and the frames it was raised through."""
+
+    type_name: str  # the class's __qualname__
+    module: str  # the class's __module__
+    message: str
+    frames: list[Frame]
+    after: Chained | None  # how it follows the previous link; None for the first
+
+
+class ExceptionDescription(NamedTuple):
+    """An exception and the chain that caused it, oldest first, as Python prints them.
+
+    `follow_on`: the exception said it only follows another rank's failure (errors.FOLLOW_ON_ATTRIBUTE),
+    so the owner names another failure as the root cause."""
+
+    chain: list[ExceptionLink]
+    follow_on: bool = False
