@@ -21,8 +21,8 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["check_gathered", "check_same", "gather_objects", "global_rank", "group_is_up", "group_rank", "group_ranks",
-           "group_size", "new_group", "require_group", "require_member"]
+__all__ = ["broadcast_object", "check_gathered", "check_same", "gather_objects", "global_rank", "group_is_up",
+           "group_rank", "group_ranks", "group_size", "new_group", "require_group", "require_member"]
 
 OUTSIDE = ("{caller} needs a torch.distributed process group: call it inside a rank (in a function given to "
            "labkit.run, in a %%ranks cell, or in a script started by torchrun). Here none is initialised.")
@@ -63,13 +63,19 @@ def new_group(ranks: list[int]):
 
 
 def group_rank(group=None) -> int:
-    """This rank's number inside `group` (None: the world)."""
-    return _dist().get_rank(group)
+    """This rank's number inside `group` (None: the world); 0 when no process group is up, where a single process
+    is rank 0 of 1 (as for `gather_objects`, so that code which also runs without ranks can ask).
+
+        >>> from labkit import groups
+        >>> groups.group_rank(), groups.group_size(), groups.group_ranks()   # here, outside any rank
+        (0, 1, [0])
+    """
+    return _dist().get_rank(group) if group_is_up() else 0
 
 
 def group_size(group=None) -> int:
-    """How many ranks `group` holds (None: the world)."""
-    return _dist().get_world_size(group)
+    """How many ranks `group` holds (None: the world); 1 when no process group is up."""
+    return _dist().get_world_size(group) if group_is_up() else 1
 
 
 def global_rank(group, rank_in_group: int) -> int:
@@ -95,6 +101,27 @@ def gather_objects(obj, group=None) -> list:
     return everyone
 
 
+def broadcast_object(obj, group=None):
+    """Group rank 0's `obj` on every rank of `group` (broadcast_object_list, through labkit.device() so that it
+    also works under NCCL); `obj` itself when no process group is up or the group has one rank.
+
+        >>> import labkit
+        >>> from labkit import groups
+        >>> def from_first_of_pair():
+        ...     pairs = [groups.new_group([0, 2]), groups.new_group([1, 3])]
+        ...     return groups.broadcast_object(f"rank {labkit.rank()}'s", pairs[labkit.rank() % 2])
+        >>> labkit.run(from_first_of_pair, world_size=4)
+        ["rank 0's", "rank 1's", "rank 0's", "rank 1's"]
+    """
+    if group_size(group) == 1:
+        return obj
+    from labkit.launch.context import device  # here, not above: labkit.launch imports this module
+
+    box = [obj]
+    _dist().broadcast_object_list(box, src=global_rank(group, 0), group=group, device=device())
+    return box[0]
+
+
 def check_same(value, caller: str, what: str, fix: str, group=None) -> None:
     """ValueError on every rank of `group` when its ranks passed different `value`s (any picklable, comparable
     description: shapes, dtypes, names). Mismatched tensors in a collective hang or abort the backend instead
@@ -102,7 +129,7 @@ def check_same(value, caller: str, what: str, fix: str, group=None) -> None:
 
     `what` names the thing ("tensors", "models"); `fix` tells the student what to do."""
     everyone = gather_objects(value, group)
-    check_gathered(everyone, caller, what, fix, group_ranks(group) if group_is_up() else [0])
+    check_gathered(everyone, caller, what, fix, group_ranks(group))
 
 
 def check_gathered(everyone: list, caller: str, what: str, fix: str, ranks: list[int]) -> None:

@@ -5,7 +5,6 @@ ranks (labkit.run); the file-level ones run in this process, where no process gr
 
 import doctest
 import hashlib
-import io
 import os
 import random
 import resource
@@ -22,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import labkit
-import labkit.checkpoint
+import labkit.checkpoint.files
 from labkit import groups
 from labkit.checkpoint import CheckpointError, CheckpointWarning, load_latest_checkpoint, save_checkpoint
 from labkit.models import make_classification, mlp
@@ -144,9 +143,9 @@ def save_and_crash(directory, limit=None, naive=False):
     F.cross_entropy(model(x), y).backward()
     average_gradients(model)
     optimizer.step()
-    atomic, file_size_limit = labkit.checkpoint._write_atomically, resource.getrlimit(resource.RLIMIT_FSIZE)
+    atomic, file_size_limit = labkit.checkpoint.files.write_atomically, resource.getrlimit(resource.RLIMIT_FSIZE)
     if labkit.rank() == 0 and naive:
-        labkit.checkpoint._write_atomically = write_in_place
+        labkit.checkpoint.files.write_atomically = write_in_place
     if labkit.rank() == 0 and limit is not None:
         signal.signal(signal.SIGXFSZ, signal.SIG_DFL)  # Python ignores it: writes would fail with EFBIG
         resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
@@ -157,18 +156,14 @@ def save_and_crash(directory, limit=None, naive=False):
         if limit is not None and labkit.rank() == 0:
             resource.setrlimit(resource.RLIMIT_FSIZE, file_size_limit)
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        labkit.checkpoint._write_atomically = atomic
+        labkit.checkpoint.files.write_atomically = atomic
     return state["step"], [str(w.message) for w in caught]
 
 
 def write_in_place(path, payload):
     """What a non-atomic save does: the same bytes, written straight onto the final name."""
-    buffer = io.BytesIO()
-    torch.save(payload, buffer)
-    body = buffer.getvalue()
     with open(path, "wb") as file:
-        file.write(labkit.checkpoint._HEADER.pack(labkit.checkpoint.MAGIC, len(body), hashlib.sha256(body).digest()))
-        file.write(body)
+        file.write(labkit.checkpoint.files.checkpoint_bytes(payload))
 
 
 def save_step_10(directory):

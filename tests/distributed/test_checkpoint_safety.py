@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import labkit
-import labkit.checkpoint
+import labkit.checkpoint.files
+import labkit.checkpoint.fits
 from labkit import groups
 from labkit.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
 from labkit.models import make_classification, mlp
@@ -93,7 +94,7 @@ def test_the_written_file_is_loaded_back_before_anything_is_replaced_or_rotated(
     """With the up-front check switched off, the read-back still catches a file torch.load refuses."""
     model, optimizer = two_checkpoints(tmp_path)
     before = digests(tmp_path)
-    monkeypatch.setattr(labkit.checkpoint, "_refuse_unloadable", lambda payload: None)
+    monkeypatch.setattr(labkit.checkpoint.fits, "refuse_unloadable", lambda payload: None)
     with pytest.raises(CheckpointError, match=r"step-000030.pt would not load back \(unloadable \(UnpicklingError"):
         save_checkpoint(tmp_path, model, optimizer, 30, 30, {"when": WHEN}, keep=1)
     assert digests(tmp_path) == before
@@ -274,11 +275,8 @@ def test_a_load_that_fails_leaves_model_optimizer_and_rng_bit_identical(tmp_path
 
 
 def test_a_checkpoint_without_a_model_entry_is_named_with_the_missing_key(tmp_path):
-    buffer = __import__("io").BytesIO()
-    torch.save({"format": 1, "step": 10, "data_position": 0, "extra": None, "optimizer": None, "rng": []}, buffer)
-    body = buffer.getvalue()
-    header = labkit.checkpoint._HEADER.pack(labkit.checkpoint.MAGIC, len(body), hashlib.sha256(body).digest())
-    (tmp_path / "step-000010.pt").write_bytes(header + body)
+    without_model = {"format": 1, "step": 10, "data_position": 0, "extra": None, "optimizer": None, "rng": []}
+    (tmp_path / "step-000010.pt").write_bytes(labkit.checkpoint.files.checkpoint_bytes(without_model))
     model = mlp()
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(CheckpointError) as raised:
