@@ -16,7 +16,9 @@ runs the same code on simulated ranks in this process.
 from labkit.comm.naive import naive_allreduce
 from labkit.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
 from labkit.comm.simulator import run_simulated, simulate
-from labkit.comm.transport import TorchTransport, Transfer, Transport, default_transport, traced
+from labkit.comm.torch_transport import TorchTransport, default_transport
+from labkit.comm.tracing import traced
+from labkit.comm.transport import Transfer, Transport
 from labkit.comm.tree import broadcast, reduce
 
 __all__ = ["TorchTransport", "Transfer", "Transport", "broadcast", "default_transport", "naive_allreduce", "reduce",

@@ -23,15 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from labkit.comm.ops import combiner, finish
-from labkit.comm.transport import (
-    DTYPES,
-    Transfer,
-    Transport,
-    dtype_index,
-    flat_buffer,
-    resolve_transport,
-    write_back,
-)
+from labkit.comm.torch_transport import resolve_transport
+from labkit.comm.transport import Transfer, Transport, flat_buffer, write_back
+from labkit.comm.wire import DTYPES, dtype_index
 from labkit.groups import check_gathered
 from labkit.plan.counts import shard_sizes
 

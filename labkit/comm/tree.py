@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from labkit.comm.ops import combiner, finish
-from labkit.comm.transport import Transport, check_rank, flat_buffer, resolve_transport, write_back
+from labkit.comm.torch_transport import resolve_transport
+from labkit.comm.transport import Transport, check_rank, flat_buffer, write_back
 
 __all__ = ["broadcast", "reduce"]
 

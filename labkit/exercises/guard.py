@@ -144,7 +144,7 @@ class Guard:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
-        from labkit.comm.transport import TorchTransport
+        from labkit.comm.torch_transport import TorchTransport
 
         for module, prefix in ((dist, "torch.distributed"), (distributed_c10d, "torch.distributed.distributed_c10d")):
             for name in _TORCH_FUNCTIONS:

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import labkit
 from labkit import comm
-from labkit.comm.transport import DTYPES as COMM_DTYPES
-from labkit.comm.transport import NCCL_DTYPES, Carriage, carriage, carrier, on_the_wire
+from labkit.comm.wire import DTYPES as COMM_DTYPES
+from labkit.comm.wire import NCCL_DTYPES, Carriage, carriage, carrier, on_the_wire
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64]
 SETTINGS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

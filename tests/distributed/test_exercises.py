@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit import comm
-from labkit.comm.transport import TorchTransport
+from labkit.comm.torch_transport import TorchTransport
 from labkit.exercises import (
     ForbiddenCall,
     Verdict,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit import comm
-from labkit.comm.transport import DTYPES
+from labkit.comm.wire import DTYPES
 from labkit.commands import gpu_check
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

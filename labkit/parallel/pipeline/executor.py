@@ -22,7 +22,9 @@ from torch import nn
 import labkit
 from labkit import groups, measure
 from labkit.checks import flag, number, whole
-from labkit.comm.transport import DTYPES, MAX_DIMS, Pending, TorchTransport, default_transport, signature
+from labkit.comm.torch_transport import TorchTransport, default_transport
+from labkit.comm.transport import Pending
+from labkit.comm.wire import DTYPES, MAX_DIMS, signature
 from labkit.parallel.counters import record_collective
 from labkit.parallel.pipeline.schedule import Action, Message, communication_plan
 from labkit.parallel.pipeline.timeline import PipelineEvent
