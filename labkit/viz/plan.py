@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
 import plotly.graph_objects as go
 
 from labkit.plan import GB, ring_allreduce_bytes
 from labkit.plan.step_time import data_parallel_speedup
-from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED
+from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED, log_axis
 
-__all__ = ["decade_ticks", "memory_bars", "speedup_chart"]
+__all__ = ["memory_bars", "speedup_chart"]
 
 PARTS = {"weights": BLUE, "grads": ORANGE, "optimizer": GREEN}  # memory_bars' stack, bottom to top
 
@@ -35,7 +33,8 @@ def speedup_chart(devices: int, compute_seconds: float, gradient_nbytes: float, 
                   marker_bandwidth: float | None = None) -> go.Figure:
     """Data-parallel speedup over one GPU against per-rank bandwidth (bytes/s), one line per overlap fraction:
     the ring AllReduce of `gradient_nbytes` on `devices` ranks costs ring_allreduce_bytes / bandwidth per step.
-    The log axis labels decades only (0.1, 1, 10, ... GB/s)."""
+    The bandwidth axis is viz.style's log_axis: round numbers only (decades over 3 decades or more: 0.1, 1,
+    10, ... GB/s), spanning the bandwidths and the marker."""
     nbytes = ring_allreduce_bytes(gradient_nbytes, devices)
     rates = list(bandwidths)
     figure = go.Figure()
@@ -49,17 +48,9 @@ def speedup_chart(devices: int, compute_seconds: float, gradient_nbytes: float, 
             name="your link", marker={"size": 12, "color": RED})
     figure.add_hline(y=devices, line={"dash": "dash", "color": GREY},
                      annotation_text=f"{devices}x: communication for free", annotation_position="top right")
+    shown = [*rates, marker_bandwidth] if marker_bandwidth else rates
+    figure.update_xaxes(**log_axis("per-rank bandwidth, GB/s (one direction)", [b / GB for b in shown]))
     figure.update_layout(title=f"Speedup of {devices} data-parallel GPUs over one",
-                         xaxis={"type": "log", "title": "per-rank bandwidth, GB/s (one direction)",
-                                **decade_ticks([b / GB for b in rates])},
                          yaxis_title="speedup over one GPU (x)", yaxis_range=[0, devices * 1.08], height=380,
                          margin={"t": 50})
     return figure
-
-
-def decade_ticks(values) -> dict:
-    """Tick values and labels of a log axis at the powers of ten that `values` span (0.1, 1, 10, ...): a log
-    axis left to itself labels its minor ticks too ("8 9 1 2 3"), which reads as nonsense."""
-    low, high = math.floor(math.log10(min(values))), math.ceil(math.log10(max(values)))
-    decades = [10.0**k for k in range(low, high + 1)]
-    return {"tickvals": decades, "ticktext": [f"{d:g}" for d in decades]}

@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 import pytest
 
 from labkit.plan import memory_options
-from labkit.viz.plan import decade_ticks, memory_bars, speedup_chart
+from labkit.viz.plan import memory_bars, speedup_chart
 from labkit.widgets import FigureSlot, planner
 from labkit.widgets.planner import CONVENTIONS
 
@@ -23,12 +23,19 @@ def test_speedup_chart_reaches_the_device_count_on_fast_links():
     assert figure.layout.shapes[0].y0 == 8
 
 
-def test_the_log_axis_labels_decades_only():
+def test_the_bandwidth_axis_is_the_shared_log_axis():
     figure = speedup_chart(8, 1.0, 14e9, [10 ** (k / 20) * 1e9 for k in range(-20, 61)])
-    assert list(figure.layout.xaxis.tickvals) == [0.1, 1, 10, 100, 1000]
-    assert list(figure.layout.xaxis.ticktext) == ["0.1", "1", "10", "100", "1000"]
-    assert "GB/s" in figure.layout.xaxis.title.text
-    assert decade_ticks([0.3, 42])["tickvals"] == [0.1, 1, 10, 100]
+    assert figure.layout.xaxis.type == "log" and "GB/s" in figure.layout.xaxis.title.text
+    assert list(figure.layout.xaxis.tickvals) == [0.1, 1, 10, 100, 1000]  # 4 decades: decades only
+    assert list(figure.layout.xaxis.ticktext) == ["0.1", "1", "10", "100", "1k"]
+    short = speedup_chart(8, 1.0, 14e9, [3e9, 42e9]).layout.xaxis  # under 3 decades: 1-2-5, not 2 decades
+    assert list(short.tickvals) == [2, 5, 10, 20, 50]
+
+
+def test_the_bandwidth_axis_reaches_a_marker_beyond_the_bandwidths():
+    figure = speedup_chart(8, 1.0, 14e9, [1e9, 10e9], marker_bandwidth=400e9)
+    low, high = figure.layout.xaxis.range
+    assert low < 0 < 2.61 < high and figure.layout.xaxis.tickvals[-1] == 500  # log10 of 1 and 400 GB/s
 
 
 def controls_of(app):
