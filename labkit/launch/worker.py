@@ -5,9 +5,8 @@ of protocol.py. On the job socket its main thread receives each `Call` (a cloudp
 `(fn, args, kwargs)`), runs it and sends back a `Reply`. On the control socket a second thread
 answers a `StackRequest` with the main thread's `Stack`, even while that thread waits inside a
 collective (c10d releases the GIL while it waits), takes `Interrupt`s, and ends the process when the
-owner goes away. Output goes to fds 1 and 2, pipes
-the owner drains; after each call a marker line on both says "everything before me belongs to that
-call".
+owner goes away. Output goes to fds 1 and 2, pipes the owner drains; after each call a marker line on
+both says "everything before me belongs to that call".
 
 An interrupt names the call it is meant for. A bare SIGINT carries no such name: one that reached a
 rank a moment too early was lost, and one that came late stopped the next call. So the owner sends
