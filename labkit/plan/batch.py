@@ -10,6 +10,8 @@ import math
 
 from labkit.checks import choice, finite_result, number, whole
 
+__all__ = ["LR_RULES", "effective_batch", "scale_lr", "steps_per_epoch"]
+
 LR_RULES = ("linear", "sqrt")
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from labkit.checks import finite_result, flag, items, number, overflow_named, shown, whole
 
+__all__ = ["MAX_LISTED_LAYERS", "YOUR_CHOICE", "attention_lora_shapes", "lora_params", "memory_options",
+           "training_memory", "transformer_params"]
+
 MAX_LISTED_LAYERS = 10_000  # attention_lora_shapes lists 4 shapes per layer: bound the list, not the model
 
 

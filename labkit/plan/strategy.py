@@ -13,6 +13,8 @@ from labkit.checks import number
 from labkit.plan.memory import training_memory
 from labkit.plan.traffic import GB
 
+__all__ = ["Recommendation", "parallelism_for"]
+
 DATA, SHARDED = "data parallelism", "sharded data parallelism or LoRA"
 TENSOR, PIPELINE = "tensor parallelism", "pipeline parallelism"
 

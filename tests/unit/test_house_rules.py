@@ -1,0 +1,113 @@
+"""The package's house rules, checked on its source: every module declares its public API, nothing reaches into
+another module's private names, functions stay short, and no module is named like the standard library or like
+another module of the package."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "labkit"
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+MAX_FUNCTION_LINES = 40  # the body, docstring excluded: one screen, one idea
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def declared_all(module: ast.Module) -> list[str] | None:
+    for node in module.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    return None
+
+
+def defined_names(module: ast.Module) -> set[str]:
+    names = set()
+    for node in module.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+        elif isinstance(node, ast.ImportFrom | ast.Import):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=module_name)
+def test_module_declares_its_public_api(path):
+    module = tree(path)
+    public = declared_all(module)
+    assert public is not None, f"{module_name(path)} has no __all__: list its public names"
+    missing = sorted(set(public) - defined_names(module))
+    assert not missing, f"{module_name(path)}.__all__ names what it does not define: {missing}"
+
+
+def private_imports(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+            found += [f"{node.module}.{a.name} (line {node.lineno})" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in {"labkit", "comm", "parallel", "plan", "viz", "launch"}:
+                found.append(f"{base.id}.{node.attr} (line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=module_name)
+def test_no_module_imports_another_modules_private_names(path):
+    assert not private_imports(path), f"{module_name(path)} uses private names of other modules: " \
+                                      f"{private_imports(path)}; make them public or move the code"
+
+
+def long_functions(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            first = node.body[0]
+            has_docstring = isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) \
+                and isinstance(first.value.value, str)
+            body = node.body[1:] if has_docstring and len(node.body) > 1 else node.body
+            lines = body[-1].end_lineno - body[0].lineno + 1
+            if lines > MAX_FUNCTION_LINES:
+                found.append(f"{node.name} ({lines} lines, line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=module_name)
+def test_functions_are_short(path):
+    assert not long_functions(path), f"{module_name(path)}: over {MAX_FUNCTION_LINES} lines: " \
+                                     f"{long_functions(path)}; give each phase a named helper"
+
+
+def test_no_module_is_named_like_the_standard_library_or_another_module():
+    by_name = defaultdict(list)
+    for path in SOURCES:
+        if path.name != "__init__.py":
+            by_name[path.stem].append(module_name(path))
+    like_stdlib = sorted(n for n in by_name if n in sys.stdlib_module_names)
+    assert not like_stdlib, f"modules named like the standard library: {like_stdlib}"
+    repeated = {n: m for n, m in by_name.items() if len(m) > 1}
+    assert not repeated, f"modules sharing a name: {repeated}"
+
+
+def test_the_rules_catch_what_they_are_for(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from labkit.comm.transport import _Batch\n\ndef f():\n" + "    x = 1\n" * 41)
+    assert private_imports(bad) == ["labkit.comm.transport._Batch (line 1)"]
+    assert long_functions(bad) == ["f (41 lines, line 3)"]
+    assert declared_all(tree(bad)) is None
