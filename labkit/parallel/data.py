@@ -33,7 +33,8 @@ from labkit.checks import number, shown, whole
 from labkit.launch import device
 from labkit.parallel.counters import all_reduce_sum, record_collective
 
-__all__ = ["FIRST_BUCKET_MB", "Bucket", "BucketedDDP", "Event", "MiB", "average_gradients", "broadcast_parameters"]
+__all__ = ["FIRST_BUCKET_MB", "Bucket", "BucketedDDP", "Event", "MiB", "average_gradients", "broadcast_parameters",
+           "pack_buckets"]
 
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
 FIRST_BUCKET_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES: a small first bucket starts traffic early
@@ -257,7 +258,7 @@ class BucketedDDP(nn.Module):
         _check_replicas(model, 0, "BucketedDDP", group)
         _broadcast(model, 0, group)  # identical replicas, as torch DDP does at construction
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.buckets = _make_buckets(trainable[::-1], bucket_mb * MiB, min(first_bucket_mb, bucket_mb) * MiB)
+        self.buckets = pack_buckets(trainable[::-1], bucket_mb * MiB, min(first_bucket_mb, bucket_mb) * MiB)
         for handle in _hooks.pop(model, []):  # a model wrapped again: the old wrapper's hooks go
             handle.remove()
         _hooks[model] = [p.register_post_accumulate_grad_hook(
@@ -351,7 +352,7 @@ class BucketedDDP(nn.Module):
         self._next, self._t0 = 0, None
 
 
-def _make_buckets(named: list[tuple[str, nn.Parameter]], cap: float, first_cap: float) -> list[Bucket]:
+def pack_buckets(named: list[tuple[str, nn.Parameter]], cap: float, first_cap: float) -> list[Bucket]:
     """Group parameters (given in the order their gradients are expected) into buckets of one device and
     dtype, each at most `cap` bytes (the first of each kind at most `first_cap`), in the order given."""
     closed: list[list[int]] = []

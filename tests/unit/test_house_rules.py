@@ -55,23 +55,38 @@ def test_module_declares_its_public_api(path):
     assert not missing, f"{module_name(path)}.__all__ names what it does not define: {missing}"
 
 
+def labkit_names(module: ast.Module) -> set[str]:
+    """The names a file binds to labkit's modules and to what it imports from them."""
+    bound = set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.Import):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("labkit"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+            bound.update(a.asname or a.name for a in node.names)
+    return bound
+
+
 def private_imports(path: Path) -> list[str]:
-    found = []
-    for node in ast.walk(tree(path)):
+    """Private names of labkit's modules that `path` imports or reaches into (module._name, Class._name)."""
+    module, found = tree(path), []
+    bound = labkit_names(module)
+    for node in ast.walk(module):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
             found += [f"{node.module}.{a.name} (line {node.lineno})" for a in node.names
                       if a.name.startswith("_") and not a.name.startswith("__")]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            base = node.value
-            if isinstance(base, ast.Name) and base.id in {"labkit", "comm", "parallel", "plan", "viz", "launch"}:
-                found.append(f"{base.id}.{node.attr} (line {node.lineno})")
+            if isinstance(node.value, ast.Name) and node.value.id in bound:
+                found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
     return found
 
 
-@pytest.mark.parametrize("path", SOURCES, ids=module_name)
-def test_no_module_imports_another_modules_private_names(path):
-    assert not private_imports(path), f"{module_name(path)} uses private names of other modules: " \
-                                      f"{private_imports(path)}; make them public or move the code"
+USERS = sorted(p for folder in ("tests", "benchmarks") for p in (PACKAGE.parent / folder).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", SOURCES + USERS, ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_nothing_reaches_into_private_names(path):
+    assert not private_imports(path), f"{path.relative_to(PACKAGE.parent)} uses private names of labkit's " \
+                                      f"modules: {private_imports(path)}; make them public or test through the API"
 
 
 def long_functions(path: Path) -> list[str]:
@@ -107,7 +122,8 @@ def test_no_module_is_named_like_the_standard_library_or_another_module():
 
 def test_the_rules_catch_what_they_are_for(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from labkit.comm.transport import _Batch\n\ndef f():\n" + "    x = 1\n" * 41)
-    assert private_imports(bad) == ["labkit.comm.transport._Batch (line 1)"]
-    assert long_functions(bad) == ["f (41 lines, line 3)"]
+    bad.write_text("from labkit.comm.transport import _Batch\nfrom labkit import launch\nlaunch._owner\n\n"
+                   "def f():\n" + "    x = 1\n" * 41)
+    assert private_imports(bad) == ["labkit.comm.transport._Batch (line 1)", "launch._owner (line 3)"]
+    assert long_functions(bad) == ["f (41 lines, line 5)"]
     assert declared_all(tree(bad)) is None

@@ -195,10 +195,10 @@ def test_ddp_bucket_count_against_the_buckets_ddp_builds(tensors, numel, cap_num
     # exactly that many when the tensor size divides the bucket size
     import torch
 
-    from labkit.parallel.data import _make_buckets
+    from labkit.parallel.data import pack_buckets
     params = [(str(i), torch.nn.Parameter(torch.zeros(numel))) for i in range(tensors)]
     cap = cap_numel * 4
-    built = len(_make_buckets(params, cap, cap))
+    built = len(pack_buckets(params, cap, cap))
     formula = ddp_bucket_count(tensors * numel * 4, bucket_mb=cap / 2**20)
     assert built == buckets and formula <= built
     assert formula == built or cap_numel % numel != 0
