@@ -184,21 +184,35 @@ def overflow_named(function: str, /, **inputs):
 
 
 def rank_count(value) -> int:
-    """`value` as a number of ranks for one labkit call, 1 to MAX_WORLD_SIZE, or TypeError or ValueError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"world_size must be a whole number of ranks, got {shown(value)} ({type(value).__name__}).")
-    if not 1 <= value <= MAX_WORLD_SIZE:
-        raise ValueError(f"world_size must be between 1 and {MAX_WORLD_SIZE}, got {shown(value)}. "
-                         "For more ranks, run a script under torchrun (see the README's instructor guide).")
-    return int(value)
+    """`value` as a number of ranks for one labkit call, 1 to MAX_WORLD_SIZE, or TypeError or ValueError (as
+    `whole`; past MAX_WORLD_SIZE the message points to torchrun).
+
+    >>> rank_count(17)
+    Traceback (most recent call last):
+    ...
+    ValueError: world_size=17: pass a whole number from 1 to 16; for more ranks, run a script under torchrun ...
+    """
+    count = whole("world_size", value)
+    if count > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size={shown(value)}: pass a whole number from 1 to {MAX_WORLD_SIZE}; for more ranks, "
+                         "run a script under torchrun (see the README's instructor guide).")
+    return count
 
 
 def timeout_seconds(name: str, value) -> float:
-    """`value` as seconds, more than 0 and at most a week, or TypeError or ValueError. Compared before any
-    float() so that 10**400 is refused, not an OverflowError; NaN fails both comparisons."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number of seconds, got {shown(value)} ({type(value).__name__}).")
-    if not 0 < value <= MAX_TIMEOUT_SECONDS:
-        raise ValueError(f"{name} must be a positive number of seconds, at most a week ({MAX_TIMEOUT_SECONDS} s), "
-                         f"got {shown(value)}.")
-    return float(value)
+    """`value` as seconds, more than 0 and at most a week (MAX_TIMEOUT_SECONDS), or TypeError or ValueError (as
+    `number`). 10**400, past the largest float, gets the same message as any other wait beyond a week.
+
+    >>> timeout_seconds("timeout", 8 * 24 * 3600)
+    Traceback (most recent call last):
+    ...
+    ValueError: timeout=691200: pass a number of seconds > 0 and at most a week (604800 s): longer waits ...
+    """
+    try:
+        seconds = number(name, value, minimum=0.0, inclusive=False)
+    except TooLarge:
+        seconds = math.inf
+    if seconds > MAX_TIMEOUT_SECONDS:
+        raise ValueError(f"{name}={shown(value)}: pass a number of seconds > 0 and at most a week "
+                         f"({MAX_TIMEOUT_SECONDS} s): longer waits overflow gloo's and NCCL's millisecond timeouts.")
+    return seconds

@@ -12,12 +12,14 @@ def ok():
 
 
 @pytest.mark.parametrize("world_size, error, words", [
-    (0, ValueError, "between 1 and 16, got 0"),
-    (-2, ValueError, "between 1 and 16, got -2"),
-    (labkit.MAX_WORLD_SIZE + 1, ValueError, "torchrun"),
-    (2.5, TypeError, "whole number of ranks, got 2.5"),
-    ("4", TypeError, "whole number of ranks, got '4'"),
-    (True, TypeError, "whole number of ranks, got True"),
+    (0, ValueError, r"world_size=0: pass a whole number >= 1"),
+    (-2, ValueError, r"world_size=-2: pass a whole number >= 1"),
+    (labkit.MAX_WORLD_SIZE + 1, ValueError, r"world_size=17: pass a whole number from 1 to 16; for more ranks, run a "
+                                            r"script under torchrun"),
+    # labkit.checks' rule: TypeError for no number at all, ValueError for a number that cannot be a count
+    (2.5, ValueError, r"world_size=2.5: pass a whole number >= 1 \(an int, not a bool\)"),
+    ("4", TypeError, r"world_size='4': pass a whole number >= 1 \(an int, not a bool\), not a str"),
+    (True, ValueError, r"world_size=True: pass a whole number >= 1 \(an int, not a bool\)"),
 ])
 def test_bad_world_size(world_size, error, words):
     with pytest.raises(error, match=words):
@@ -25,16 +27,16 @@ def test_bad_world_size(world_size, error, words):
 
 
 @pytest.mark.parametrize("timeout, error", [(0, ValueError), (-1.0, ValueError), (float("nan"), ValueError),
-                                            (float("inf"), ValueError), ("5", TypeError)])
+                                            (float("inf"), ValueError), (True, ValueError), ("5", TypeError)])
 def test_bad_timeout(timeout, error):
-    with pytest.raises(error, match="timeout must be"):
+    with pytest.raises(error, match=r"^timeout=.*: pass a (finite )?number"):
         labkit.run(ok, timeout=timeout)
 
 
 @pytest.mark.parametrize("timeout", [1e13, 1e300, 10**400, 7 * 24 * 3600 + 1])
 def test_a_timeout_beyond_a_week_is_refused_plainly(timeout):
     # 1e13 s overflowed gloo's millisecond timeouts and crashed the ranks; 10**400 raised OverflowError
-    with pytest.raises(ValueError, match=r"timeout must be a positive number of seconds, at most a week \(604800 s\)"):
+    with pytest.raises(ValueError, match=r"^timeout=.*: pass a number of seconds > 0 and at most a week \(604800 s\)"):
         labkit.run(ok, timeout=timeout)
 
 

@@ -61,9 +61,9 @@ def test_bad_arguments_are_usage_errors(ip):
     result = run(ip, "%%ranks 0\nx = 1")
     assert isinstance(result.error_in_exec, ValueError)
     # the same checks, and words, as labkit.run's (labkit.checks)
-    assert "world_size must be between 1 and 16, got 0" in str(result.error_in_exec)
+    assert "world_size=0: pass a whole number >= 1" in str(result.error_in_exec)
     result = run(ip, "%%ranks 2 --timeout 0\nx = 1")
-    assert "timeout must be a positive number of seconds, at most a week" in str(result.error_in_exec)
+    assert "timeout=0.0: pass a finite number > 0" in str(result.error_in_exec)
 
 
 def test_a_cell_runs_in_one_namespace_and_gives_back_its_last_expression():
