@@ -20,9 +20,9 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 
-from labkit.launch.protocol import Chained, ExceptionDescription, ExceptionLink, Frame, Stack
+from labkit.launch.protocol import Chained, ExceptionDescription, ExceptionLink, Frame, Outcome, Stack, TextEnum
 
-__all__ = ["FOLLOW_ON_ATTRIBUTE", "CellSyntaxError", "Failure", "Interrupted", "RankError", "RankTimeout",
+__all__ = ["FOLLOW_ON_ATTRIBUTE", "CellSyntaxError", "Failure", "Interrupted", "NoReply", "RankError", "RankTimeout",
            "cell_name", "describe_exception", "describe_stack", "exception_line", "format_exception",
            "format_frames", "is_user_file", "rank_list", "still_running", "where"]
 
@@ -195,13 +195,20 @@ def rank_list(ranks) -> str:
     return "ranks " + ", ".join(spans)
 
 
+class NoReply(TextEnum):
+    """How a rank failed without replying to the call (a rank that replied says how in its `Outcome`)."""
+
+    DIED = "died"  # its process ended: an exit or a signal
+    STOPPED = "stopped"  # still running (or still starting) when the call was given up
+
+
 @dataclass
 class Failure:
-    """One rank's bad outcome. kind: 'error' (raised), 'died' (exit or signal), 'stopped' (was
-    still running when the call was abandoned), 'interrupted', 'unpicklable' (its result)."""
+    """One rank's bad outcome. `kind`: what its reply said (Outcome.ERROR: it raised; INTERRUPTED;
+    UNPICKLABLE: its result), or why there was none (NoReply.DIED, NoReply.STOPPED)."""
 
     rank: int
-    kind: str
+    kind: Outcome | NoReply
     summary: str
     detail: str = ""
     time: float = float("inf")
@@ -219,8 +226,8 @@ class RankError(RuntimeError):
     def _render(self) -> str:
         lines = [self.headline]
         # A dead rank makes its peers fail ("connection closed by peer"), so it goes first.
-        ordered = sorted(self.failures, key=lambda f: (f.kind != "died", f.time, f.rank))
-        root = ordered[0] if ordered and ordered[0].kind in ("error", "died") else None
+        ordered = sorted(self.failures, key=lambda f: (f.kind != NoReply.DIED, f.time, f.rank))
+        root = ordered[0] if ordered and ordered[0].kind in (Outcome.ERROR, NoReply.DIED) else None
         groups: dict[tuple, list[int]] = {}
         for f in ordered:
             groups.setdefault((f.kind, f.summary, f.detail, tuple(f.stderr_tail)), []).append(f.rank)
@@ -228,7 +235,7 @@ class RankError(RuntimeError):
             is_root = root is not None and root.rank in ranks
             label = "root cause, " if is_root and len(groups) > 1 else ""
             lines.append(f"\n--- {label}{rank_list(ranks)}: {summary}")
-            if detail and (is_root or kind != "error" or len(groups) == 1):
+            if detail and (is_root or kind != Outcome.ERROR or len(groups) == 1):
                 lines.append(detail.rstrip("\n"))
             if tail:
                 lines.append("last lines of stderr:")

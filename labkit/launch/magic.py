@@ -21,6 +21,7 @@ from __future__ import annotations
 import ast
 import linecache
 import sys
+from typing import NamedTuple
 
 from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
@@ -34,11 +35,19 @@ from labkit.launch.owner import OWNER, prestart, run
 __all__ = ["RanksMagics", "assigned_names", "load_ipython_extension"]
 
 
+class _PoolUsed(NamedTuple):
+    """The pool a world size's cells last ran in: its key in OWNER, and its serial number then (a pool
+    restarted since has another, and the variables of those cells are gone)."""
+
+    key: tuple[int, str]  # (world size, backend)
+    serial: int | None
+
+
 @magics_class
 class RanksMagics(Magics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell, **kwargs)
-        self._pools: dict[int, tuple[tuple[int, str], int]] = {}  # world size -> (pool key, serial) last used
+        self._pools: dict[int, _PoolUsed] = {}  # world size -> the pool its cells last ran in
         self._names: dict[int, set[str]] = {}  # world size -> names its cells assigned, in that pool
         self._told_per_world_size = False
 
@@ -70,9 +79,9 @@ class RanksMagics(Magics):
         are gone (their pool was restarted), or live in other world sizes' pools only."""
         serial = OWNER.serial(key)
         previous = self._pools.get(world_size)
-        self._pools[world_size] = (key, serial)
-        if previous is not None and previous[1] != serial:
-            why = OWNER.ended.get(previous[1], "it was replaced")
+        self._pools[world_size] = _PoolUsed(key, serial)
+        if previous is not None and previous.serial != serial:
+            why = OWNER.ended.get(previous.serial, "it was replaced")
             print(f"labkit: the {world_size}-rank pool was restarted ({why}): variables from earlier "
                   f"%%ranks {world_size} cells are gone.", file=sys.stderr)
             self._names.pop(world_size, None)
@@ -80,7 +89,7 @@ class RanksMagics(Magics):
             return
         others = [f"%%ranks {n}'s {_some(names)} {'is' if len(names) == 1 else 'are'} still there"
                   for n, names in sorted(self._names.items())
-                  if names and OWNER.serial(self._pools[n][0]) == self._pools[n][1]]
+                  if names and OWNER.serial(self._pools[n].key) == self._pools[n].serial]
         if others:
             self._told_per_world_size = True
             print(f"labkit: each world size keeps its own variables: %%ranks {world_size} starts empty; "

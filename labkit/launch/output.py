@@ -15,7 +15,7 @@ import sys
 import time
 from collections import deque
 
-__all__ = ["HOLD_SECONDS", "STREAMS", "RankOutput", "end_of_call_marker", "release_held", "start_call"]
+__all__ = ["HOLD_SECONDS", "STREAMS", "RankOutput", "end_of_call_marker", "release_held", "show_line", "start_call"]
 
 STREAMS = ("stdout", "stderr")
 HOLD_SECONDS = 0.5
@@ -62,7 +62,7 @@ class RankOutput:
         if stream == "stderr":
             self.stderr_tail.append(line)
         if self.live:
-            _write(stream, self.rank, line)
+            show_line(stream, self.rank, line)
         else:
             self._held.append((stream, line))
 
@@ -74,7 +74,7 @@ class RankOutput:
     def flush(self) -> None:
         """Show held lines; called at the end of every call, in rank order."""
         for stream, line in self._held:
-            _write(stream, self.rank, line)
+            show_line(stream, self.rank, line)
         self._held.clear()
 
 
@@ -96,7 +96,8 @@ def release_held(outputs: list[RankOutput]) -> None:
             output.live = True
 
 
-def _write(stream: str, rank: int, line: str) -> None:
+def show_line(stream: str, rank: int, line: str) -> None:
+    """Show one line of rank `rank`'s `stream` ("stdout" or "stderr") on the same stream here: `[rank N] line`."""
     target = sys.stdout if stream == "stdout" else sys.stderr
     target.write(f"[rank {rank}] {line}\n")
     target.flush()

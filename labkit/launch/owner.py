@@ -69,7 +69,7 @@ class Owner:
         if pool is not None:
             self.retire(key, _why_unhealthy(pool))
         self._make_room(world_size)
-        self._announce(world_size, choice)
+        self.announce(world_size, choice)
         self.pools[key] = self._start_pool(world_size, choice)
         self.serials[key] = self.pools_started
         return key
@@ -97,7 +97,8 @@ class Owner:
             self.retire(next(iter(self.pools)), f"it was stopped to make room for {world_size} ranks: labkit "
                                                  f"keeps at most {MAX_LIVE_RANKS} ranks running")
 
-    def _announce(self, world_size: int, choice: BackendChoice) -> None:
+    def announce(self, world_size: int, choice: BackendChoice) -> None:
+        """Say how `world_size` ranks will run: the backend, why, and each rank's device; once per reason."""
         if choice.reason not in self.announced:
             self.announced.add(choice.reason)
             print(f"labkit: {world_size} ranks, {choice.reason}; {_devices(world_size, choice.backend)}.")

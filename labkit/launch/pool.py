@@ -38,6 +38,7 @@ from labkit.launch import protocol, serialize
 from labkit.launch.backend import BackendChoice, threads_per_rank
 from labkit.launch.errors import (
     Failure,
+    NoReply,
     RankError,
     RankTimeout,
     exception_line,
@@ -60,8 +61,8 @@ from labkit.launch.protocol import (
 )
 from labkit.launch.worker import health_probe
 
-__all__ = ["DEATH_DETAILS_SECONDS", "HEALTH_CHECK_SECONDS", "INTERRUPT_GRACE_SECONDS", "MIN_START_SECONDS",
-           "SETTLE_SECONDS", "STACK_WAIT_SECONDS", "Pool", "RankHandle", "start_budget_seconds"]
+__all__ = ["DEATH_DETAILS_SECONDS", "HEALTH_CHECK_SECONDS", "HEALTH_PROBE", "INTERRUPT_GRACE_SECONDS",
+           "MIN_START_SECONDS", "SETTLE_SECONDS", "STACK_WAIT_SECONDS", "Pool", "RankHandle", "start_budget_seconds"]
 
 SETTLE_SECONDS = 1.5  # after one rank fails, how long the others get to finish or fail too
 INTERRUPT_GRACE_SECONDS = 1.5  # after Ctrl-C, how long ranks get to stop by themselves
@@ -71,7 +72,7 @@ DEATH_DETAILS_SECONDS = 1.0  # to collect a dead rank's exit status and last std
 MIN_START_SECONDS = 10.0  # importing torch and forming a group, on 2 busy cores, takes seconds
 
 _call_ids = itertools.count(1)
-_HEALTH_PROBE = serialize.dumps((health_probe, (), {}))
+HEALTH_PROBE = serialize.dumps((health_probe, (), {}))  # the call that checks a pool is still in step
 
 
 def start_budget_seconds(call_timeout_seconds: float, start_timeout_seconds: float) -> float:
@@ -120,6 +121,7 @@ class Pool:
         self._pg_timeout_seconds = pg_timeout_seconds
         self._start_timeout_seconds = start_timeout_seconds
         self.ranks: list[RankHandle] = []
+        self.last_call_id = 0  # the id of the latest Call sent to the ranks (0: none yet)
 
     def _start(self, budget_seconds: float) -> None:
         """Start every rank and wait until all are in the group: at most `budget_seconds`, and no
@@ -193,12 +195,12 @@ class Pool:
         """Why rank `r` is not ready (`when` says at which moment it was given up), or None if it is."""
         if isinstance(r.started, StartFailed):
             error = r.started.error
-            return Failure(r.rank, "error", exception_line(error.chain[-1]), format_exception(error))
+            return Failure(r.rank, Outcome.ERROR, exception_line(error.chain[-1]), format_exception(error))
         if r.gone:
             return self._death(r)
         if r.started is None:
             summary, detail = still_running(stack)
-            return Failure(r.rank, "stopped", f"not ready {when}: "
+            return Failure(r.rank, NoReply.STOPPED, f"not ready {when}: "
                            + summary.replace("was still running", "was still starting"), detail)
         return None
 
@@ -213,6 +215,7 @@ class Pool:
         if not self.started:
             self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds))
         call = Call(next(_call_ids), timeout_seconds, payload)
+        self.last_call_id = call.call_id
         try:
             self._send_and_wait(call)
         except KeyboardInterrupt:
@@ -267,7 +270,7 @@ class Pool:
         self._close_if_group_destroyed(replies)
         failures = [self._death(r) for r in self.ranks if r.gone and r.rank not in replies]
         failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply.outcome != Outcome.OK]
-        failures += [Failure(r.rank, "stopped", *still_running(stacks[r.rank])) for r in running]
+        failures += [Failure(r.rank, NoReply.STOPPED, *still_running(stacks[r.rank])) for r in running]
         if not failures:
             return [serialize.load_result(r, replies[r].body) for r in range(self.world_size)]
         if not (running or any(r.gone for r in self.ranks) or self.closed) and check_health:
@@ -283,7 +286,7 @@ class Pool:
             f" The {self.world_size}-rank pool was stopped; the next call starts a fresh one"
             " (variables defined in %%ranks cells are gone)."
         )
-        unpicklable = [f for f in failures if f.kind == "unpicklable"]
+        unpicklable = [f for f in failures if f.kind == Outcome.UNPICKLABLE]
         if unpicklable and len(unpicklable) == len(failures):
             return TypeError(f"{rank_list(f.rank for f in unpicklable)} returned a value that cannot be "
                              f"sent back: {unpicklable[0].summary}. Return plain data (tensors, numbers, "
@@ -293,7 +296,7 @@ class Pool:
             finished = f" ({rank_list(done)} had returned)" if done else ""
             return RankTimeout(f"labkit.run timed out after {timeout_seconds:g} s: {rank_list(running)} "
                                f"still running{finished}.{restarted}", failures)
-        failed = sorted({f.rank for f in failures if f.kind != "stopped"})
+        failed = sorted({f.rank for f in failures if f.kind != NoReply.STOPPED})
         return RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures)
 
     def _take_replies(self, call_id: int) -> dict[int, Reply]:
@@ -365,7 +368,7 @@ class Pool:
             self.close()
             return
         try:
-            total = self.call(_HEALTH_PROBE, HEALTH_CHECK_SECONDS, check_health=False)
+            total = self.call(HEALTH_PROBE, HEALTH_CHECK_SECONDS, check_health=False)
         except RankError:
             total = None  # the probe call has closed the pool already
         if total != [float(self.world_size)] * self.world_size:
@@ -386,7 +389,7 @@ class Pool:
                     if not self.server.alive:  # its socket would stay readable at end of file
                         self._selector.unregister(key.fd)
                 elif kind == "job":
-                    self._receive(r)
+                    self.receive(r)
                 else:
                     self._read_pipe(r, kind)
             for r in self.ranks:
@@ -394,7 +397,7 @@ class Pool:
                     self._mark_gone(r)
             release_held([r.output for r in self.ranks])
 
-    def _receive(self, r: RankHandle) -> None:
+    def receive(self, r: RankHandle) -> None:
         """Take one message from rank `r`'s job socket: its start report, or a reply."""
         try:
             message = protocol.receive(r.job)
@@ -427,7 +430,7 @@ class Pool:
         self._pump(time.monotonic() + DEATH_DETAILS_SECONDS, lambda: all(r.output.closed.values()))
         how = describe_exit(self.server.exit_status.get(r.pid))
         hint = " (SIGKILL from outside often means the machine ran out of memory)" if "SIGKILL" in how else ""
-        return Failure(r.rank, "died", f"process {how}{hint}", time=r.gone_at,
+        return Failure(r.rank, NoReply.DIED, f"process {how}{hint}", time=r.gone_at,
                        stderr_tail=list(r.output.stderr_tail))
 
     def _flush_output(self) -> None:
@@ -477,9 +480,9 @@ def _failure_from_reply(rank: int, reply: Reply) -> Failure:
     """A rank's failed reply as a Failure. One marked follow-on (errors.FOLLOW_ON_ATTRIBUTE) gets an
     unknown time (inf), so that whoever picks the earliest failure as the root cause picks another."""
     if reply.outcome == Outcome.UNPICKLABLE:
-        return Failure(rank, "unpicklable", reply.body, time=reply.finished_at)
+        return Failure(rank, Outcome.UNPICKLABLE, reply.body, time=reply.finished_at)
     if reply.outcome == Outcome.INTERRUPTED:
-        return Failure(rank, "interrupted", "interrupted", format_exception(reply.body), time=reply.finished_at)
+        return Failure(rank, Outcome.INTERRUPTED, "interrupted", format_exception(reply.body), time=reply.finished_at)
     error = reply.body
-    return Failure(rank, "error", exception_line(error.chain[-1]), format_exception(error),
+    return Failure(rank, Outcome.ERROR, exception_line(error.chain[-1]), format_exception(error),
                    time=float("inf") if error.follow_on else reply.finished_at)

@@ -3,7 +3,7 @@
 Each message is one pickled NamedTuple, sent whole with `send` and read with `receive` (a
 multiprocessing Connection frames it). A NamedTuple pickles as its class's name and its fields, so it
 costs about what a plain tuple does, yet every reader takes its fields by name. Kinds of outcome are
-`StrEnum`s: they print and compare as their text. Who says what, on which socket:
+`TextEnum`s: they print and compare as their text. Who says what, on which socket:
 
 =============================  ===================================================================
 owner -> fork server           `ForkRank` (the rank's four fds follow by SCM_RIGHTS), `SignalRanks`
@@ -22,20 +22,31 @@ exist in the owner, and its frames would pin the rank's tensors.
     >>> reply = Reply(7, Outcome.ERROR, ExceptionDescription([]), 0.0, {"0/cpu": 1}, False)
     >>> pickle.loads(pickle.dumps(reply)).outcome
     <Outcome.ERROR: 'error'>
-    >>> reply.outcome == "error"
-    True
+    >>> reply.outcome == "error", f"{reply.outcome}"
+    (True, 'error')
 """
 
 from __future__ import annotations
 
 import pickle
-from enum import StrEnum
+from enum import Enum
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 __all__ = ["Call", "Chained", "ExceptionDescription", "ExceptionLink", "Exited", "ForkRank", "Forked",
            "Frame", "Interrupt", "Outcome", "RankSpec", "Ready", "Reply", "SignalRanks", "Stack",
-           "StackRequest", "StartFailed", "encode", "receive", "send"]
+           "StackRequest", "StartFailed", "TextEnum", "encode", "receive", "send"]
+
+
+class TextEnum(str, Enum):
+    """Kinds that are their text: a member equals its value ("error") and prints as it.
+
+    What Python 3.11's `enum.StrEnum` does, written for 3.10, which labkit supports: a `str` mixin makes
+    members compare, hash and format as their value, and `__str__` makes `str()` and `print` say it too
+    (a plain `(str, Enum)` prints `Outcome.ERROR`)."""
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def encode(message: NamedTuple) -> bytes:
@@ -109,7 +120,7 @@ class Call(NamedTuple):
     payload: bytes
 
 
-class Outcome(StrEnum):
+class Outcome(TextEnum):
     """How a call ended on one rank."""
 
     OK = "ok"  # returned; the Reply's body is the pickled result
@@ -171,7 +182,7 @@ class Stack(NamedTuple):
 
 # ---- errors as data ----------------------------------------------------------------------------------
 
-class Chained(StrEnum):
+class Chained(TextEnum):
     """How an exception relates to the one printed before it, in Python's own words."""
 
     CAUSE = "cause"  # raise ... from ...: "The above exception was the direct cause of the following exception"

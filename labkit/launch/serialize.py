@@ -23,7 +23,7 @@ import torch
 
 from labkit.groups import group_is_up
 
-__all__ = ["dumps", "load_result", "loads"]
+__all__ = ["dumps", "landing_device", "lands_on_rank_device", "load_result", "loads"]
 
 
 def _reduce_code(code: types.CodeType):
@@ -37,11 +37,12 @@ def _rebuild_tensor(data: bytearray, dtype: torch.dtype, shape: tuple, requires_
 
 def _rebuild_on_rank_device(data: bytearray, dtype: torch.dtype, shape: tuple, requires_grad: bool) -> torch.Tensor:
     """A GPU tensor's bytes, rebuilt on the device of the rank that unpickles them."""
-    return _rebuild_tensor(data, dtype, shape, False).to(_landing_device()).requires_grad_(requires_grad)
+    return _rebuild_tensor(data, dtype, shape, False).to(landing_device()).requires_grad_(requires_grad)
 
 
-def _landing_device() -> torch.device:
-    """labkit.device() inside a rank (its own GPU under NCCL), the CPU anywhere else."""
+def landing_device() -> torch.device:
+    """Where a GPU tensor unpickled in this process lands: labkit.device() inside a rank (its own GPU under
+    NCCL), the CPU anywhere else."""
     if group_is_up():
         from labkit.launch.context import device
 
@@ -49,16 +50,19 @@ def _landing_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _on_gpu(t: torch.Tensor) -> bool:
+def lands_on_rank_device(t: torch.Tensor) -> bool:
+    """True for a tensor that travels as bytes and lands on the receiving rank's device (`landing_device`):
+    a CUDA tensor. A CPU tensor lands on the CPU."""
     return t.device.type == "cuda"
 
 
 def _reduce_tensor(t: torch.Tensor):
-    plain = (type(t) is torch.Tensor and t.layout == torch.strided and (t.device.type == "cpu" or _on_gpu(t))
+    plain = (type(t) is torch.Tensor and t.layout == torch.strided
+             and (t.device.type == "cpu" or lands_on_rank_device(t))
              and not t.is_quantized and not t.is_conj() and not t.is_neg() and t.grad_fn is None)
     if not plain:
         return t.__reduce_ex__(5)
-    rebuild = _rebuild_on_rank_device if _on_gpu(t) else _rebuild_tensor
+    rebuild = _rebuild_on_rank_device if lands_on_rank_device(t) else _rebuild_tensor
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
     return rebuild, (bytearray(raw.numpy().tobytes()), t.dtype, tuple(t.shape), t.requires_grad)
 

@@ -37,6 +37,7 @@ import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
+from typing import NamedTuple
 
 from labkit.groups import group_is_up
 from labkit.launch import protocol
@@ -251,7 +252,14 @@ def sequence_numbers() -> dict[str, int] | None:
         return None
 
 
-_backends: tuple[tuple, list] = ((), [])
+class _GroupBackends(NamedTuple):
+    """The c10d backends of this rank's process groups, as last looked up."""
+
+    groups: tuple  # (group, name) for each group, as c10d listed them then
+    backends: list  # ("group name/device type", backend) for each group and device type
+
+
+_backends = _GroupBackends((), [])
 
 
 def _group_backends() -> list:
@@ -262,10 +270,10 @@ def _group_backends() -> list:
     import torch.distributed as dist
 
     groups = tuple(dist.distributed_c10d._world.pg_names.items())
-    if groups != _backends[0]:
-        _backends = (groups, [(f"{name}/{device_type}", group._get_backend(torch.device(device_type)))
-                              for group, name in groups for device_type in group._device_types])
-    return _backends[1]
+    if groups != _backends.groups:
+        _backends = _GroupBackends(groups, [(f"{name}/{device_type}", group._get_backend(torch.device(device_type)))
+                                            for group, name in groups for device_type in group._device_types])
+    return _backends.backends
 
 
 def _steps_since(before: dict[str, int] | None) -> dict[str, int] | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import labkit
 from labkit import groups
@@ -36,7 +37,16 @@ __all__ = ["AXES", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "mesh_layout"]
 
 AXES = ("dp", "pp", "tp")  # outermost to innermost
 MAX_LAYOUT_RANKS = 1 << 16  # 65,536: more GPUs than any published training run; the layout is a list per rank
-_BUILT: dict = {}  # (device type, shape) -> (the world group it was built in, its DeviceMesh)
+
+
+class _BuiltMesh(NamedTuple):
+    """A DeviceMesh this process built, and the world process group it was built in."""
+
+    world: object  # torch.distributed's default ProcessGroup then
+    device_mesh: object  # torch.distributed.device_mesh.DeviceMesh
+
+
+_BUILT: dict[tuple[str, tuple[int, int, int]], _BuiltMesh] = {}  # (device type, shape) -> the mesh built for it
 
 
 @dataclass(frozen=True)
@@ -159,6 +169,7 @@ def _device_mesh(device_type: str, shape: tuple[int, int, int]):
 
     world = dist.group.WORLD
     built = _BUILT.get((device_type, shape))
-    if built is None or built[0] is not world:  # first time, or a new world since (torchrun scripts may re-init)
-        built = _BUILT[(device_type, shape)] = (world, init_device_mesh(device_type, shape, mesh_dim_names=AXES))
-    return built[1]
+    if built is None or built.world is not world:  # first time, or a new world since (torchrun scripts may re-init)
+        built = _BuiltMesh(world, init_device_mesh(device_type, shape, mesh_dim_names=AXES))
+        _BUILT[(device_type, shape)] = built
+    return built.device_mesh

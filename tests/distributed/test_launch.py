@@ -13,6 +13,8 @@ import torch.distributed as dist
 
 import labkit
 from labkit.launch.backend import threads_per_rank
+from labkit.launch.errors import NoReply
+from labkit.launch.protocol import Outcome
 
 
 def rank_sum():
@@ -83,6 +85,7 @@ def test_exception_on_one_rank_names_it_with_the_users_line():
     assert "root cause, rank 1: ValueError: rank one is unhappy" in message
     assert 'raise ValueError("rank one is unhappy")' in message  # the user's own line
     assert "rank 0" in message
+    assert {f.rank: f.kind for f in info.value.failures}[1] is Outcome.ERROR
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
 
 
@@ -109,6 +112,8 @@ def test_hang_raises_with_each_ranks_stack_then_recovers():
     message = str(info.value)
     assert "rank 0 still running (rank 1 had returned)" in message
     assert re.search(r'in all_reduce, called from File ".*test_launch.py", line \d+: dist.all_reduce', message)
+    assert [(f.rank, f.kind) for f in info.value.failures] == [(0, NoReply.STOPPED)]
+    assert info.value.failures[0].kind is NoReply.STOPPED
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
 
 
@@ -128,6 +133,7 @@ def test_dead_rank_is_named_with_its_signal_and_stderr(how, expected):
     message = str(info.value)
     assert f"rank 1: process {expected}" in message
     assert "about to go" in message.split("last lines of stderr:")[1]
+    assert {f.rank: f.kind for f in info.value.failures}[1] is NoReply.DIED
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
 
 
@@ -248,12 +254,11 @@ def test_a_sigint_not_sent_for_this_call_does_not_stop_it():
 
 
 def test_an_interrupt_for_an_earlier_call_does_not_stop_this_one():
-    from labkit.launch import pool as pool_module
     from labkit.launch import protocol
     from labkit.launch.owner import OWNER
     labkit.run(rank_sum, world_size=2, backend="gloo")
-    earlier = next(pool_module._call_ids) - 1  # the id rank_sum ran as
-    ranks = OWNER.pools[(2, "gloo")].ranks
+    pool = OWNER.pools[(2, "gloo")]
+    earlier, ranks = pool.last_call_id, pool.ranks  # the id rank_sum ran as
     timer = threading.Timer(0.5, lambda: [protocol.send(r.control, protocol.Interrupt(earlier)) for r in ranks])
     timer.start()
     try:
@@ -288,7 +293,7 @@ def slow_health_probe(folder: str) -> float:
 
 def test_ctrl_c_during_the_health_check_after_a_failure_is_not_swallowed(interrupter, monkeypatch):
     from labkit.launch import pool, serialize
-    monkeypatch.setattr(pool, "_HEALTH_PROBE", serialize.dumps((slow_health_probe, (interrupter.folder,), {})))
+    monkeypatch.setattr(pool, "HEALTH_PROBE", serialize.dumps((slow_health_probe, (interrupter.folder,), {})))
 
     def fail_everywhere():
         raise ValueError("every rank fails alike, so the pool's health is checked")

@@ -48,9 +48,9 @@ def test_the_first_call_names_each_ranks_device(capsys):
     from labkit.launch.backend import choose_backend
     from labkit.launch.owner import Owner
     owner = Owner()
-    owner._announce(2, choose_backend("auto", 2, 1))  # one GPU, two ranks
-    owner._announce(2, choose_backend("auto", 2, 2))
-    owner._announce(8, choose_backend("nccl", 8, 8))
+    owner.announce(2, choose_backend("auto", 2, 1))  # one GPU, two ranks
+    owner.announce(2, choose_backend("auto", 2, 2))
+    owner.announce(8, choose_backend("nccl", 8, 8))
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("labkit: 2 ranks, gloo on CPU: 2 ranks but only 1 CUDA GPU, and NCCL needs one GPU "
                         "per rank; every rank computes on cpu.")

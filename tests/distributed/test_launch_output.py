@@ -15,12 +15,12 @@ from labkit.launch.pool import Pool
 @pytest.fixture
 def shown(monkeypatch):
     """Every line the owner shows, as (seconds since the fixture started, rank, line)."""
-    lines, start, write = [], time.monotonic(), output._write
+    lines, start, show_line = [], time.monotonic(), output.show_line
 
     def record(stream, rank, line):
         lines.append((time.monotonic() - start, rank, line))
-        write(stream, rank, line)
-    monkeypatch.setattr(output, "_write", record)
+        show_line(stream, rank, line)
+    monkeypatch.setattr(output, "show_line", record)
     return lines
 
 
@@ -81,8 +81,8 @@ def test_a_result_that_cannot_be_unpickled_here_names_its_rank():
 
 
 def test_a_timeout_while_a_result_is_sent_says_so(monkeypatch):
-    receive = Pool._receive
-    monkeypatch.setattr(Pool, "_receive", lambda self, r: None if r.rank == 1 else receive(self, r))
+    receive = Pool.receive
+    monkeypatch.setattr(Pool, "receive", lambda self, r: None if r.rank == 1 else receive(self, r))
 
     def big_result():
         return b"x" * 8_000_000  # more than a socket buffer: rank 1 blocks until the owner reads

@@ -6,13 +6,14 @@ from labkit.launch.errors import (
     FOLLOW_ON_ATTRIBUTE,
     CellSyntaxError,
     Failure,
+    NoReply,
     RankError,
     describe_exception,
     format_exception,
     rank_list,
     still_running,
 )
-from labkit.launch.protocol import Chained, ExceptionDescription, Frame, Stack
+from labkit.launch.protocol import Chained, ExceptionDescription, Frame, Outcome, Stack
 
 
 def test_rank_list():
@@ -22,16 +23,24 @@ def test_rank_list():
 
 
 def test_identical_failures_merge_and_differing_ones_do_not():
-    same = [Failure(r, "error", "NameError: x", "tb") for r in range(4)]
+    same = [Failure(r, Outcome.ERROR, "NameError: x", "tb") for r in range(4)]
     assert "--- ranks 0-3: NameError: x" in str(RankError("boom", same))
-    mixed = same[:2] + [Failure(2, "error", "ValueError: y", "tb2")]
+    mixed = same[:2] + [Failure(2, Outcome.ERROR, "ValueError: y", "tb2")]
     text = str(RankError("boom", mixed))
     assert "ranks 0-1: NameError: x" in text and "rank 2: ValueError: y" in text
 
 
+def test_failure_kinds_are_the_reply_outcomes_and_two_of_their_own_each_its_text():
+    # a rank that replied fails with its reply's Outcome; one that did not, with a NoReply: no kind in two enums
+    assert {str(kind) for kind in NoReply} == {"died", "stopped"}
+    assert not set(NoReply) & {Outcome.ERROR, Outcome.INTERRUPTED, Outcome.UNPICKLABLE}
+    died = Failure(1, NoReply.DIED, "process killed by SIGKILL")
+    assert died.kind == "died" and f"{died.kind}" == "died" and pickle.loads(pickle.dumps(died.kind)) is NoReply.DIED
+
+
 def test_a_dead_rank_is_the_root_cause_even_if_reported_later():
-    failures = [Failure(0, "error", "RuntimeError: Connection closed by peer", "tb", time=1.0),
-                Failure(1, "died", "process killed by SIGKILL", time=2.0)]
+    failures = [Failure(0, Outcome.ERROR, "RuntimeError: Connection closed by peer", "tb", time=1.0),
+                Failure(1, NoReply.DIED, "process killed by SIGKILL", time=2.0)]
     text = str(RankError("boom", failures))
     assert text.index("root cause, rank 1") < text.index("rank 0: RuntimeError")
 
@@ -68,7 +77,7 @@ def test_an_exception_travels_as_named_plain_data():
 
 
 def test_ipython_shows_only_the_report():
-    error = RankError("rank 1 of 2 failed.", [Failure(1, "error", "ValueError: v", "Traceback ...")])
+    error = RankError("rank 1 of 2 failed.", [Failure(1, Outcome.ERROR, "ValueError: v", "Traceback ...")])
     assert error._render_traceback_() == [f"RankError: {error}"]
 
 

@@ -1,8 +1,11 @@
 """What travels between the owner and its ranks comes back equal, and code keeps its file name; the
-messages themselves are named types, read by field, and cost about what a plain tuple does."""
+messages themselves are named types, read by field, and cost about what a plain tuple does; their kinds are
+text enums that Python 3.10 has, as has everything else in labkit."""
 
+import ast
 import multiprocessing
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +31,7 @@ from labkit.launch.protocol import (
     StartFailed,
 )
 
+LABKIT = Path(__file__).resolve().parents[2] / "labkit"
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int8,
           torch.bool, torch.complex64]
 
@@ -63,19 +67,19 @@ def test_functions_keep_their_file_name():
 
 def test_gpu_tensors_land_on_the_receiving_ranks_device(monkeypatch):
     # No GPU here: take CPU tensors for GPU ones, and a rank whose device is "meta" (any but the source's)
-    monkeypatch.setattr(serialize, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(serialize, "lands_on_rank_device", lambda t: True)
     landed = []
-    monkeypatch.setattr(serialize, "_landing_device", lambda: landed.append(1) or torch.device("meta"))
+    monkeypatch.setattr(serialize, "landing_device", lambda: landed.append(1) or torch.device("meta"))
     weights = torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))
     back = serialize.loads(serialize.dumps({"w": weights, "ids": torch.tensor([1, 2])}))
     assert back["w"].device.type == "meta" and back["ids"].device.type == "meta" and len(landed) == 2
     assert back["w"].shape == (2, 3) and back["w"].dtype == torch.float32 and back["w"].requires_grad
-    monkeypatch.setattr(serialize, "_landing_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(serialize, "landing_device", lambda: torch.device("cpu"))
     assert torch.equal(serialize.loads(serialize.dumps(weights)), weights.detach())
 
 
 def test_outside_a_rank_gpu_tensors_land_on_the_cpu():
-    assert serialize._landing_device() == torch.device("cpu")
+    assert serialize.landing_device() == torch.device("cpu")
 
 
 def test_a_result_that_cannot_be_unpickled_names_its_rank():
@@ -110,3 +114,47 @@ def test_a_named_message_costs_about_what_a_tuple_does():
     reply = MESSAGES[8]
     as_tuple = (reply.call_id, str(reply.outcome), *reply[2:])
     assert len(protocol.encode(reply)) - len(pickle.dumps(as_tuple, protocol=pickle.HIGHEST_PROTOCOL)) < 80
+
+
+
+ADDED_IN_PYTHON_3_11 = {  # names labkit must not use while pyproject promises Python >= 3.10 (3.11's "What's New")
+    "enum": {"StrEnum", "ReprEnum", "EnumCheck", "FlagBoundary", "verify", "member", "nonmember", "global_enum"},
+    "typing": {"Self", "Never", "LiteralString", "assert_never", "assert_type", "reveal_type", "dataclass_transform",
+               "Required", "NotRequired", "TypeVarTuple", "Unpack", "get_overloads", "clear_overloads"},
+    "datetime": {"UTC"}, "contextlib": {"chdir"}, "hashlib": {"file_digest"}, "operator": {"call"},
+    "math": {"cbrt", "exp2"}, "asyncio": {"TaskGroup", "timeout", "timeout_at", "Runner"},
+    "builtins": {"ExceptionGroup", "BaseExceptionGroup"},
+}
+MODULES_ADDED_IN_PYTHON_3_11 = {"tomllib", "wsgiref.types"}
+
+
+def python_3_11_uses(source: str) -> list[str]:
+    """What in `source` Python 3.10 lacks: 3.11's syntax (except*) raises SyntaxError, its names are listed."""
+    found = []
+    for node in ast.walk(ast.parse(source, feature_version=(3, 10))):
+        if isinstance(node, ast.ImportFrom):
+            added = ADDED_IN_PYTHON_3_11.get(node.module, set()) | (
+                {a.name for a in node.names} if node.module in MODULES_ADDED_IN_PYTHON_3_11 else set())
+            found += [f"{node.module}.{a.name} (line {node.lineno})" for a in node.names if a.name in added]
+        elif isinstance(node, ast.Import):
+            found += [f"{a.name} (line {node.lineno})" for a in node.names if a.name in MODULES_ADDED_IN_PYTHON_3_11]
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.attr in ADDED_IN_PYTHON_3_11.get(node.value.id, ()):
+            found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+        elif isinstance(node, ast.Name) and node.id in ADDED_IN_PYTHON_3_11["builtins"]:
+            found.append(f"{node.id} (line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted(LABKIT.rglob("*.py")), ids=lambda p: str(p.relative_to(LABKIT.parent)))
+def test_labkit_runs_on_python_3_10(path):
+    uses = python_3_11_uses(path.read_text())
+    assert not uses, f"{path.relative_to(LABKIT.parent)} needs Python 3.11: {uses}"
+
+
+def test_python_3_11_uses_are_found():
+    assert python_3_11_uses("from enum import StrEnum\nimport tomllib\nimport typing\nx: typing.Self\n") == [
+        "enum.StrEnum (line 1)", "tomllib (line 2)", "typing.Self (line 4)"]
+    with pytest.raises(SyntaxError, match="only supported in Python 3.11"):
+        python_3_11_uses("try:\n    pass\nexcept* ValueError:\n    pass\n")
+    assert python_3_11_uses("from enum import Enum\nclass Kind(str, Enum):\n    A = 'a'\n") == []
