@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import torch
 
+from labkit.checks import whole
 from labkit.comm.transport import Transfer, Transport
 
 __all__ = ["ALPHA_SECONDS", "BETA_SECONDS_PER_BYTE", "SimTransport", "canonical_order", "run_simulated", "simulate",
@@ -107,10 +108,7 @@ def simulate(algorithm: str, world_size: int, numel: int, dtype: torch.dtype = t
 
     `algorithm` is a name in labkit.comm ("ring_allreduce", "naive_allreduce", "ring_reduce_scatter",
     "ring_allgather", "broadcast", "reduce"). For ring_allgather, `numel` is each rank's chunk."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a whole number >= 1, got {world_size!r}.")
-    if not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be a whole number >= 0, got {numel!r}.")
+    world_size, numel = whole("world_size", world_size), whole("numel", numel, minimum=0)
     inputs = [torch.zeros(numel, dtype=dtype) for _ in range(world_size)]
     return run_simulated(algorithm, inputs, *args, **kwargs)[2]
 

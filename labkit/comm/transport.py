@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from labkit.checks import shown, whole
 from labkit.comm.wire import describe_signature, signature
 from labkit.groups import check_gathered
 
@@ -189,7 +190,8 @@ def write_back(tensor: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 def check_rank(transport: Transport, rank: int, name: str) -> None:
-    """ValueError unless `rank` is one of the transport's ranks: a group rank, 0 .. world_size - 1."""
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < transport.world_size:
-        raise ValueError(f"{name} must be a rank between 0 and {transport.world_size - 1} (its number in group=, "
-                         f"not its global rank), got {rank!r}.")
+    """TypeError (not a number) or ValueError unless `rank` is one of the transport's ranks: a group rank,
+    0 .. world_size - 1 (labkit.checks' rule)."""
+    if whole(name, rank, minimum=0) >= transport.world_size:
+        raise ValueError(f"{name}={shown(rank)}: pass a rank from 0 to {transport.world_size - 1} (its number in "
+                         "group=, not its global rank).")

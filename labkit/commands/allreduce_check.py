@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import labkit
 from labkit import comm
+from labkit.checks import choice, whole
 from labkit.launch.backend import choose_backend, init_process_group, usable_gpu_count
 
 __all__ = ["ALGORITHMS", "check_allreduce", "init_from_environment", "main"]
@@ -43,7 +44,9 @@ def init_from_environment(backend: str = "auto", timeout_seconds: float = 120.0)
 
 
 def check_allreduce(algorithm: str, numel: int) -> dict:
-    """Run labkit.comm's `algorithm` and torch's all_reduce on the same input; compare them exactly."""
+    """Run labkit.comm's `algorithm` (one of ALGORITHMS) and torch's all_reduce on the same input of `numel`
+    elements; compare them exactly."""
+    algorithm, numel = choice("algorithm", algorithm, ALGORITHMS), whole("numel", numel, minimum=0)
     generator = torch.Generator().manual_seed(1000 + dist.get_rank())
     mine = torch.randint(-8, 9, (numel,), generator=generator).float().to(labkit.device())
     expected = mine.clone()
@@ -62,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--numel", type=int, default=1 << 20, help="elements of the float32 tensor")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     options = parser.parse_args(argv)
-    if options.numel < 0:
-        parser.error(f"--numel must be >= 0, got {options.numel}")
+    try:
+        whole("--numel", options.numel, minimum=0)
+    except ValueError as error:  # before joining the group: a usage error, exit status 2
+        parser.error(str(error))
     reason = init_from_environment(options.backend)
     try:
         result = check_allreduce(options.algorithm, options.numel)

@@ -37,6 +37,8 @@ from importlib.resources import files
 from pathlib import Path
 from typing import NamedTuple
 
+from labkit.checks import shown, whole
+
 __all__ = ["PHRASINGS", "Feedback", "Flashcard", "Option", "Question", "load_distractor_families", "load_flashcards",
            "load_questions"]
 
@@ -76,8 +78,8 @@ class Question:
 
     def check(self, choice: int) -> Feedback:
         """Is option `choice` (0-based) right? The explanation; for a wrong choice, why first, then the answer."""
-        if isinstance(choice, bool) or not isinstance(choice, int) or not 0 <= choice < len(self.options):
-            raise ValueError(f"choice must be an option index from 0 to {len(self.options) - 1}, got {choice!r}.")
+        if whole("choice", choice, minimum=0) >= len(self.options):
+            raise ValueError(f"choice={shown(choice)}: pass an option index from 0 to {len(self.options) - 1}.")
         if choice == self.answer:
             return Feedback(True, self.explanation)
         picked, right = self.options[choice], self.options[self.answer]
@@ -136,13 +138,24 @@ def _question(raw: dict, families: dict) -> Question:
     """One question of the file, checked: its fields, its phrasing, its four options; ValueError naming its id."""
     name = raw.get("id")
     _check_fields(raw, name)
-    phrasing = raw.get("phrasing")
-    if phrasing is not None and (isinstance(phrasing, bool) or phrasing not in range(1, PHRASINGS + 1)):
-        raise _broken(name, f"phrasing must be a number from 1 to {PHRASINGS} or null, got {phrasing!r}.")
+    phrasing = _phrasing(raw, name)
     options = _options(raw.get("options", []), name)
     for option in options:
         _check_option(option, families, name)
     return Question(raw["id"], raw["topic"], raw["question"], options, raw["explanation"], phrasing)
+
+
+def _phrasing(raw: dict, name) -> int | None:
+    """The question's lesson phrasing, 1 to PHRASINGS, or None. Anything else (a string or a bool included) is a
+    broken file: ValueError naming the question, as for every other field here."""
+    phrasing = raw.get("phrasing")
+    try:
+        usable = phrasing is None or whole("phrasing", phrasing) <= PHRASINGS
+    except (TypeError, ValueError):  # a string, a bool, 0: refused below, naming the question and the range
+        usable = False
+    if not usable:
+        raise _broken(name, f"phrasing={shown(phrasing)}: pass a whole number from 1 to {PHRASINGS}, or null.")
+    return phrasing
 
 
 def _broken(name, problem: str) -> ValueError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from labkit.checks import choice
 from labkit.plan.counts import shard_sizes
 from labkit.viz.style import PALE_DIVERGING, WHITE, rank_color
 
@@ -33,8 +34,7 @@ def split_matmul(x, w, parts, total, split: str, title: str | None = None) -> go
     >>> [shape.line.color for shape in figure.layout.shapes]
     ['#4c78a8', '#f58518', '#4c78a8', '#f58518']
     """
-    if split not in TITLES:
-        raise ValueError(f"split={split!r}: use 'column' or 'row'.")
+    choice("split", split, TITLES)
     x, w, total = _rows(x), _rows(w), _rows(total)
     parts = [_rows(p) for p in parts]
     layout = _column_layout if split == "column" else _row_layout

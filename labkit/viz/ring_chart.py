@@ -17,7 +17,7 @@ import math
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.checks import MAX_WORLD_SIZE
+from labkit.checks import MAX_WORLD_SIZE, shown, whole
 from labkit.comm.transport import Transfer
 from labkit.viz.style import BLUE, DARK_GREY, LIGHT_GREY, RED, SEQUENTIAL, WHITE, integer_colorbar
 
@@ -49,8 +49,9 @@ def contributions_by_hop(events: list[Transfer], world_size: int) -> list[list[l
 
 def ring_animation(events: list[Transfer], world_size: int, title: str = "Ring AllReduce") -> go.Figure:
     """An animated figure of `events` on `world_size` ranks (2 to labkit.MAX_WORLD_SIZE): one frame per hop."""
-    if not 2 <= world_size <= MAX_WORLD_SIZE:
-        raise ValueError(f"ring_animation draws 2 to {MAX_WORLD_SIZE} ranks, got world_size={world_size}.")
+    if whole("world_size", world_size, minimum=2) > MAX_WORLD_SIZE:
+        raise ValueError(f"world_size={shown(world_size)}: ring_animation draws 2 to {MAX_WORLD_SIZE} ranks; pass "
+                         "fewer.")
     if any(not 0 <= e.src < world_size or not 0 <= e.dst < world_size for e in events):
         raise ValueError(f"the events name ranks outside 0..{world_size - 1}: was world_size right?")
     hops = sorted({e.step for e in events})

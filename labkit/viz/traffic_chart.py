@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from labkit.checks import items, whole
 from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
 from labkit.viz.style import BLUE, RED
 
@@ -13,9 +14,10 @@ __all__ = ["traffic_chart"]
 def traffic_chart(nbytes: float, world_sizes=range(2, 17), measured: dict | None = None) -> go.Figure:
     """Bytes sent by the busiest rank in an AllReduce of `nbytes`: the hub's grows as (N-1) S, the ring's
     approaches 2 S. `measured` may add counted points: {"hub": {N: bytes}, "ring": {N: bytes}}."""
-    sizes = list(world_sizes)
-    if not sizes or min(sizes) < 2:
-        raise ValueError("traffic_chart needs world sizes of 2 or more.")
+    wanted = "a list of world sizes, each a whole number >= 2"
+    sizes = [whole(f"world_sizes[{i}]", n, minimum=2) for i, n in enumerate(items("world_sizes", world_sizes, wanted))]
+    if not sizes:
+        raise ValueError(f"world_sizes=[]: pass {wanted}, at least one.")
     megabytes = 1e6
     figure = go.Figure()
     figure.add_trace(go.Scatter(x=sizes, y=[naive_allreduce_bytes(nbytes, n) / megabytes for n in sizes],

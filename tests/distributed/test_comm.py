@@ -343,9 +343,16 @@ def test_allgather_of_different_dtypes_is_a_clear_error():
 
 
 def test_bad_root_is_a_clear_error():
-    expected = r"broadcast's src must be a rank between 0 and 1 \(its number in group=, not its global rank\), got 2"
+    expected = r"broadcast's src=2: pass a rank from 0 to 1 \(its number in group=, not its global rank\)\."
     with pytest.raises(labkit.RankError, match=expected):
         labkit.run(lambda: comm.broadcast(torch.zeros(1), 2), world_size=2, timeout=20)
+
+
+@pytest.mark.parametrize("src, error", [("0", TypeError), (None, TypeError), (True, ValueError), (-1, ValueError)])
+def test_a_root_that_is_no_rank_is_refused_by_kind(src, error):
+    # labkit.checks' rule: no number at all is a TypeError (a string was a ValueError), a bool or -1 a ValueError
+    with pytest.raises(labkit.RankError, match=rf"ranks 0-1: {error.__name__}: reduce's dst={src!r}: pass a whole"):
+        labkit.run(lambda: comm.reduce(torch.zeros(1), src), world_size=2, timeout=20)
 
 
 def test_outside_a_process_group_is_a_clear_error():

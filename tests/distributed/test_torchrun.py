@@ -34,3 +34,22 @@ def test_without_torchrun_the_command_says_how_to_start_it():
                           text=True, timeout=60)
     assert done.returncode != 0
     assert "start it with torchrun" in done.stderr
+
+
+def test_a_negative_numel_is_a_usage_error_before_any_rendezvous(capsys):
+    from labkit.commands.allreduce_check import main
+    with pytest.raises(SystemExit) as exited:
+        main(["--numel", "-1"])
+    assert exited.value.code == 2
+    assert "error: --numel=-1: pass a whole number >= 0 (an int, not a bool)." in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("algorithm, numel, error, message", [
+    ("all_gather", 4, ValueError, r"^algorithm='all_gather': use one of 'ring_allreduce', 'naive_allreduce'\.$"),
+    ("ring_allreduce", True, ValueError, r"^numel=True: pass a whole number >= 0"),
+    ("ring_allreduce", "4", TypeError, r"^numel='4': pass a whole number >= 0"),
+])
+def test_check_allreduce_refuses_bad_arguments_by_name(algorithm, numel, error, message):
+    from labkit.commands.allreduce_check import check_allreduce
+    with pytest.raises(error, match=message):
+        check_allreduce(algorithm, numel)

@@ -232,8 +232,13 @@ def test_check_says_right_or_wrong_and_explains():
     assert not correct
     assert explanation.startswith(question.options[wrong].why)
     assert f"Answer: {question.options[question.answer].text}." in explanation and question.explanation in explanation
-    for bad in (-1, 4, True, "1"):
-        with pytest.raises(ValueError, match="choice must be an option index from 0 to 3"):
+    with pytest.raises(ValueError, match=r"^choice=4: pass an option index from 0 to 3\.$"):
+        question.check(4)
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match=rf"^choice={bad!r}: pass a whole number >= 0"):
+            question.check(bad)
+    for bad in ("1", None):  # no number at all: TypeError, as everywhere in labkit (labkit.checks)
+        with pytest.raises(TypeError, match=rf"^choice={bad!r}: pass a whole number >= 0"):
             question.check(bad)
     shuffled = question.shuffled(seed=3)
     assert shuffled.options[shuffled.answer] == question.options[question.answer]
@@ -266,7 +271,10 @@ BREAKAGES = {  # name: (change to the first question, what the error says after 
                                      "wrong option 'Broadcast' has distractor 'made-up', not one of"),
     "a wrong option without a reason": (lambda q, d: first(q, False).update(why=""),
                                         "wrong option 'Broadcast' does not say why it is wrong"),
-    "phrasing 8": (lambda q, d: q.update(phrasing=8), "phrasing must be a number from 1 to 7 or null, got 8"),
+    "phrasing 8": (lambda q, d: q.update(phrasing=8), "phrasing=8: pass a whole number from 1 to 7, or null."),
+    "phrasing 2.0": (lambda q, d: q.update(phrasing=2.0), "phrasing=2.0: pass a whole number from 1 to 7, or null."),
+    "phrasing '2'": (lambda q, d: q.update(phrasing="2"), "phrasing='2': pass a whole number from 1 to 7, or null."),
+    "phrasing true": (lambda q, d: q.update(phrasing=True), "phrasing=True: pass a whole number from 1 to 7, or null."),
     "a misspelt field": (lambda q, d: q.update(explantion="x"), "unknown fields ['explantion']"),
 }
 

@@ -81,7 +81,15 @@ def test_an_unsupported_dtype_is_named():
         comm.simulate("ring_allreduce", 2, 4, torch.uint16)
 
 
-@pytest.mark.parametrize("world_size, numel", [(0, 4), (2, -1), (2.5, 4)])
-def test_bad_simulation_arguments(world_size, numel):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("world_size, numel, error, message", [
+    (0, 4, ValueError, r"^world_size=0: pass a whole number >= 1"),
+    (2.5, 4, ValueError, r"^world_size=2\.5: pass a whole number >= 1"),
+    (True, 4, ValueError, r"^world_size=True: pass a whole number >= 1"),
+    ("2", 4, TypeError, r"^world_size='2': pass a whole number >= 1 \(an int, not a bool\), not a str"),
+    (2, -1, ValueError, r"^numel=-1: pass a whole number >= 0"),
+    (2, True, ValueError, r"^numel=True: pass a whole number >= 0"),  # once taken for a tensor of 1 element
+    (2, None, TypeError, r"^numel=None: pass a whole number >= 0"),
+])
+def test_bad_simulation_arguments(world_size, numel, error, message):
+    with pytest.raises(error, match=message):
         comm.simulate("ring_allreduce", world_size, numel)

@@ -44,8 +44,10 @@ def test_values_are_written_in_the_cells_without_minus_zero():
 
 
 def test_bad_input_is_refused_with_a_reason():
-    with pytest.raises(ValueError, match="split"):
+    with pytest.raises(ValueError, match=r"^split='diagonal': use one of 'column', 'row'\.$"):
         split_matmul(X, W, [X @ W], X @ W, "diagonal")
+    with pytest.raises(ValueError, match=r"^split=\['row'\]: use one of 'column', 'row'\.$"):  # once unhashable
+        split_matmul(X, W, [X @ W], X @ W, ["row"])
     with pytest.raises(ValueError, match="columns"):
         split_matmul(X, W, [X @ W[:, :2]], X @ W, "column")
     with pytest.raises(ValueError, match="equally long rows"):

@@ -63,5 +63,16 @@ def test_chunk_labels_stay_inside_the_ring():
 
 
 def test_rejects_a_world_size_it_cannot_draw():
-    with pytest.raises(ValueError, match="2 to 16 ranks"):
+    with pytest.raises(ValueError, match=r"^world_size=1: pass a whole number >= 2"):
         ring_animation([], 1)
+
+
+@pytest.mark.parametrize("world_size, error, message", [
+    (17, ValueError, r"^world_size=17: ring_animation draws 2 to 16 ranks; pass fewer\.$"),
+    (2.5, ValueError, r"^world_size=2\.5: pass a whole number >= 2 \(an int, not a bool\)\.$"),  # once drawn
+    (True, ValueError, r"^world_size=True: pass a whole number >= 2"),
+    ("4", TypeError, r"^world_size='4': pass a whole number >= 2"),
+])
+def test_world_size_is_checked_as_every_labkit_argument(world_size, error, message):
+    with pytest.raises(error, match=message):
+        ring_animation([], world_size)
