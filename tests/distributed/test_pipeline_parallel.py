@@ -135,6 +135,18 @@ def test_stage_layers_balance_by_layer_count():
         stage_layers(3, 4)
 
 
+@pytest.mark.parametrize("layers, stages", [(5, 2), (7, 4), (8, 4), (3, 3), (16, 5), (1, 1)])
+def test_stage_layers_cut_as_tensor_split_cuts(layers, stages):
+    cuts = torch.arange(layers).tensor_split(stages)
+    assert stage_layers(layers, stages) == [range(int(c[0]), int(c[-1]) + 1) for c in cuts]
+
+
+@pytest.mark.parametrize("layers, error", [(True, ValueError), (2.5, ValueError), (0, ValueError), ("5", TypeError)])
+def test_stage_layers_checks_the_layer_count(layers, error):
+    with pytest.raises(error, match=rf"^layers={layers!r}: pass a whole number >= 1"):
+        stage_layers(layers, 1)
+
+
 # --- The executor on real ranks: the same loss and gradients as one process ---
 
 BATCH = 20  # micro-batches of unequal sizes for m = 3, 6, 7, 8: the loss weights must handle them
@@ -245,6 +257,29 @@ def outside_the_group():
 def test_a_rank_outside_the_group_gets_a_clear_error():
     with pytest.raises(labkit.RankError, match=r"run_pipeline: global rank 2 is not in the group passed as group="):
         labkit.run(outside_the_group, world_size=3, timeout=30)
+
+
+DISAGREEMENTS = {  # rank 3's (schedule kind, micro-batches, mlp hidden layers) where rank 1 passes ("1f1b", 2, 1)
+    "schedule": ("gpipe", 2, 1), "microbatches": ("1f1b", 4, 1), "layers": ("1f1b", 2, 2)}
+
+
+def one_pair_disagrees(what):
+    """Ranks {0, 2} run one pipeline and agree; in the pipeline of ranks {1, 3}, rank 3 passes something else."""
+    pairs = [new_group([0, 2]), new_group([1, 3])]
+    kind, m, hidden = DISAGREEMENTS[what] if labkit.rank() == 3 else ("1f1b", 2, 1)
+    x, y = make_classification(8)
+    return run_pipeline(mlp(layers=hidden), kind, m, x, y, F.cross_entropy, group=pairs[labkit.rank() % 2]).loss
+
+
+@pytest.mark.parametrize("what", DISAGREEMENTS)
+def test_stages_that_plan_different_steps_are_told_on_every_stage_not_left_to_hang(what):
+    # before the check, rank 1 and 3 each waited for messages of the other's plan until the timeout
+    with pytest.raises(labkit.RankError) as raised:
+        labkit.run(one_pair_disagrees, what, world_size=4, timeout=60)
+    assert sorted(f.rank for f in raised.value.failures) == [1, 3]
+    theirs = DISAGREEMENTS[what][:2] + (2 * DISAGREEMENTS[what][2] + 1,)  # mlp(layers=n) has 2n + 1 layers
+    assert ("ValueError: run_pipeline: the ranks passed different (schedule_kind, microbatches, layers of the "
+            f"model) (rank 1: ('1f1b', 2, 3); rank 3: {theirs}). Pass the same schedule") in str(raised.value)
 
 
 def batched_as_a_word():

@@ -11,6 +11,7 @@ disjoint groups of one world (the `pp` axis of a mesh).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from labkit.comm.wire import DTYPES, MAX_DIMS, signature
 from labkit.parallel.counters import record_collective
 from labkit.parallel.pipeline.schedule import Action, Message, communication_plan
 from labkit.parallel.pipeline.timeline import PipelineEvent
+from labkit.plan.counts import shard_sizes
 
 __all__ = ["PipelineResult", "StageLink", "run_pipeline", "stage_layers"]
 
@@ -39,11 +41,11 @@ def stage_layers(layers: int, stages: int) -> list[range]:
     >>> stage_layers(5, 2)
     [range(0, 3), range(3, 5)]
     """
-    whole("stages", stages)
+    layers, stages = whole("layers", layers), whole("stages", stages)
     if layers < stages:
         raise ValueError(f"a model of {layers} layer(s) cannot make {stages} stages: each stage needs a layer.")
-    cuts = torch.arange(layers).tensor_split(stages)
-    return [range(int(c[0]), int(c[-1]) + 1) for c in cuts]
+    sizes = shard_sizes(layers, stages)
+    return [range(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
 
 
 @dataclass
@@ -127,9 +129,10 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
         >>> labkit.run(step, world_size=4)       # the loss: F.cross_entropy(mlp()(x), y), 1.38673...
         [(range(0, 2), 4, None), (range(2, 3), 3, None), (range(3, 4), 2, None), (range(4, 5), 1, 1.386732...)]
     """
+    groups.require_member("run_pipeline", group)
+    _check_same_plan(model, schedule_kind, microbatches, group)
     m = _checked_step(model, microbatches, inputs, targets)
     emulated = _emulated(emulate_compute_seconds)
-    groups.require_member("run_pipeline", group)
     stage, stages = groups.group_rank(group), groups.group_size(group)
     plan = communication_plan(schedule_kind, stages, m)[stage]
     layers = stage_layers(len(model), stages)[stage]
@@ -145,6 +148,17 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
         else:
             run.post(step, link)
     return run.finish(layers)
+
+
+def _check_same_plan(model, schedule_kind, microbatches, group) -> None:
+    """ValueError on every stage unless all passed the same schedule kind, number of micro-batches and number of
+    layers: from these each stage plans its messages, and stages with different plans wait for messages that
+    never come, until the group's timeout. Checked as given, before any of them is checked on its own: a value
+    refused on one stage only would leave the others waiting too."""
+    layers = len(model) if isinstance(model, nn.Sequential) else type(model).__name__
+    groups.check_same((schedule_kind, microbatches, layers), "run_pipeline",
+                      "(schedule_kind, microbatches, layers of the model)",
+                      "Pass the same schedule, number of micro-batches and model on every stage.", group)
 
 
 def _checked_step(model, microbatches, inputs: torch.Tensor, targets: torch.Tensor) -> int:
