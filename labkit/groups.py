@@ -46,10 +46,15 @@ def require_group(caller: str) -> None:
         raise RuntimeError(OUTSIDE.format(caller=caller))
 
 
-def require_member(caller: str, group=None) -> None:
+def require_member(caller: str, group=None, *, alone_ok: bool = False) -> None:
     """`require_group`, then a ValueError naming `caller` unless this rank belongs to `group`. On a rank outside
     it, torch.distributed.new_group returned a placeholder (GroupMember.NON_GROUP_MEMBER), and torch's
-    collectives on it only warn and return, leaving the tensor as it was: here that is an error instead."""
+    collectives on it only warn and return, leaving the tensor as it was: here that is an error instead.
+
+    `alone_ok`: for callers that also run without ranks (labkit.checkpoint), where this process is rank 0 of 1
+    (as `group_rank` and `gather_objects` have it): then there is nothing to check."""
+    if alone_ok and not group_is_up():
+        return
     require_group(caller)
     if _dist().get_rank(group) < 0:
         raise ValueError(f"{caller}: global rank {_dist().get_rank()} is not in the group passed as group=. Call it "

@@ -89,7 +89,7 @@ def save_checkpoint(directory, model: nn.Module, optimizer: torch.optim.Optimize
         ('step-000040.pt', 40, 1280)
     """
     step, keep = whole("step", step, minimum=0), whole("keep", keep, minimum=1)
-    _require_member("save_checkpoint", group)
+    groups.require_member("save_checkpoint", group, alone_ok=True)
     path = files.checkpoint_path(directory, step)
     everyone = groups.gather_objects((step, rng_state()), group)  # also a barrier: every rank reached the save
     groups.check_gathered([s for s, _ in everyone], "save_checkpoint", "steps",
@@ -121,7 +121,7 @@ def load_latest_checkpoint(directory, model: nn.Module, optimizer: torch.optim.O
     rank of the group raises. RNG states are restored only under the group size that saved them (else a
     warning); group rank r gets the RNG states that group rank r saved.
     """
-    _require_member("load_latest_checkpoint", group)
+    groups.require_member("load_latest_checkpoint", group, alone_ok=True)
     found = _agree_on_newest(Path(directory), group)
     if found is None:
         return None
@@ -198,10 +198,3 @@ def _agree_it_fits(path: Path, payload, model: nn.Module, optimizer, group) -> N
     for rank, misfit in zip(groups.group_ranks(group), misfits, strict=True):
         if misfit is not None:
             raise CheckpointError(f"load_latest_checkpoint: rank {rank} cannot load {path.name}: {misfit}")
-
-
-def _require_member(caller: str, group) -> None:
-    """ValueError naming `caller` on a rank outside `group`; nothing without a process group, where this process
-    acts as rank 0 of 1."""
-    if groups.group_is_up():
-        groups.require_member(caller, group)

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from labkit import groups
+
 __all__ = ["AllReduceCounter", "CollectiveCounter", "all_reduce_sum", "count_allreduces", "count_collectives",
            "record_collective"]
 
@@ -122,7 +124,8 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False):
     "all_reduce". Returns torch's work handle with async_op=True (wait() on it before reading), else None.
 
     Averages in labkit are this sum, then a division: ReduceOp.AVG is missing or buggy on gloo in some torch
-    releases.
+    releases. A rank outside `group` gets a ValueError (torch's all_reduce would only warn and leave the tensor
+    as it was), and nothing is counted.
 
     Example::
 
@@ -136,5 +139,6 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False):
         >>> labkit.run(total, world_size=2)
         [(3.0, {'all_reduce': 4}), (3.0, {'all_reduce': 4})]
     """
+    groups.require_member("all_reduce_sum", group)
     record_collective("all_reduce", tensor)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -368,12 +368,12 @@ def pack_buckets(named: list[tuple[str, nn.Parameter]], cap: float, first_cap: f
             open_[kind], sizes[kind] = [], 0
         open_[kind].append(position)
         sizes[kind] += nbytes
-    groups = sorted(closed + list(open_.values()), key=min)  # launched in the order they should fill
+    packed = sorted(closed + list(open_.values()), key=min)  # launched in the order they should fill
     buckets = []
-    for index, group in enumerate(groups):
-        params = [named[i][1] for i in group]
+    for index, positions in enumerate(packed):
+        params = [named[i][1] for i in positions]
         numel = sum(p.numel() for p in params)
-        buckets.append(Bucket(index, [named[i][0] for i in group], params, numel,
+        buckets.append(Bucket(index, [named[i][0] for i in positions], params, numel,
                               (numel + len(params)) * params[0].element_size(),
                               flat=params[0].new_empty(numel + len(params))))
         buckets[-1].reset()

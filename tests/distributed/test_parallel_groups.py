@@ -19,6 +19,7 @@ from labkit.parallel import (
     ColumnParallelLinear,
     ParallelMLP,
     RowParallelLinear,
+    all_reduce_sum,
     average_gradients,
     broadcast_parameters,
     copy_to_tensor_parallel,
@@ -211,3 +212,26 @@ def test_misuse_on_a_group_gets_a_clear_error_not_a_hang(case, failing, expected
     assert sorted(f.rank for f in failures) == failing, str(raised.value)
     assert all(f.kind == "error" and "ValueError" in f.summary for f in failures), str(raised.value)
     assert expected in str(raised.value), str(raised.value)
+
+
+def sum_on_the_other_pair():
+    _, _, other = my_pair()
+    t = torch.ones(1, device=labkit.device())
+    with count_collectives() as counted:
+        with pytest.raises(ValueError) as raised:
+            all_reduce_sum(t, group=other)
+    return str(raised.value), dict(counted.calls), t.item()
+
+
+def test_all_reduce_sum_outside_its_group_is_an_error_and_is_not_counted():
+    # torch's all_reduce on a group this rank is not in only warns and returns; the call used to be counted
+    for rank, (message, calls, value) in enumerate(labkit.run(sum_on_the_other_pair, world_size=4, timeout=30)):
+        assert message.startswith(f"all_reduce_sum: global rank {rank} is not in the group passed as group=.")
+        assert calls == {} and value == 1.0
+
+
+def test_require_member_without_ranks_refuses_unless_alone_is_ok():
+    # labkit.checkpoint runs in a single process too, as rank 0 of 1: alone_ok lets it through
+    assert groups.require_member("save_checkpoint", alone_ok=True) is None
+    with pytest.raises(RuntimeError, match=r"^save_checkpoint needs a torch.distributed process group"):
+        groups.require_member("save_checkpoint")

@@ -46,10 +46,11 @@ SITECUSTOMIZE = textwrap.dedent('''
     def _sample():
         import torch
         import torch.distributed as dist
+        from labkit.groups import group_is_up
         path, last = os.path.join(os.environ["LABKIT_COUNT_DIR"], f"{os.getpid()}.json"), None
         while True:
             time.sleep(0.25)
-            if os.environ.get("LABKIT_RANK_PROCESS") != "1" or not dist.is_initialized():
+            if os.environ.get("LABKIT_RANK_PROCESS") != "1" or not group_is_up():
                 continue
             try:
                 counts, seen = {}, set()
