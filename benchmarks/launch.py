@@ -5,25 +5,25 @@ own round trip: the owner pickles the call, every rank runs it and replies. The 
 adds one small collective, which alone takes milliseconds over gloo on a busy laptop. The baselines run the
 same job per call: start 4 processes (forked from this one, or spawned as fresh interpreters), join a
 gloo group, run the job, meet at a barrier, leave. Then the pool's own start: cold (the fork server imports torch, then
-forks 4 ranks) and with the fork server already warm (3 ranks). Targets: the launcher's warm round trip
-under 1 ms (issue 16), the cold start under 3 s (issue 2).
+forks 4 ranks) and with the fork server already warm (3 ranks). Each per-call time is the median of single
+calls timed by labkit.measure.median_seconds; the table is labkit.tables.text_table. Targets: the launcher's warm
+round trip under 1 ms (issue 16), the cold start under 3 s (issue 2).
 
     python benchmarks/launch.py
 """
 
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD_SIZE = 4
+WARM_UP_CALLS = 10  # the pool's start, and the first calls' imports and caches
 
 
 def empty_job():
@@ -47,18 +47,25 @@ def per_call_rank(rank, store_path, job_name):
     dist.destroy_process_group()
 
 
-def seconds_per_call_without_a_pool(start_method: str, job_name: str, calls: int) -> float:
-    """Median seconds to start WORLD_SIZE processes with `start_method`, join a group, run the job, end."""
-    times = []
-    for _ in range(calls):
-        store_path = tempfile.mktemp(prefix="labkit-bench-")
-        start = time.perf_counter()
-        mp.start_processes(per_call_rank, args=(store_path, job_name), nprocs=WORLD_SIZE,
-                           start_method=start_method)
-        times.append(time.perf_counter() - start)
+def one_call_without_a_pool(start_method: str, job_name: str) -> None:
+    """Start WORLD_SIZE processes with `start_method`, join a gloo group, run the job, end."""
+    store_path = tempfile.mktemp(prefix="labkit-bench-")
+    try:
+        mp.start_processes(per_call_rank, args=(store_path, job_name), nprocs=WORLD_SIZE, start_method=start_method)
+    finally:
         if os.path.exists(store_path):
             os.remove(store_path)
-    return statistics.median(times)
+
+
+def seconds_per_call_without_a_pool(start_method: str, job_name: str, calls: int) -> float:
+    """Median seconds of `calls` single calls of `one_call_without_a_pool` (labkit.measure: no barrier outside
+    a rank, the host clock around each call).
+
+    labkit is imported in the functions that use it, not at the top: a spawned baseline rank imports this
+    module again, and should pay for torch only, as a script of its own would."""
+    from labkit.measure import median_seconds
+
+    return median_seconds(lambda: one_call_without_a_pool(start_method, job_name), repeats=calls, warm_up=False)
 
 
 COLD_START = """
@@ -80,23 +87,34 @@ def pool_start_seconds() -> tuple[float, float]:
 
 
 def warm_round_trip_seconds(job, calls: int) -> float:
-    """Median seconds of `calls` labkit.run calls of `job` on a pool that is already running."""
+    """Median seconds of `calls` single labkit.run calls of `job` on a pool that is already running."""
     import labkit
+    from labkit.measure import median_seconds
 
-    for _ in range(10):  # the pool's start, and the first calls' imports and caches
+    for _ in range(WARM_UP_CALLS):
         labkit.run(job, world_size=WORLD_SIZE)
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        labkit.run(job, world_size=WORLD_SIZE)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(lambda: labkit.run(job, world_size=WORLD_SIZE), repeats=calls, warm_up=False)
 
 
 def shown(seconds: float) -> str:
+    """Seconds in the unit that reads best: '0.42 ms', '8.6 ms', '1.93 s'."""
     if seconds < 0.01:
         return f"{seconds * 1e3:.2f} ms"
     return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def table(calls: dict[str, int], warm: dict[str, float], fork: dict[str, float], spawn: dict[str, float]) -> str:
+    """Per call on WORLD_SIZE ranks, each job a column; a baseline's cells say how many times the warm pool's."""
+    from labkit.tables import text_table
+
+    rows = [
+        (f"labkit.run, warm pool (median of {calls['empty']} / {calls['all_reduce']})", warm, None),
+        ("start_processes(fork) per call, median of 10", fork, warm),
+        ("torch.multiprocessing.spawn per call, median of 3", spawn, warm),
+    ]
+    cells = [[what] + [shown(seconds[name]) + (f" ({seconds[name] / versus[name]:,.0f} x)" if versus else "")
+                       for name in JOBS] for what, seconds, versus in rows]
+    return text_table(("per call", "empty function", "all_reduce of 4 floats"), cells, align="<>>")
 
 
 def main():
@@ -109,16 +127,7 @@ def main():
     fork = {name: seconds_per_call_without_a_pool("fork", name, calls=10) for name in JOBS}
     spawn = {name: seconds_per_call_without_a_pool("spawn", name, calls=3) for name in JOBS}
     print(f"launch: {WORLD_SIZE} ranks, gloo, {os.cpu_count()} cores, torch {torch.__version__}")
-    print(f"{'per call':50} {'empty function':>16} {'all_reduce of 4 floats':>24}")
-    rows = [
-        (f"labkit.run, warm pool (median of {calls['empty']} / {calls['all_reduce']})", warm, None),
-        ("start_processes(fork) per call, median of 10", fork, warm),
-        ("torch.multiprocessing.spawn per call, median of 3", spawn, warm),
-    ]
-    for what, seconds, versus in rows:
-        cells = [shown(seconds[name]) + (f" ({seconds[name] / versus[name]:,.0f} x)" if versus else "")
-                 for name in JOBS]
-        print(f"{what:50} {cells[0]:>16} {cells[1]:>24}")
+    print(table(calls, warm, fork, spawn))
     print(f"labkit.run's own round trip (empty function): {shown(warm['empty'])}, target < 1 ms")
     print(f"labkit pool, cold start (4 ranks): {shown(cold)}, target <= 3 s; "
           f"with the fork server warm (3 ranks): {shown(restart)}")
