@@ -84,8 +84,9 @@ def group_size(group=None) -> int:
 
 
 def global_rank(group, rank_in_group: int) -> int:
-    """The global rank of `group`'s rank `rank_in_group`: what torch.distributed's send, recv and broadcast
-    take as `dst`/`src` in torch 2.13 even when a `group` is given."""
+    """The global rank of `group`'s rank `rank_in_group`: what error messages name, and what torch.distributed's
+    `src`/`dst`/`peer` arguments (send, recv, broadcast, P2POp...) take even when a `group` is given. In torch 2.13
+    those functions also take the group rank itself, as `group_src`/`group_dst`/`group_peer`."""
     if group is None:
         return rank_in_group
     return _dist().get_global_rank(group, rank_in_group)

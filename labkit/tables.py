@@ -1,6 +1,7 @@
 """Plain-text tables: columns aligned with spaces, for what labkit prints in a terminal or a notebook's text output.
 
-One copy, used by the worked example's table (labkit.plan), `make gpu-check` and the benchmarks. No torch here:
+One copy, used by the worked example's table (labkit.plan.worked_example), `make gpu-check`
+(labkit.commands.gpu_check), tests/gpu/run_notebooks.py and the benchmarks in benchmarks/. No torch here:
 labkit.plan imports it and stays torch-free.
 """
 

@@ -96,6 +96,12 @@ def ring_allgather(chunk: torch.Tensor, *, group=None, transport: Transport | No
 
 @dataclass(frozen=True)
 class RingStep:
+    """One step of a ring phase on this rank: at `step` (the Transfer.step a trace records, counted on through
+    both phases of an AllReduce) in `phase` ("reduce-scatter" or "all-gather"), it sends chunk `send` to its right
+    neighbour and receives chunk `receive` from its left one, added to its own copy in the reduce-scatter and
+    kept as it arrives in the all-gather. `reduce_scatter_steps` and `allgather_steps` list them; `run_ring` runs
+    them."""
+
     step: int
     phase: str
     send: int  # index of the chunk this rank sends right

@@ -4,6 +4,16 @@ each collective runs on.
     TorchTransport(group=None, batched=None)   sends and receives between the ranks of a process group
     default_transport(group=None)              this rank's TorchTransport of `group`, made once and kept
     resolve_transport(transport, group, name)  what a collective runs on: the transport given, or the default
+
+Its own module, apart from the `Transport` interface (labkit.comm.transport): the algorithms (ring, tree, naive)
+run on any Transport, the simulator's in-memory one too, and no other file of labkit.comm calls torch.distributed.
+Everything that does is here: process groups and their ranks, NCCL's batching, staging through host memory, the
+transport kept per group. So this file is the one place where labkit.comm reaches the network: the one to read
+for how it does, and the one that labkit.exercises' guard switches off while a student's collective is graded.
+
+Peers are group ranks throughout, and go to torch as group ranks: the ProcessGroup object's send and recv number
+peers inside their group, and dist.P2POp takes `group_peer`. (torch.distributed's functions take either kind in
+torch 2.13: a global rank as `dst`/`src`/`peer`, a group rank as `group_dst`/`group_src`/`group_peer`.)
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ class TorchTransport(Transport):
 
     `group` is the group as given (None: the world), for torch's own collectives beside the transport's;
     `rank` and `world_size` are the group's, and the peers of `isend`, `irecv` and the collectives built
-    on them are group ranks (0 .. world_size-1); the transport hands torch what it wants for each call.
+    on them are group ranks (0 .. world_size-1), handed to torch as group ranks (see the module's docstring).
 
     Each tensor travels as `carriage` says for its dtype and device. Single sends and receives go
     straight to the ProcessGroup object (dist.isend's Python wrapper costs about 0.1 ms a call here,
@@ -74,7 +84,7 @@ class TorchTransport(Transport):
 
     def _post(self, wire: torch.Tensor, peer: int, tag: int, send: bool) -> Pending:
         """Post now, or add to the batch that batch() is collecting. `peer` is a group rank, as the ProcessGroup
-        object takes it (dist.send would want a global one) and P2POp's `group_peer`."""
+        object takes it, and as P2POp's `group_peer` (dist.send would take it as `group_dst`; its `dst` is global)."""
         if self._batch is None:
             return self._group.send([wire], peer, tag) if send else self._group.recv([wire], peer, tag)
         import torch.distributed as dist

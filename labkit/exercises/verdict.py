@@ -1,4 +1,11 @@
-"""The grade every grader returns: passed or not, and a message for the student."""
+"""The grade every grader of labkit.exercises returns: a `Verdict`.
+
+It holds `passed` (and is truthy exactly when it passed, so `assert check_ring_allreduce(fn)` and `if verdict:`
+read as they should) and `message`, written for the student: on a pass, what was checked; on a failure, what
+is wrong and, where the grader can tell, what to try. A notebook cell that ends with a grader call shows it as
+Markdown, "✅ Correct!" or "❌ Not yet." in bold before the message; repr() and print() give the same as one
+plain line, "Correct! ..." or "Not yet. ...".
+"""
 
 from __future__ import annotations
 

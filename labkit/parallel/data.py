@@ -124,7 +124,8 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
 
 
 def _broadcast(model: nn.Module, src: int, group) -> None:
-    """Group rank `src`'s parameters and buffers to the group's other ranks; torch takes the global rank."""
+    """Group rank `src`'s parameters and buffers to the group's other ranks (dist.broadcast's `src` is a global
+    rank; `group_src` would take `src` itself)."""
     root = groups.global_rank(group, src)
     for tensor in [*model.parameters(), *model.buffers()]:
         record_collective("broadcast", tensor)

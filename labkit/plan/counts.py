@@ -3,6 +3,9 @@
 Model cards and papers name sizes with a suffix (LLaMA-7B, GPT-3 175B, BERT-large 340M), so the planner's
 parameter field reads these forms with `parse_count` and writes its default back with `format_count`.
 M is always million here (a count of parameters has no milli), B billion (10^9, not a byte) and T trillion.
+
+It also holds the other count every parallel layout needs: `shard_sizes`, the even split of n items over k ranks
+(labkit's one copy, cut as torch.tensor_split cuts).
 """
 
 from __future__ import annotations
@@ -59,8 +62,9 @@ def format_count(count: float) -> str:
 
 def shard_sizes(count: int, parts: int) -> list[int]:
     """How many of `count` items each of `parts` ranks holds, cut as torch.tensor_split cuts: the first
-    count % parts ranks hold one more. The one even split in labkit: tensor-parallel features, ring chunks,
-    sharded optimizer states and the figures that draw them all use it.
+    count % parts ranks hold one more. The one even split in labkit: the tensor-parallel layers' features, the
+    ring's chunks (and the grader's diagnosis of them), the pipeline's layers per stage and the matrix figure
+    all use it.
 
     >>> shard_sizes(10, 4)
     [3, 3, 2, 2]

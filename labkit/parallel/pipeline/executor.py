@@ -5,7 +5,7 @@ neighbouring stages over point-to-point messages, as `communication_plan` says, 
     stage_layers(len(model), stages)                             which layers each stage holds
 
 Stage r is the rank r of `group` (its group rank), and messages name stages: the group's transport
-(labkit.comm.default_transport(group)) hands torch the global ranks. So several pipelines run side by side on
+(labkit.comm.default_transport(group)) hands them to torch as group ranks. So several pipelines run side by side on
 disjoint groups of one world (the `pp` axis of a mesh).
 """
 
@@ -64,8 +64,8 @@ class PipelineResult:
 class StageLink:
     """How a stage posts a group of Messages to its neighbours: as one dist.batch_isend_irecv (`batched`, through
     `transport.batch()`), or each operation in turn, as a gloo isend or irecv. Both work on gloo; NCCL needs
-    the batch (see communication_plan). A Message's `peer` is a stage: a rank of the transport's group, which
-    the transport turns into the global rank torch wants."""
+    the batch (see communication_plan). A Message's `peer` is a stage: a rank of the transport's group, as the
+    transport takes (and hands torch) its peers."""
 
     def __init__(self, transport: TorchTransport, batched: bool):
         self.transport, self.batched = transport, batched
