@@ -23,6 +23,7 @@ from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.diagnosis import hub_traffic, ring_traffic, unmatched, wrong_values
 from labkit.exercises.guard import attempt, forbidden_message, forbidden_spelling, messages_of_last_attempt, rank_input
 from labkit.exercises.verdict import Verdict
+from labkit.launch.errors import NoReply
 
 __all__ = ["NAIVE_CASES", "RING_CASES", "TIMEOUT_SECONDS", "check_naive_allreduce", "check_ring_allreduce"]
 
@@ -76,7 +77,8 @@ def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
         return _hang_message(hang, ring, timeout_seconds)
     except labkit.RankError as error:
-        if not ("pool was stopped" in error.headline or any(f.kind in ("stopped", "died") for f in error.failures)):
+        no_reply = any(f.kind in (NoReply.STOPPED, NoReply.DIED) for f in error.failures)
+        if not ("pool was stopped" in error.headline or no_reply):
             try:
                 _stop_pool_if_unmatched(world_size, labkit.run(messages_of_last_attempt, world_size=world_size))
             except labkit.RankError:
@@ -103,7 +105,7 @@ def _stop_pool_if_unmatched(world_size: int, messages: list[tuple[list, list]]) 
 
 def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) -> str:
     """A call that never finished: where the first ranks waited, and how sends and receives deadlock."""
-    waiting = sorted((f for f in hang.failures if f.kind == "stopped"), key=lambda f: f.rank)[:2]
+    waiting = sorted((f for f in hang.failures if f.kind == NoReply.STOPPED), key=lambda f: f.rank)[:2]
     where = "; ".join(f"rank {f.rank} {f.summary}" for f in waiting)
     agree = "the same neighbours: left and right" if ring else "the same hub, rank 0"
     return (f"it never finished (stopped after {timeout_seconds:g} s): some rank waited for a message that never "
@@ -118,6 +120,6 @@ def _error_message(error: labkit.RankError) -> str:
     if forbidden:
         first = min(forbidden, key=lambda f: (f.time, f.rank))
         return forbidden_message(first.rank, forbidden_spelling(first.summary), caught=False)
-    first = min((f for f in error.failures if f.kind != "stopped"), key=lambda f: (f.time, f.rank),
+    first = min((f for f in error.failures if f.kind != NoReply.STOPPED), key=lambda f: (f.time, f.rank),
                 default=error.failures[0])
     return f"rank {first.rank} raised {first.summary}"
