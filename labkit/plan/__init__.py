@@ -15,6 +15,7 @@ from labkit.plan.memory import (
     training_memory,
     transformer_params,
 )
+from labkit.plan.sharding import ZERO_STAGES, zero_collective_bytes_per_param, zero_memory_table, zero_traffic_bytes
 from labkit.plan.step_time import bandwidth_for_speedup, data_parallel_speedup, step_seconds
 from labkit.plan.strategy import parallelism_for
 from labkit.plan.traffic import (
@@ -30,6 +31,7 @@ from labkit.plan.worked_example import WorkedExample, worked_example
 __all__ = [
     "GB",
     "YOUR_CHOICE",
+    "ZERO_STAGES",
     "WorkedExample",
     "allreduce_seconds",
     "attention_lora_shapes",
@@ -52,4 +54,7 @@ __all__ = [
     "training_memory",
     "transformer_params",
     "worked_example",
+    "zero_collective_bytes_per_param",
+    "zero_memory_table",
+    "zero_traffic_bytes",
 ]

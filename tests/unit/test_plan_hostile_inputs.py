@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import labkit.plan
 from labkit.plan import traffic
 
-CONSTANTS = {"GB", "YOUR_CHOICE"}
+CONSTANTS = {"GB", "YOUR_CHOICE", "ZERO_STAGES"}
 # Functions known to fail the sweep, as strict xfails: once one is fixed its XPASS fails and it leaves this set.
 # (labkit.plan.counts, issue 13, was here until its errors named `count` and `text`.)
 KNOWN_GAPS: set[str] = set()
@@ -60,6 +60,10 @@ VALID = {
                          "zero_stage": 3, "dp": 8}],
     "transformer_params": [{"vocab": 50257, "d_model": 768, "layers": 12, "d_ff": 3072, "context": 1024,
                             "tied_embeddings": False, "bias": True}],
+    "zero_collective_bytes_per_param": [{"zero_stage": stage, "weight_bytes": 2, "grad_bytes": 2}
+                                        for stage in (0, 3)],
+    "zero_memory_table": [{"params": 7.5e9, "dp": 64, "weight_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}],
+    "zero_traffic_bytes": [{"params": 7e9, "world_size": 8, "zero_stage": 3, "weight_bytes": 2, "grad_bytes": 2}],
     # public in labkit.plan.traffic, though not exported by labkit.plan
     "ring_reduce_scatter_bytes": [{"nbytes": 1.4e10, "world_size": 8}],
     "busbw_factor": [{"collective": "allreduce", "world_size": 8}],
