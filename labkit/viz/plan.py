@@ -1,4 +1,5 @@
-"""Figures for the planning arithmetic: memory per GPU against the GPU's memory, and speedup against bandwidth."""
+"""Figures for the planning arithmetic: memory per GPU against the GPU's memory (by ZeRO stage too), and speedup
+against bandwidth."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from labkit.plan import GB, ring_allreduce_bytes
 from labkit.plan.step_time import data_parallel_speedup
 from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED, log_axis
 
-__all__ = ["memory_bars", "speedup_chart"]
+__all__ = ["STAGE_LABELS", "memory_bars", "speedup_chart", "zero_memory_bars"]
 
 PARTS = {"weights": BLUE, "grads": ORANGE, "optimizer": GREEN}  # memory_bars' stack, bottom to top
+STAGE_LABELS = {0: "DDP<br>nothing sharded", 1: "ZeRO-1<br>optimizer state", 2: "ZeRO-2<br>+ gradients",
+                3: "ZeRO-3<br>+ weights"}  # zero_memory_bars' bars: the stage, and what it shards
 
 
 def memory_bars(plans: dict[str, dict[str, float]], gpu_nbytes: float | None = None,
@@ -26,6 +29,23 @@ def memory_bars(plans: dict[str, dict[str, float]], gpu_nbytes: float | None = N
                          annotation_text=f"GPU memory {gpu_nbytes / GB:g} GB", annotation_position="top right")
     figure.update_layout(barmode="stack", title=title, yaxis_title="memory per GPU, GB (1e9 bytes)", height=380,
                          margin={"t": 50})
+    return figure
+
+
+def zero_memory_bars(table: dict[int, dict[str, float]], gpu_nbytes: float | None = None,
+                     title: str = "Memory per GPU by ZeRO stage, before activations") -> go.Figure:
+    """`plan.zero_memory_table`'s stages as `memory_bars`: per GPU, weights, grads and optimizer state stacked
+    (GB = 1e9 bytes), each bar's total written above it; the ZeRO paper's figure 1 for
+    `zero_memory_table(7.5e9, dp=64)`. A dict of measured bytes keyed the same way (stage: parts) draws too."""
+    unknown = [stage for stage in table if stage not in STAGE_LABELS]
+    if unknown or not table:
+        raise ValueError(f"table has stages {list(table)}: pass plan.zero_memory_table's dict, keyed by ZeRO "
+                         "stage 0, 1, 2 or 3.")
+    plans = {STAGE_LABELS[stage]: memory for stage, memory in table.items()}
+    figure = memory_bars(plans, gpu_nbytes, title)
+    for label, memory in plans.items():
+        figure.add_annotation(x=label, y=memory["total"] / GB, text=f"{memory['total'] / GB:.1f} GB",
+                              showarrow=False, yanchor="bottom")
     return figure
 
 

@@ -3,8 +3,9 @@
 import plotly.graph_objects as go
 import pytest
 
-from labkit.plan import memory_options
-from labkit.viz.plan import memory_bars, speedup_chart
+from labkit.plan import memory_options, zero_memory_table
+from labkit.viz import zero_memory_bars
+from labkit.viz.plan import STAGE_LABELS, memory_bars, speedup_chart
 from labkit.widgets import FigureSlot, planner
 from labkit.widgets.planner import CONVENTIONS
 
@@ -14,6 +15,30 @@ def test_memory_bars_stack_the_three_parts_under_the_gpu_line():
     assert [trace.name for trace in figure.data] == ["weights", "grads", "optimizer"]
     assert figure.data[2].y[0] == pytest.approx(84)  # replicated: 12 bytes x 7e9 in GB
     assert figure.layout.shapes[0].y0 == 80 and "GB" in figure.layout.yaxis.title.text
+
+
+def test_zero_memory_bars_are_plans_numbers_stage_by_stage():
+    table = zero_memory_table(7.5e9, dp=64)                           # the ZeRO paper's figure 1
+    figure = zero_memory_bars(table, gpu_nbytes=32e9)
+    assert [trace.name for trace in figure.data] == ["weights", "grads", "optimizer"]
+    assert list(figure.data[0].x) == [STAGE_LABELS[stage] for stage in range(4)]
+    for trace in figure.data:                                         # each part's height is plan's bytes in GB
+        assert list(trace.y) == pytest.approx([table[stage][trace.name] / 1e9 for stage in range(4)])
+    tops = [sum(trace.y[i] for trace in figure.data) for i in range(4)]
+    assert tops == pytest.approx([120, 31.40625, 16.640625, 1.875])
+    totals = [a for a in figure.layout.annotations if not a.text.startswith("GPU memory")]
+    assert [a.text for a in totals] == ["120.0 GB", "31.4 GB", "16.6 GB", "1.9 GB"]
+    assert [a.y for a in totals] == pytest.approx(tops) and [a.x for a in totals] == list(figure.data[0].x)
+    assert figure.layout.barmode == "stack" and figure.layout.shapes[0].y0 == 32
+
+
+def test_zero_memory_bars_draw_the_stages_they_are_given_and_refuse_others():
+    table = zero_memory_table(1e9, dp=4)
+    figure = zero_memory_bars({stage: table[stage] for stage in (0, 3)})
+    assert list(figure.data[0].x) == [STAGE_LABELS[0], STAGE_LABELS[3]] and not figure.layout.shapes
+    for bad in ({4: table[0]}, {}):
+        with pytest.raises(ValueError, match=r"pass plan.zero_memory_table's dict, keyed by ZeRO stage 0, 1, 2 or 3"):
+            zero_memory_bars(bad)
 
 
 def test_speedup_chart_reaches_the_device_count_on_fast_links():
