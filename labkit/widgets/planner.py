@@ -32,7 +32,9 @@ NOTE = "<div style='font-size:0.9em; line-height:1.3'>{}</div>"  # under the par
 def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
     """Controls for the scenario (the model's size typed as people write it: 70B, 6.7 billion, 7e9); a summary,
     the memory per GPU against the GPU's and the speedup against bandwidth, all redrawn from labkit.plan whenever
-    a control changes. A size that does not read as a count is refused with a message; the last good one stays."""
+    a control changes. The ZeRO stage (0 = replicated DDP, 1-3 sharded) sets "your choice"'s memory
+    (plan.memory_options) and the traffic per step that the clock and the speedup count (ZeRO-3: 1.5x DDP's).
+    A size that does not read as a count is refused with a message; the last good one stays."""
     good = {"params": number("params", params, inclusive=False)}
     size = _control(widgets.Text, "parameters", value=plan.format_count(params), placeholder="70B, 6.7 billion, 7e9")
     size_note = widgets.HTML(layout=widgets.Layout(width=CONTROL_WIDTH, height="4.2em"))  # 3 lines: never moves
@@ -112,9 +114,9 @@ def _draw(values: dict, summary: widgets.HTML, memory: FigureSlot, speed: Figure
         f"Memory per GPU, {plan.format_count(values['params'])} parameters, before activations"
     )).update_layout(width=FIGURE_WIDTH))
     bandwidths = [10 ** (k / 10) * GB for k in range(-10, 31)]
-    speed.draw(speedup_chart(values["devices"], values["step_compute_seconds"], values["params"] * grad_bytes,
-                             bandwidths, overlaps=(values["overlap"],),
-                             marker_bandwidth=values["bandwidth_gb"] * GB).update_layout(
+    speed.draw(speedup_chart(values["devices"], values["step_compute_seconds"],
+                             values["params"] * _traffic_bytes_per_param(values), bandwidths,
+                             overlaps=(values["overlap"],), marker_bandwidth=values["bandwidth_gb"] * GB).update_layout(
         width=FIGURE_WIDTH, legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}, height=430))
 
 
@@ -124,7 +126,8 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
     weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[values["convention"]]
     scenario = ("params", "per_device_batch", "devices", "accumulation_steps", "examples", "step_compute_seconds",
                 "overlap")
-    example = plan.worked_example(**{name: values[name] for name in scenario}, gradient_bytes_per_param=grad_bytes,
+    example = plan.worked_example(**{name: values[name] for name in scenario},
+                                  gradient_bytes_per_param=_traffic_bytes_per_param(values),
                                   bytes_per_param=weight_bytes + grad_bytes + optimizer_bytes,
                                   bandwidth=values["bandwidth_gb"] * GB)
     gpu_memory_gb, devices = values["gpu_memory_gb"], values["devices"]
@@ -140,7 +143,7 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
         ("steps per epoch", f"{example.parallel_steps:,} (1 GPU: {example.baseline_steps:,})"),
         ("epoch wall-clock", f"{example.parallel_epoch_seconds / 60:,.1f} min (1 GPU: "
                              f"{example.baseline_epoch_seconds / 60:,.1f} min)"),
-        ("AllReduce traffic per step", f"{example.ring_bytes_per_rank / GB:,.2f} GB per rank"),
+        ("traffic per step", f"{example.ring_bytes_per_rank / GB:,.2f} GB per rank: {_collectives(values)}"),
         ("its time at this bandwidth", f"{example.comm_seconds:,.3f} s, step {example.parallel_step_seconds:,.3f} s"),
         ("speedup over 1 GPU", f"{example.speedup:,.2f}x of {devices}x"),
         ("memory per GPU", f"{yours / GB:,.1f} GB of {gpu_memory_gb:g} GB: {verdict}"),
@@ -148,6 +151,26 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
     body = "".join(f"<tr><td style='white-space:nowrap; vertical-align:top'>{name}</td>"
                    f"<td style='text-align:left'>{value}</td></tr>" for name, value in rows)
     return f"<table style='line-height:1.4'>{body}</table>"
+
+
+def _traffic_bytes_per_param(values: dict) -> float:
+    """Bytes per parameter of the one AllReduce that moves what a step of the chosen ZeRO stage moves: the planner
+    clocks communication as an AllReduce (worked_example, speedup_chart), and an AllReduce of b bytes is a
+    ReduceScatter and an AllGather of b, so b is half of what the stage's collectives carry
+    (plan.zero_collective_bytes_per_param): the gradient bytes for DDP, 1.5x them for ZeRO-3 with bf16 throughout."""
+    weight_bytes, grad_bytes, _ = CONVENTIONS[values["convention"]]
+    return plan.zero_collective_bytes_per_param(values["zero_stage"], weight_bytes, grad_bytes) / 2
+
+
+def _collectives(values: dict) -> str:
+    """What the chosen ZeRO stage's collectives are, and how their bytes compare with DDP's AllReduce."""
+    stage = values["zero_stage"]
+    if stage == 0:
+        return "the gradients' AllReduce (DDP)"
+    weight_bytes, grad_bytes, _ = CONVENTIONS[values["convention"]]
+    ratio = plan.zero_collective_bytes_per_param(stage, weight_bytes, grad_bytes) / (2 * grad_bytes)
+    extra = ", the weights again before the backward" if stage == 3 else ""
+    return f"ZeRO-{stage} ReduceScatters the gradients, AllGathers the weights{extra}: {ratio:.3g}x DDP's"
 
 
 def what_is_running_out(params_billions: float = 7, largest_layer_billions: float = 0.2,

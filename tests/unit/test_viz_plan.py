@@ -3,7 +3,7 @@
 import plotly.graph_objects as go
 import pytest
 
-from labkit.plan import memory_options, zero_memory_table
+from labkit.plan import YOUR_CHOICE, memory_options, training_memory, zero_memory_table, zero_traffic_bytes
 from labkit.viz import zero_memory_bars
 from labkit.viz.plan import STAGE_LABELS, memory_bars, speedup_chart
 from labkit.widgets import FigureSlot, planner
@@ -131,6 +131,30 @@ def test_planner_says_replicated_data_parallelism_pools_no_memory():
     assert "replicated data parallelism (DDP) pools no memory" in summary.value and "ZeRO-3 over 8" in summary.value
     controls["ZeRO stage (0 = DDP)"].value = 1                  # 38.5 GB per GPU: sharded, it fits
     assert "fits" in summary.value and "pools no memory" not in summary.value
+
+
+def test_planner_zero_stage_shards_the_memory_and_zero_3_moves_half_as_much_again():
+    app = planner()
+    controls, _ = controls_of(app)
+    summary, stage = app.children[0].children[1], controls["ZeRO stage (0 = DDP)"]
+    assert (stage.min, stage.max, stage.value) == (0, 3, 0)
+    speedups = {}
+    for k in (1, 2, 3, 0):
+        stage.value = k
+        memory, speed = figures_of(app)
+        yours = memory.data[0].x.index(YOUR_CHOICE)
+        assert sum(trace.y[yours] for trace in memory.data) == pytest.approx(
+            training_memory(7e9, zero_stage=k, dp=8)["total"] / 1e9)
+        assert f"{zero_traffic_bytes(7e9, 8, zero_stage=k) / 1e9:,.2f} GB per rank" in summary.value
+        speedups[k] = speed.data[0].y
+    assert "24.50 GB per rank: the gradients' AllReduce (DDP)" in summary.value
+    stage.value = 3
+    assert "36.75 GB per rank" in summary.value and "1.5x DDP's" in summary.value
+    assert speedups[1] == speedups[2] == speedups[0] and all(   # the extra AllGather slows every slow link
+        three < zero for three, zero in zip(speedups[3], speedups[0], strict=True) if zero < 7.9)
+    controls["bytes per parameter"].value = "18 B (fp32 grads: Megatron-LM)"
+    stage.value = 1                                                 # fp32 gradients out, bf16 weights back
+    assert "0.75x DDP's" in summary.value
 
 
 def test_planner_conventions_keep_their_byte_counts():
