@@ -12,6 +12,12 @@ device is synchronized, the host clock runs over one round of calls, and the med
     seconds_taking_turns(fns, rounds, calls, ...)       several functions, rounds in rotating order
     slowest_rank_median(per_rank)                       each round's slowest rank, then the median
 
+and the bytes a rank holds in weights, gradients and optimizer state, keyed like labkit.plan.training_memory, under
+any strategy (a plain optimizer, DDP, labkit.parallel's ShardedOptimizer and FullyShardedDP):
+
+    training_state_nbytes(model, optimizer)             now, each storage counted once
+    peak_training_state(model, optimizer)               at the peak of the steps inside a with block
+
 CUDA kernels and NCCL collectives run asynchronously: a host clock read right after launching them measures
 the launch (PyTorch docs, "CUDA semantics: asynchronous execution", which times GPU work with
 torch.cuda.Event(enable_timing=True) or after torch.cuda.synchronize()).
@@ -19,6 +25,7 @@ torch.cuda.Event(enable_timing=True) or after torch.cuda.synchronize()).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import statistics
 import time
@@ -31,8 +38,9 @@ import labkit
 from labkit.checks import whole
 from labkit.groups import group_is_up
 
-__all__ = ["Stopwatch", "allreduce_seconds_by_size", "allreduce_sweep", "median_seconds", "seconds_per_call",
-           "seconds_taking_turns", "slowest_rank_median", "synchronize", "training_state_nbytes"]
+__all__ = ["PeakTrainingState", "Stopwatch", "allreduce_seconds_by_size", "allreduce_sweep", "median_seconds",
+           "peak_training_state", "seconds_per_call", "seconds_taking_turns", "slowest_rank_median", "synchronize",
+           "training_state_nbytes"]
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -185,17 +193,102 @@ def allreduce_sweep(sizes_nbytes: Iterable[int], allreduces: dict[str, Callable]
 
 def training_state_nbytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                           master_params: Iterable[torch.Tensor] = ()) -> dict[str, int]:
-    """Bytes held by the weights, the gradients and the optimizer (its per-parameter state and any fp32
-    `master_params`), keyed like labkit.plan.training_memory. Adam's scalar `step` counters are left out and
-    reported as "counters": a few bytes per tensor, not per parameter, which the per-parameter model ignores."""
-    params = list(model.parameters())  # a tied weight appears once
-    nbytes = {"weights": sum(p.numel() * p.element_size() for p in params),
-              "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
-              "optimizer": sum(p.numel() * p.element_size() for p in master_params), "counters": 0}
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value):
-                key = "counters" if value.dim() == 0 else "optimizer"
-                nbytes[key] += value.numel() * value.element_size()
+    """Bytes this rank holds in weights, gradients and optimizer state now, keyed like labkit.plan.training_memory.
+
+    Counted by storage, each storage once, so that views are not counted twice and freed storage counts 0:
+
+    - "weights": the storages of `model.parameters()` (a tied weight once; FullyShardedDP's flat shards, and its
+      gathered full parameters while they exist);
+    - "grads": the storages of the `.grad` of the model's parameters, of the optimizer's parameters and of the
+      tensors its state is kept for (labkit.parallel.ShardedOptimizer's gradient shard, held by its pieces);
+    - "optimizer": the optimizer's per-parameter state (Adam's m and v, SGD's momentum) and any fp32
+      `master_params` (the mixed-precision copies the optimizer updates);
+    - "counters": Adam's scalar `step` counters, left out of "total": a few bytes per tensor, not per
+      parameter, which the per-parameter model ignores.
+
+    `peak_training_state` samples this through a step, to find its peak.
+    """
+    weights = _storages(model.parameters())
+    grads = _storages(t.grad for t in [*model.parameters(), *_optimized(optimizer)] if t.grad is not None)
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    nbytes = {"weights": _held(weights), "grads": _held(grads, weights),
+              "optimizer": _held(_storages([*master_params, *(v for v in state if v.dim() > 0)]), weights),
+              "counters": sum(v.numel() * v.element_size() for v in state if v.dim() == 0)}
     nbytes["total"] = nbytes["weights"] + nbytes["grads"] + nbytes["optimizer"]
     return nbytes
+
+
+def _optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The tensors `optimizer` updates: its param_groups' parameters and the keys of its state (which, for an
+    optimizer that keeps an inner one, are the inner one's parameters)."""
+    return [*(p for group in optimizer.param_groups for p in group["params"]),
+            *(t for t in optimizer.state if torch.is_tensor(t))]
+
+
+def _storages(tensors: Iterable[torch.Tensor]) -> dict[tuple, int]:
+    """(device, address) -> bytes of each distinct storage behind `tensors`; storage freed (resized to 0) left out."""
+    held = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            held[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return held
+
+
+def _held(storages: dict[tuple, int], counted: dict[tuple, int] | None = None) -> int:
+    """Bytes of `storages`, less those already `counted` in another part."""
+    return sum(nbytes for key, nbytes in storages.items() if key not in (counted or {}))
+
+
+class PeakTrainingState:
+    """`training_state_nbytes` sampled through a step: `nbytes` is the sample with the largest total so far (all
+    zeros before the first), `samples` how many were taken. `sample()` takes one now; `peak_training_state` takes
+    them at the moments a step's memory grows or moves."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 master_params: Iterable[torch.Tensor] = ()):
+        self.model, self.optimizer, self.master_params = model, optimizer, list(master_params)
+        self.nbytes = dict.fromkeys(("weights", "grads", "optimizer", "counters", "total"), 0)
+        self.samples = 0
+
+    def sample(self, *_) -> None:
+        """Measure now; keep the measurement if its total is the largest yet. Takes (and ignores) any arguments,
+        so that it can be registered as a hook directly."""
+        now = training_state_nbytes(self.model, self.optimizer, self.master_params)
+        self.samples += 1
+        if now["total"] > self.nbytes["total"]:
+            self.nbytes = now
+
+
+@contextlib.contextmanager
+def peak_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                        master_params: Iterable[torch.Tensor] = ()):
+    """Inside the block, the bytes of weights, gradients and optimizer state a rank holds at the peak of its
+    training steps: `training_state_nbytes` sampled when the block opens and closes, before and after every
+    submodule's forward (where FullyShardedDP's gathered parameters live), after every parameter's gradient is
+    accumulated (where ZeRO-2's buckets fill), and before and after each optimizer step. Yields a
+    PeakTrainingState; read its `nbytes` after the block. Activations and communication buffers are not
+    counted, under any strategy: only what labkit.plan.training_memory predicts.
+
+    Sampling walks every parameter, so keep the model to a few hundred tensors.
+
+    >>> model = torch.nn.Linear(100, 10)
+    >>> optimizer = torch.optim.Adam(model.parameters())
+    >>> with peak_training_state(model, optimizer) as peak:
+    ...     model(torch.randn(4, 100)).sum().backward()
+    ...     optimizer.step()
+    >>> peak.nbytes["total"] == 1010 * 4 * 4          # weights, grads, m and v: 16 bytes per parameter
+    True
+    """
+    peak = PeakTrainingState(model, optimizer, master_params)
+    handles = [optimizer.register_step_pre_hook(peak.sample), optimizer.register_step_post_hook(peak.sample)]
+    for module in model.modules():
+        handles += [module.register_forward_pre_hook(peak.sample), module.register_forward_hook(peak.sample)]
+    handles += [p.register_post_accumulate_grad_hook(peak.sample) for p in model.parameters() if p.requires_grad]
+    peak.sample()
+    try:
+        yield peak
+    finally:
+        peak.sample()
+        for handle in handles:
+            handle.remove()

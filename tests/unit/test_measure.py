@@ -182,3 +182,30 @@ def test_rounds_wait_only_for_their_own_group():
     """A world barrier would hang here: the two groups time 2 and 5 rounds."""
     per_rank = labkit.run(time_on_my_group, (2, 5), world_size=4, timeout=60)
     assert per_rank == [[True] * 2, [True] * 5, [True] * 2, [True] * 5]
+
+
+def test_the_peak_of_a_step_holds_the_gradients_that_zero_grad_frees_at_its_end():
+    model = torch.nn.Linear(100, 10)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with measure.peak_training_state(model, optimizer) as peak:
+        model(torch.randn(4, 100)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert training_state_nbytes(model, optimizer)["grads"] == 0
+    assert peak.nbytes == {"weights": 4040, "grads": 4040, "optimizer": 4040, "counters": 0, "total": 12120}
+    assert peak.samples > 4
+
+
+def test_storage_counts_once_freed_storage_not_at_all_and_grads_of_what_the_optimizer_updates():
+    """Views of one flat buffer (as sharded parameters are) count its bytes once; a storage resized to 0 (a
+    gathered parameter freed) counts nothing; a gradient held only by the optimizer's own tensors counts."""
+    flat = torch.zeros(30)
+    model = torch.nn.Module()
+    model.a, model.b = torch.nn.Parameter(flat[:10]), torch.nn.Parameter(flat[10:])
+    shard = torch.nn.Parameter(torch.zeros(5))
+    shard.grad = torch.ones(5)
+    optimizer = torch.optim.SGD([shard], lr=0.1)
+    assert training_state_nbytes(model, optimizer) == {"weights": 120, "grads": 20, "optimizer": 0, "counters": 0,
+                                                      "total": 140}
+    flat.untyped_storage().resize_(0)
+    assert training_state_nbytes(model, optimizer)["weights"] == 0
