@@ -16,7 +16,8 @@ import pytest
 import labkit
 import labkit.exercises.quiz
 from labkit.exercises import Feedback, load_distractor_families, load_flashcards, load_questions
-from labkit.plan import worked_example
+from labkit.plan import ring_allreduce_bytes, worked_example, zero_memory_table, zero_traffic_bytes
+from labkit.plan.traffic import ring_reduce_scatter_bytes
 
 ROOT = Path(labkit.__file__).parent
 LESSON = (ROOT / "data" / "lesson.txt").read_text(encoding="utf-8")
@@ -188,6 +189,36 @@ def test_the_quiz_numbers_agree_with_the_worked_example():
     assert any(f"{example.memory_bytes / 1e9 / example.devices:.0f} GB per GPU" in o.text for o in memory.options)
     scaling = questions["learning-rate-after-scaling-out"].question
     assert f"from {example.baseline_batch} to {example.parallel_batch}" in scaling
+
+
+def test_the_sharding_questions_ask_what_plan_computes():
+    questions = {q.id: q for q in load_questions()}
+    sharding = [q for q in questions.values() if q.topic == "sharding"]
+    assert len(sharding) >= 5
+    used = {o.distractor for q in sharding for o in q.options if not o.correct}
+    assert {"zero-stages", "sharding-as-model-parallelism", "sharding-cost", "dp-for-too-large"} <= used
+    # the ZeRO paper's figure 1: 7.5B parameters on 64 ranks; every option one stage's total, the answer stage 2's
+    table = zero_memory_table(7.5e9, dp=64)
+    memory = questions["zero-memory-per-device"]
+    assert [o.text for o in memory.options] == [f"About {table[s]['total'] / 1e9:.1f} GB" for s in (0, 1, 3, 2)]
+    assert memory.options[memory.answer].text == f"About {table[2]['total'] / 1e9:.1f} GB"
+    assert "120, 31.4, 16.6 and 1.9 GB" in memory.explanation and "zero_memory_table(7.5e9, dp=64)" in \
+        memory.explanation
+    for option in memory.options:  # each wrong total is explained by the stage (or replication) that gives it
+        assert option.correct or option.why.startswith(option.text.removeprefix("About ").removesuffix(".0 GB"))
+    # ZeRO-3's traffic: 1.5x DDP's AllReduce for the lesson's 7B model on 8 GPUs
+    example, traffic = worked_example(), questions["zero3-traffic"]
+    ddp, zero3 = zero_traffic_bytes(7e9, 8, zero_stage=0), zero_traffic_bytes(7e9, 8, zero_stage=3)
+    assert ddp == example.ring_bytes_per_rank == ring_allreduce_bytes(14e9, 8) == zero_traffic_bytes(7e9, 8, 1)
+    assert f"sends {ddp / 1e9:g} GB per rank per step" in traffic.question
+    assert traffic.options[traffic.answer].text.startswith(f"{zero3 / 1e9:g} GB:")
+    assert f"= {zero3 / 1e9:g} GB per rank, 1.5× DDP's {ddp / 1e9:g} GB" in traffic.explanation
+    half = ring_reduce_scatter_bytes(14e9, 8)
+    assert any(o.text.startswith(f"{half / 1e9:g} GB:") and not o.correct for o in traffic.options)
+    assert any(o.text.startswith(f"{ddp / 1e9:g} GB:") and o.distractor == "sharding-cost" for o in traffic.options)
+    stages = questions["zero-stages-what-is-sharded"]
+    assert stages.options[stages.answer].text.startswith("The optimizer state and the gradients")
+    assert sum(o.distractor == "zero-stages" for o in stages.options) == 2
 
 
 def every_text() -> list[tuple[str, str]]:
