@@ -2,7 +2,8 @@
 
 Replicated data parallelism (DDP) copies the whole training state to every rank, so it only works once
 weights, gradients and optimizer state fit on one GPU; sharded data parallelism (ZeRO, FSDP: `zero_stage`
-below) splits that state over the ranks. The memory arithmetic comes before the choice of parallelism.
+below; plan.sharding tabulates the stages and what they move) splits that state over the ranks. The memory
+arithmetic comes before the choice of parallelism.
 Activations are extra (they depend on batch, sequence and recomputation; Korthikanti et al. 2022) and are not
 counted here.
 """
