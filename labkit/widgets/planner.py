@@ -169,8 +169,8 @@ def _collectives(values: dict) -> str:
         return "the gradients' AllReduce (DDP)"
     weight_bytes, grad_bytes, _ = CONVENTIONS[values["convention"]]
     ratio = plan.zero_collective_bytes_per_param(stage, weight_bytes, grad_bytes) / (2 * grad_bytes)
-    extra = ", the weights again before the backward" if stage == 3 else ""
-    return f"ZeRO-{stage} ReduceScatters the gradients, AllGathers the weights{extra}: {ratio:.3g}x DDP's"
+    gathered = "the weights before the forward and again before the backward" if stage == 3 else "the new weights"
+    return f"ZeRO-{stage} ReduceScatters the gradients and AllGathers {gathered}: {ratio:.3g}x DDP's"
 
 
 def what_is_running_out(params_billions: float = 7, largest_layer_billions: float = 0.2,
