@@ -16,7 +16,8 @@ import torch.distributed.distributed_c10d as c10d
 
 import labkit
 from labkit import comm
-from labkit.exercises import check_naive_allreduce, check_ring_allreduce
+from labkit.exercises import check_naive_allreduce, check_ring_allreduce, check_sharded_step
+from labkit.plan.counts import shard_sizes
 
 DEADLOCK_SECONDS = 3.0  # a wrong solution that hangs is stopped after this long (right ones take milliseconds)
 
@@ -552,4 +553,261 @@ def test_ring_grader_rejects_each_mistake_and_names_it(mistake, phrase):
 @pytest.mark.parametrize(("mistake", "phrase"), HUB_WRONG, ids=ids(HUB_WRONG))
 def test_hub_grader_rejects_each_mistake_and_names_it(mistake, phrase):
     verdict = check_naive_allreduce(mistake, timeout_seconds=DEADLOCK_SECONDS)
+    assert not verdict and phrase in verdict.message and "rank " in verdict.message, verdict
+
+
+# ---- ZeRO-1's sharded step (notebook 11): right solutions ------------------------------------------------
+
+def cut(param, grad):
+    """This rank, N, and the shard_sizes slices of param and grad (views)."""
+    rank, n = me()
+    sizes = shard_sizes(param.numel(), n)
+    return rank, n, sizes, param.split(sizes), grad.split(sizes)
+
+
+def step_padded_all_gather(param, grad, lr):
+    """The notebook's solution: reduce_scatter with lists, all_gather of slices padded to the largest."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    mine = param.new_zeros(sizes[0])
+    mine[:sizes[rank]] = params[rank]
+    gathered = [param.new_zeros(sizes[0]) for _ in range(n)]
+    dist.all_gather(gathered, mine)
+    for p, g in zip(params, gathered, strict=True):
+        p.copy_(g[:p.numel()])
+
+
+def step_broadcast_from_owners(param, grad, lr):
+    """tensor_split instead of shard_sizes, ReduceOp.AVG, and one broadcast per owner into param's own slices."""
+    rank, n = me()
+    params, grads = param.tensor_split(n), grad.tensor_split(n)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads), op=dist.ReduceOp.AVG)
+    params[rank].sub_(my_grad, alpha=lr)
+    for owner in range(n):
+        dist.broadcast(params[owner], src=owner)
+
+
+def step_tensor_api(param, grad, lr):
+    """The single-tensor API (reduce_scatter_single, all_gather_single: torch 2.13's names for
+    reduce_scatter_tensor and all_gather_into_tensor) on rows padded to the largest slice, then one cat."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    rows = grad.new_zeros(n * sizes[0])
+    for row, g in zip(rows.view(n, -1), grads, strict=True):
+        row[:g.numel()] = g
+    my_grad = grad.new_zeros(sizes[0])
+    dist.reduce_scatter_single(my_grad, rows)
+    mine = param.new_zeros(sizes[0])
+    mine[:sizes[rank]] = params[rank] - lr * my_grad[:sizes[rank]] / n
+    gathered = param.new_zeros(n * sizes[0])
+    dist.all_gather_single(gathered, mine)
+    param.copy_(torch.cat([row[:size] for row, size in zip(gathered.view(n, -1), sizes, strict=True)]))
+
+
+# ---- ZeRO-1's sharded step: wrong solutions --------------------------------------------------------------
+
+def gather_padded(param, params, sizes, rank, n):
+    """The padded all-gather of the right solution, on any split `params` with `sizes`."""
+    largest = max(sizes)
+    mine = param.new_zeros(largest)
+    mine[:sizes[rank]] = params[rank]
+    gathered = [param.new_zeros(largest) for _ in range(n)]
+    dist.all_gather(gathered, mine)
+    for p, g in zip(params, gathered, strict=True):
+        p.copy_(g[:p.numel()])
+
+
+def step_sums(param, grad, lr):
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad)  # no / n
+    gather_padded(param, params, sizes, rank, n)
+
+
+def step_without_reduce_scatter(param, grad, lr):
+    """Each owner updates its slice with its own gradient, then the slices are gathered."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    params[rank].sub_(lr * grads[rank])
+    gather_padded(param, params, sizes, rank, n)
+
+
+def step_local_sgd(param, grad, lr):
+    param -= lr * grad
+
+
+def step_without_all_gather(param, grad, lr):
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+
+
+def step_even_sizes_only(param, grad, lr):
+    """Slices of numel // N elements: the remainder is never updated."""
+    rank, n = me()
+    size = param.numel() // n
+    params, grads = list(param[:n * size].split(size)), list(grad[:n * size].split(size))
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, grads)
+    params[rank].sub_(lr * my_grad / n)
+    gather_padded(param, params, [size] * n, rank, n)
+
+
+def step_last_slice_one_short(param, grad, lr):
+    """The last slice stops one element early (an off-by-one in its end)."""
+    rank, n, sizes, _, _ = cut(param, grad)
+    sizes = sizes[:-1] + [sizes[-1] - 1]
+    params, grads = param[:-1].split(sizes), grad[:-1].split(sizes)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    gather_padded(param, params, sizes, rank, n)
+
+
+def step_last_rank_takes_the_rest(param, grad, lr):
+    """A split that covers the vector once, but not shard_sizes': the last rank takes the remainder."""
+    rank, n = me()
+    numel = param.numel()
+    sizes = [numel // n] * (n - 1) + [numel - (n - 1) * (numel // n)]
+    params, grads = param.split(sizes), grad.split(sizes)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    gather_padded(param, params, sizes, rank, n)
+
+
+def step_all_reduce_then_all_gather(param, grad, lr):
+    """Right values; the all-reduce moves twice a reduce-scatter's bytes."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    dist.all_reduce(grad)
+    params[rank].sub_(lr * grads[rank] / n)
+    gather_padded(param, params, sizes, rank, n)
+
+
+def step_all_reduce_everywhere(param, grad, lr):
+    """Right values and DDP's traffic, but every rank updates the whole vector."""
+    dist.all_reduce(grad)
+    param -= lr * grad / labkit.world_size()
+
+
+def step_gathers_gradients(param, grad, lr):
+    """Reduce-scatter, then all-gather the averaged gradient slices and update the whole vector: not sharded."""
+    rank, n, sizes, _, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    average = grad.new_zeros(param.numel())
+    averaged = list(average.split(sizes))
+    averaged[rank].copy_(my_grad / n)
+    gather_padded(average, averaged, sizes, rank, n)
+    param -= lr * average
+
+
+def step_gathers_whole_gradients(param, grad, lr):
+    """Every rank all-gathers every rank's whole gradient: (N-1) x S bytes per rank."""
+    n = labkit.world_size()
+    everyone = [torch.empty_like(grad) for _ in range(n)]
+    dist.all_gather(everyone, grad)
+    param -= lr * sum(everyone) / n
+
+
+def step_returns(param, grad, lr):
+    result = param.clone()
+    step_padded_all_gather(result, grad, lr)
+    return result
+
+
+def step_new_memory(param, grad, lr):
+    result = param.clone()
+    step_padded_all_gather(result, grad, lr)
+    param.data = result.double()
+
+
+def step_float32_buffers(param, grad, lr):
+    """Buffers made with the default dtype: fine for float32, an error in a float64 step."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty(sizes[rank], device=param.device)
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    gather_padded(param, params, sizes, rank, n)
+
+
+def step_unpadded_all_gather(param, grad, lr):
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    dist.all_gather(list(params), params[rank].clone())
+
+
+def step_skips_empty_slice(param, grad, lr):
+    """A rank that owns nothing leaves early: the others wait for it in the all-gather."""
+    rank, _, sizes, _, _ = cut(param, grad)
+    if sizes[rank] == 0:
+        return
+    step_padded_all_gather(param, grad, lr)
+
+
+def step_sends(param, grad, lr):
+    rank, n, sizes, params, grads = cut(param, grad)
+    for owner in range(n):
+        if owner != rank:
+            dist.isend(grads[owner], owner)
+
+
+def step_catches_the_guard(param, grad, lr):
+    try:
+        dist.all_gather_object([None] * labkit.world_size(), grad)
+    except Exception:  # noqa: BLE001 - the point: swallowing the guard's error does not help
+        step_padded_all_gather(param, grad, lr)
+
+
+def step_functional(param, grad, lr):
+    grad.copy_(functional.all_reduce(grad, "sum", dist.group.WORLD))
+    param -= lr * grad / labkit.world_size()
+
+
+def step_reduce_then_broadcast(param, grad, lr):
+    dist.reduce(grad, dst=0)
+    if labkit.rank() == 0:
+        param -= lr * grad / labkit.world_size()
+    dist.broadcast(param, src=0)
+
+
+STEP_RIGHT = [step_padded_all_gather, step_broadcast_from_owners, step_tensor_api]
+STEP_WRONG = [  # (wrong solution, what its verdict must say)
+    (step_sums, "the sum of the gradients over the ranks: average them"),
+    (step_without_reduce_scatter, "updated with its owner's own gradient: the gradients were never summed"),
+    (step_local_sgd, "it updated with its own gradient, not the average over the ranks. After the step the ranks"),
+    (step_without_all_gather, "After the step the ranks disagree. The all-gather is missing"),
+    (step_even_sizes_only, "element 6 is unchanged (expected"),
+    (step_last_slice_one_short, "element 5 is unchanged (expected [5.53333]). They are in rank 2's slice"),
+    (step_last_rank_takes_the_rest, "rank 0 sent [-2.26667, -0.8, 0] into the all-gather; its slice, elements 0 to 2"),
+    (step_all_reduce_then_all_gather, "1.5 x ZeRO-1's 2(N-1)/N x S"),
+    (step_all_reduce_everywhere, "the right values and DDP's traffic, but nothing is sharded"),
+    (step_gathers_gradients, "sent its slice of the averaged gradient into the all-gather"),
+    (step_gathers_whole_gradients, "rank 0 sent 48 bytes in its collectives (an all_gather of 72 bytes"),
+    (step_returns, "returned the updated parameters in a new tensor, but its param is unchanged"),
+    (step_new_memory, "pointed at new memory (param.data = ... or param.set_(...)) (it is now float64 on cpu"),
+    (step_float32_buffers, "Make every buffer like the tensor it holds a piece of"),
+    (step_unpadded_all_gather, "gloo's all_gather wants every rank's tensor the same size"),
+    (step_skips_empty_slice, "rank(s) [2, 3] had returned. Every rank must make the same collectives"),
+    (step_sends, "called torch.distributed.isend. This step is built from collectives"),
+    (step_catches_the_guard, "torch.distributed.all_gather_object (and caught the error; it still counts)"),
+    (step_functional, "called torch.ops._c10d_functional.all_reduce"),
+    (step_reduce_then_broadcast, "called torch.distributed.reduce. ZeRO-1's step needs two collectives only"),
+]
+
+
+@pytest.mark.parametrize("solution", STEP_RIGHT, ids=lambda fn: fn.__name__)
+def test_sharded_step_grader_accepts_right_solutions_written_differently(solution):
+    verdict = check_sharded_step(solution)
+    assert verdict.passed, verdict
+
+
+@pytest.mark.parametrize(("mistake", "phrase"), STEP_WRONG, ids=ids(STEP_WRONG))
+def test_sharded_step_grader_rejects_each_mistake_and_names_it(mistake, phrase):
+    verdict = check_sharded_step(mistake, timeout_seconds=DEADLOCK_SECONDS)
     assert not verdict and phrase in verdict.message and "rank " in verdict.message, verdict
