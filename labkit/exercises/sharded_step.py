@@ -48,8 +48,9 @@ from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
 from labkit.plan.counts import shard_sizes
 
-__all__ = ["LR", "STEP_CASES", "Collective", "StepGuard", "StepOutcome", "attempt_step", "calls_of_last_attempt",
-           "check_sharded_step", "reference_step", "step_inputs", "step_nbytes_bounds", "step_traffic", "wrong_step"]
+__all__ = ["LR", "STEP_CASES", "TOLERANCES", "Collective", "StepGuard", "StepOutcome", "attempt_step",
+           "calls_of_last_attempt", "check_sharded_step", "reference_step", "step_inputs", "step_nbytes_bounds",
+           "step_traffic", "wrong_step"]
 
 LR = 0.1  # not a power of two, so that a float32 buffer inside a float64 step shows in the result
 # (world_size, numel, dtype): sizes N divides first, then sizes it does not, fewer elements than ranks, float64
@@ -108,14 +109,16 @@ def step_inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32, devic
 
 
 def reference_step(numel: int, world_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The answer, in one process: full SGD on the gradient averaged over `world_size` ranks, param - LR x mean.
+    """The answer, in one process: torch.optim.SGD's step (param - LR x gradient) on the gradient averaged over
+    `world_size` ranks.
 
     >>> reference_step(3, 2)    # the average gradient is 2.5 x [3, 2, 1]
     tensor([0.2500, 1.5000, 2.7500])
     """
-    param, _ = step_inputs(0, numel, dtype)
-    average = sum(step_inputs(r, numel, dtype)[1] for r in range(world_size)) / world_size
-    return param - LR * average
+    param = torch.nn.Parameter(step_inputs(0, numel, dtype)[0])
+    param.grad = torch.stack([step_inputs(r, numel, dtype)[1] for r in range(world_size)]).mean(0)
+    torch.optim.SGD([param], lr=LR).step()
+    return param.detach()
 
 
 def step_nbytes_bounds(numel: int, world_size: int, element_size: int = 4) -> list[tuple[int, int]]:
@@ -270,7 +273,7 @@ class StepOutcome:
     param: list[float]
     returned: list[float] | None  # a tensor fn returned other than param, as a list
     same_memory: bool  # param still uses the memory it came in
-    placement: str  # "torch.float32 on cpu": param's dtype and device after the step, ...
+    placement: str  # "float32 on cpu": param's dtype and device after the step, ...
     came: str  # ... and before it
     calls: list[Collective] = field(default_factory=list)
     forbidden: list[str] = field(default_factory=list)  # what it called that is switched off
@@ -297,6 +300,7 @@ def attempt_step(fn, numel: int, dtype: torch.dtype = torch.float32) -> StepOutc
 
 
 def _placement(tensor: torch.Tensor) -> str:
+    """'float32 on cpu': a tensor's dtype and device type, for a message."""
     return f"{str(tensor.dtype).removeprefix('torch.')} on {tensor.device.type}"
 
 

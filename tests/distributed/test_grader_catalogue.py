@@ -606,6 +606,17 @@ def step_tensor_api(param, grad, lr):
     param.copy_(torch.cat([row[:size] for row, size in zip(gathered.view(n, -1), sizes, strict=True)]))
 
 
+def step_gather_list_then_cat(param, grad, lr):
+    """The updated slice made outside param and padded with F.pad, gathered into a list, one cat copied in."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads), op=dist.ReduceOp.AVG)
+    mine = torch.nn.functional.pad(params[rank] - lr * my_grad, (0, sizes[0] - sizes[rank]))
+    gathered = [torch.empty_like(mine) for _ in range(n)]
+    dist.all_gather(gathered, mine)
+    param.copy_(torch.cat([g[:size] for g, size in zip(gathered, sizes, strict=True)]))
+
+
 # ---- ZeRO-1's sharded step: wrong solutions --------------------------------------------------------------
 
 def gather_padded(param, params, sizes, rank, n):
@@ -776,7 +787,7 @@ def step_reduce_then_broadcast(param, grad, lr):
     dist.broadcast(param, src=0)
 
 
-STEP_RIGHT = [step_padded_all_gather, step_broadcast_from_owners, step_tensor_api]
+STEP_RIGHT = [step_padded_all_gather, step_broadcast_from_owners, step_tensor_api, step_gather_list_then_cat]
 STEP_WRONG = [  # (wrong solution, what its verdict must say)
     (step_sums, "the sum of the gradients over the ranks: average them"),
     (step_without_reduce_scatter, "updated with its owner's own gradient: the gradients were never summed"),

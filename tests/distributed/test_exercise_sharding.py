@@ -1,0 +1,200 @@
+"""The sharded-step grader's machinery (notebook 11): the notebook's solution passes, the reference is torch's own
+SGD step, the traffic model is the ring's, every collective is recorded once where the process group receives it,
+refused calls raise, the guard always goes away, and a hang leaves no rank behind. The catalogue of mistakes is in
+test_grader_catalogue.py."""
+
+import os
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+import labkit
+from labkit.exercises import ForbiddenCall, Verdict, check_sharded_step, ring_nbytes_per_rank, step_inputs
+from labkit.exercises.sharded_step import LR, TOLERANCES, Collective, StepGuard, reference_step, step_nbytes_bounds
+from labkit.plan.counts import shard_sizes
+from labkit.plan.traffic import ring_allreduce_bytes
+
+HANG_SECONDS = 2.0
+
+
+def notebook_11_solution(param, grad, lr):
+    """The solution in notebook 11's folded cell (/tmp/prompts/zgrader_for_notebook.md)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sizes = shard_sizes(param.numel(), n)
+    params, grads = param.split(sizes), grad.split(sizes)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    mine = param.new_zeros(sizes[0])
+    mine[:sizes[rank]] = params[rank]
+    gathered = [param.new_zeros(sizes[0]) for _ in range(n)]
+    dist.all_gather(gathered, mine)
+    for p, g in zip(params, gathered, strict=True):
+        p.copy_(g[:p.numel()])
+
+
+def test_the_notebook_s_solution_passes_and_says_what_was_checked():
+    verdict = check_sharded_step(notebook_11_solution)
+    assert verdict and isinstance(verdict, Verdict), verdict
+    assert "only its own slice" in verdict.message and "2(N-1)/N x S" in verdict.message, verdict
+    assert repr(verdict).startswith("Correct! ")
+
+
+def test_a_grader_wants_the_function_itself():
+    verdict = check_sharded_step("sharded_sgd_step")
+    assert not verdict and "pass your function itself, e.g. check_sharded_step(sharded_sgd_step)" in verdict.message
+
+
+@pytest.mark.parametrize(("call", "error", "message"), [
+    (lambda: check_sharded_step(print, timeout_seconds=0), ValueError, "timeout_seconds=0: pass a finite number > 0"),
+    (lambda: step_inputs(-1, 3), ValueError, "rank=-1: pass a whole number >= 0"),
+    (lambda: step_inputs(0, 2.5), ValueError, "numel=2.5"),
+    (lambda: step_nbytes_bounds(10, 0), ValueError, "world_size=0: pass a whole number >= 1"),
+])
+def test_bad_arguments_are_refused_by_name_before_any_rank_starts(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@pytest.mark.parametrize(("numel", "world_size", "dtype"), [(6, 3, torch.float32), (10, 4, torch.float32),
+                                                             (5, 3, torch.float64)])
+def test_the_reference_is_torch_s_sgd_step_on_the_averaged_gradient(numel, world_size, dtype):
+    """torch.optim.SGD's answer, which is the formula's up to a rounding (the grader's tolerance)."""
+    param, _ = step_inputs(0, numel, dtype)
+    average = sum(step_inputs(r, numel, dtype)[1] for r in range(world_size)) / world_size
+    tolerance = TOLERANCES[dtype]
+    torch.testing.assert_close(reference_step(numel, world_size, dtype), param - LR * average, rtol=tolerance,
+                               atol=tolerance)
+    assert not torch.allclose(reference_step(numel, world_size, dtype), param - LR * average * world_size)
+
+
+def test_no_rank_s_gradient_is_the_average_so_every_mistake_shows():
+    for world_size in (2, 3, 4):
+        grads = [step_inputs(r, 5)[1] for r in range(world_size)]
+        average = sum(grads) / world_size
+        assert not any(torch.allclose(g, average) for g in grads)
+
+
+def ring_collective(kind, numel, n, rank, root=None):
+    return Collective(kind, [4 * s for s in shard_sizes(numel, n)] if kind != "broadcast" else [4 * numel], 4,
+                      rank, n, root)
+
+
+@pytest.mark.parametrize(("numel", "world_size"), [(12, 2), (12, 3), (12, 4), (7, 3), (10, 4), (2, 4)])
+def test_a_reduce_scatter_and_an_all_gather_send_what_the_ring_all_reduce_sends(numel, world_size):
+    """Per rank: the ring's exact bytes (notebook 03), which are 2(N-1)/N x S when N divides; an all-gather made
+    of one broadcast per owner sends the same; so does an all_reduce, which is both phases."""
+    for rank in range(world_size):
+        step = [ring_collective("reduce_scatter", numel, world_size, rank),
+                ring_collective("all_gather", numel, world_size, rank)]
+        expected = ring_nbytes_per_rank(numel, world_size)[rank]
+        assert sum(c.sent_nbytes() for c in step) == expected == step_nbytes_bounds(numel, world_size)[rank][0]
+        broadcasts = [Collective("broadcast", [4 * size], 4, rank, world_size, owner)
+                      for owner, size in enumerate(shard_sizes(numel, world_size))]
+        assert sum(c.sent_nbytes() for c in broadcasts) == step[1].sent_nbytes()
+        assert Collective("all_reduce", [4 * numel], 4, rank, world_size).sent_nbytes() == expected
+        if numel % world_size == 0:
+            assert expected == ring_allreduce_bytes(4 * numel, world_size)
+
+
+def test_padding_every_slice_to_the_largest_is_the_most_a_rank_may_send():
+    sizes = shard_sizes(10, 4)
+    padded = [Collective(kind, [4 * max(sizes)] * 4, 4, 0, 4) for kind in ("reduce_scatter", "all_gather")]
+    assert sum(c.sent_nbytes() for c in padded) == step_nbytes_bounds(10, 4)[0][1] == 2 * 3 * 3 * 4
+
+
+def each_way_of_calling():
+    """On 2 ranks: every collective the step may use, each spelling once, under a StepGuard; then the refused."""
+    rank, device = labkit.rank(), labkit.device()
+    t, pair = torch.arange(4.0, device=device) + rank, torch.zeros(2, device=device)
+    with StepGuard() as guard:
+        dist.reduce_scatter(pair[:1], list(t[:2].split(1)))
+        dist.reduce_scatter_single(pair, t)
+        dist.all_gather(list(t.split(2)), pair)
+        dist.all_gather_single(t, pair)
+        dist.broadcast(pair, src=1)
+        dist.all_reduce(t)
+        dist.group.WORLD.allreduce([t]).wait()
+        dist.barrier()
+        refused = []
+        for call in (lambda: dist.send(t, 1 - rank), lambda: dist.group.WORLD.send([t], 1 - rank, 0),
+                     lambda: dist.all_gather_object([None, None], 1), lambda: dist.reduce(t, 0),
+                     lambda: torch.ops._c10d_functional.all_reduce(t, "sum", "0")):
+            try:
+                call()
+            except ForbiddenCall as error:
+                refused.append(str(error).split(" is switched off")[0])
+    after = torch.ones(1, device=device)
+    dist.all_reduce(after)  # the group works after the guard, unguarded
+    return [(c.kind, c.chunk_nbytes, c.root, c.contribution) for c in guard.calls], refused, after.item()
+
+
+def test_every_collective_is_recorded_once_where_the_group_receives_it_and_the_rest_is_refused():
+    (calls, refused, after), (calls_1, _, _) = labkit.run(each_way_of_calling, world_size=2)
+    assert [c[0] for c in calls] == ["reduce_scatter", "reduce_scatter", "all_gather", "all_gather", "broadcast",
+                                     "all_reduce", "all_reduce", "barrier"]
+    assert [c[1] for c in calls[:5]] == [[4, 4], [8, 8], [8, 8], [8, 8], [8]]
+    assert calls[2][3] == calls[3][3] and calls[4][3] is None and calls_1[4][3] is not None  # only the root sends
+    assert refused == ["torch.distributed.send", "ProcessGroup.send (as in dist.group.WORLD.send)",
+                       "torch.distributed.all_gather_object", "torch.distributed.reduce",
+                       "torch.ops._c10d_functional.all_reduce"]
+    assert after == 2.0
+
+
+def test_the_guard_always_restores_what_it_replaced():
+    """In this process, without a process group: everything replaced is put back, even when the step raises."""
+    watched = [(dist, "send"), (dist, "all_gather_object"), (dist.ProcessGroup, "allgather"),
+               (dist.ProcessGroup, "reduce_scatter"), (dist.ProcessGroup, "send"),
+               (torch._C._distributed_c10d.Backend, "allreduce")]
+    before = {(owner, name): vars(owner)[name] for owner, name in watched}
+    with pytest.raises(ValueError, match="the student's own error"):
+        with StepGuard():
+            assert all(vars(owner)[name] is not before[owner, name] for owner, name in watched)
+            raise ValueError("the student's own error")
+    assert all(vars(owner)[name] is before[owner, name] for owner, name in watched)
+    assert isinstance(torch.ops._c10d_functional.all_reduce, torch._ops.OpOverloadPacket)
+
+
+def rank_pids():
+    return os.getpid()
+
+
+def running(pids):
+    """The pids in `pids` still running (not exited, not a zombie)."""
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def hangs_on_rank_0(param, grad, lr):
+    if labkit.rank() == 0:
+        dist.broadcast(param, src=0)  # the others never join
+
+
+def test_a_hang_is_stopped_with_a_clear_message_and_leaves_no_rank_behind():
+    pids = labkit.run(rank_pids, world_size=3)
+    verdict = check_sharded_step(hangs_on_rank_0, timeout_seconds=HANG_SECONDS)
+    assert not verdict and "it never finished (stopped after 2 s)" in verdict.message, verdict
+    assert "rank 0 was still running in broadcast" in verdict.message, verdict
+    assert "rank(s) [1, 2] had returned" in verdict.message, verdict
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and running(pids):
+        time.sleep(0.1)
+    assert not running(pids)
+    assert check_sharded_step(notebook_11_solution)  # on fresh ranks
+
+
+def leaves_a_broadcast_posted(param, grad, lr):
+    """Right, except that rank 0 also posts a broadcast that nobody joins and returns without waiting for it."""
+    notebook_11_solution(param, grad, lr)
+    if labkit.rank() == 0:
+        dist.broadcast(torch.zeros(1, device=param.device), src=0, async_op=True)
+
+
+def test_a_collective_left_unmatched_is_reported_and_its_ranks_replaced():
+    pids = labkit.run(rank_pids, world_size=3)
+    verdict = check_sharded_step(leaves_a_broadcast_posted, timeout_seconds=HANG_SECONDS)
+    assert not verdict and "a broadcast of 4 bytes from rank 0" in verdict.message, verdict
+    assert set(labkit.run(rank_pids, world_size=3)).isdisjoint(pids)  # the pool was replaced
+    assert check_sharded_step(notebook_11_solution)
