@@ -13,6 +13,7 @@ from labkit.parallel.counters import (
     record_collective,
 )
 from labkit.parallel.data import Bucket, BucketedDDP, Event, average_gradients, broadcast_parameters
+from labkit.parallel.fsdp import FullyShardedDP, UnitEvent
 from labkit.parallel.mesh import AXES, MAX_LAYOUT_RANKS, Mesh, MeshPlace, mesh_layout
 from labkit.parallel.pipeline import (
     Action,
@@ -41,4 +42,5 @@ __all__ = ["AXES", "Action", "AllReduceCounter", "Bucket", "BucketedDDP", "Colle
            "RowParallelLinear", "all_reduce_sum", "average_gradients", "broadcast_parameters",
            "copy_to_tensor_parallel", "count_allreduces", "count_collectives", "gather_from_tensor_parallel",
            "measured_bubble", "mesh_layout", "peak_in_flight", "record_collective", "reduce_from_tensor_parallel",
-           "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_to_tensor_parallel", "stage_layers"]
+           "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_to_tensor_parallel", "stage_layers",
+           "FullyShardedDP", "UnitEvent"]

@@ -6,8 +6,8 @@ from labkit.viz.pipeline_chart import bubble_chart, pipeline_timeline
 from labkit.viz.plan import memory_bars, speedup_chart, zero_memory_bars
 from labkit.viz.ring_chart import contributions_by_hop, ring_animation
 from labkit.viz.traffic_chart import traffic_chart
-from labkit.viz.training import ddp_timeline, divergence_chart, loss_curves
+from labkit.viz.training import ddp_timeline, divergence_chart, fsdp_timeline, loss_curves
 
-__all__ = ["before_after", "bubble_chart", "contributions_by_hop", "ddp_timeline", "divergence_chart", "loss_curves",
-           "memory_bars", "mesh_grid", "pipeline_timeline", "ring_animation", "speedup_chart", "traffic_chart",
-           "zero_memory_bars"]
+__all__ = ["before_after", "bubble_chart", "contributions_by_hop", "ddp_timeline", "divergence_chart", "fsdp_timeline",
+           "loss_curves", "memory_bars", "mesh_grid", "pipeline_timeline", "ring_animation", "speedup_chart",
+           "traffic_chart", "zero_memory_bars"]

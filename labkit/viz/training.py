@@ -1,12 +1,15 @@
-"""Figures of training runs: replicas drifting apart, loss curves side by side, and DDP's backward timeline."""
+"""Figures of training runs: replicas drifting apart, loss curves side by side, DDP's backward timeline and one
+FullyShardedDP step's timeline."""
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from labkit.viz.style import BLUE, PALETTE, RED, log_axis
+from labkit.viz.style import BLUE, GREY, PALETTE, RED, log_axis
 
-__all__ = ["ddp_timeline", "divergence_chart", "loss_curves"]
+__all__ = ["FSDP_LANES", "ddp_timeline", "divergence_chart", "fsdp_timeline", "loss_curves"]
+
+FSDP_LANES = {"all_gather": "all-gather", "compute": "compute", "reduce_scatter": "reduce-scatter"}  # top down
 
 
 def divergence_chart(differences: dict[str, list[float]], title: str = "How far each replica drifts from rank 0"
@@ -55,4 +58,29 @@ def ddp_timeline(events, title: str = "One backward pass: gradients ready, bucke
                                      "<extra></extra>")
     figure.update_layout(title=title, xaxis_title="time since the backward started (ms)", barmode="overlay",
                          height=200 + 30 * len({e.bucket for e in events}), yaxis={"autorange": "reversed"})
+    return figure
+
+
+def fsdp_timeline(events, title: str = "One FullyShardedDP step: each all-gather prefetched under compute"
+                  ) -> go.Figure:
+    """A Gantt chart of a FullyShardedDP timeline (its `UnitEvent`s) in milliseconds: a lane for the all-gathers,
+    one for compute and one for the reduce-scatters, one colour per unit, a dotted line where the backward
+    begins. A prefetched all-gather is a bar in the top lane under the bar of the unit computing meanwhile. The
+    root unit's compute bar spans the whole forward (and backward), drawn first so the layers' bars lie on it:
+    where it shows, the root's own layers run, or nothing does."""
+    figure = go.Figure()
+    seen = set()
+    for e in events:
+        figure.add_bar(base=[e.start * 1e3], x=[(e.end - e.start) * 1e3], y=[FSDP_LANES[e.kind]], orientation="h",
+                       marker_color=PALETTE[e.unit % len(PALETTE)], name=e.name, legendgroup=e.name,
+                       showlegend=e.name not in seen, text=[e.name], textposition="inside", insidetextanchor="middle",
+                       hovertemplate=f"{e.kind} {e.name} ({e.phase}): from %{{base:.2f}} ms, %{{x:.2f}} ms long"
+                                     + (f", {e.nbytes / 1e6:.3f} MB" if e.nbytes else "") + "<extra></extra>")
+        seen.add(e.name)
+    backward = [e.start for e in events if e.phase == "backward"]
+    if backward:
+        figure.add_vline(x=min(backward) * 1e3, line_dash="dot", line_color=GREY, annotation_text="backward")
+    figure.update_layout(title=title, xaxis_title="time since the forward started (ms)", barmode="overlay",
+                         height=320, legend_title_text="unit",
+                         yaxis={"categoryorder": "array", "categoryarray": list(FSDP_LANES.values())[::-1]})
     return figure

@@ -1,9 +1,11 @@
-"""Figures of training runs: divergence, loss curves, and the DDP timeline."""
+"""Figures of training runs: divergence, loss curves, the DDP timeline and the FSDP timeline."""
 
 import pytest
 
 from labkit.parallel.data import Event
-from labkit.viz import ddp_timeline, divergence_chart, loss_curves
+from labkit.parallel.fsdp import UnitEvent
+from labkit.viz import ddp_timeline, divergence_chart, fsdp_timeline, loss_curves
+from labkit.viz.style import PALETTE
 
 
 def test_divergence_chart_uses_a_log_axis_only_when_there_is_drift():
@@ -35,3 +37,24 @@ def test_ddp_timeline_has_ticks_for_gradients_and_bars_for_buckets_in_millisecon
     assert list(ticks.x) == pytest.approx([1.0, 3.0])
     assert [bar.y[0] for bar in bars] == ["all_reduce bucket 0", "finish(): waiting"]
     assert bars[0].base[0] == pytest.approx(1.2) and bars[0].x[0] == pytest.approx(2.8)
+
+
+def test_fsdp_timeline_puts_each_kind_in_its_lane_coloured_by_unit_in_milliseconds():
+    events = [UnitEvent("all_gather", 0, "0", "forward", 0.0, 0.001, 400),
+              UnitEvent("all_gather", 1, "2", "forward", 0.0012, 0.003, 200),   # prefetched while unit 0 computes
+              UnitEvent("compute", 0, "0", "forward", 0.0011, 0.0025, 0),
+              UnitEvent("compute", 1, "2", "backward", 0.004, 0.005, 0),
+              UnitEvent("reduce_scatter", 1, "2", "backward", 0.005, 0.0065, 200)]
+    figure = fsdp_timeline(events)
+    assert [bar.y[0] for bar in figure.data] == ["all-gather", "all-gather", "compute", "compute", "reduce-scatter"]
+    assert figure.data[1].base[0] == pytest.approx(1.2) and figure.data[1].x[0] == pytest.approx(1.8)
+    assert [bar.marker.color for bar in figure.data] == [PALETTE[0], PALETTE[1], PALETTE[0], PALETTE[1], PALETTE[1]]
+    assert [bar.showlegend for bar in figure.data] == [True, True, False, False, False]  # one legend entry per unit
+    assert list(figure.layout.yaxis.categoryarray) == ["reduce-scatter", "compute", "all-gather"]  # top down
+    (backward,) = figure.layout.shapes
+    assert backward.x0 == pytest.approx(4.0) and figure.layout.xaxis.title.text.endswith("(ms)")
+
+
+def test_fsdp_timeline_of_a_forward_alone_has_no_backward_line():
+    figure = fsdp_timeline([UnitEvent("compute", 0, "0", "forward", 0.0, 0.001, 0)])
+    assert not figure.layout.shapes
