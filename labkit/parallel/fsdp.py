@@ -224,6 +224,13 @@ class FullyShardedDP(nn.Module):
         rest = self.module.state_dict()
         return {key: (full[key] if key in full else rest[key]).to(dtype) for key, dtype in self._dtypes.items()}
 
+    @property
+    def gathered_nbytes(self) -> int:
+        """Bytes of full parameters this rank holds now, on top of its shards: the units gathered at this moment
+        (in a unit's forward: it, the prefetched next one and the root's). labkit.measure counts shards only, as
+        plan.training_memory(zero_stage=3) predicts; this is what ZeRO-3 adds for a while."""
+        return sum(unit.nbytes for unit in self.units)
+
     # --- gathering, freeing and the timeline ---
 
     def _gather(self, unit: FlatUnit, phase: str) -> None:

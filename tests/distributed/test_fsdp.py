@@ -11,8 +11,9 @@ from torch import nn
 
 import labkit
 from labkit import groups
-from labkit.measure import training_state_nbytes
+from labkit.measure import peak_training_state
 from labkit.parallel import FullyShardedDP, count_collectives
+from labkit.plan import training_memory
 
 BATCH, STEPS, LENGTH, VOCAB = 12, 10, 3, 11  # 12 sequences per step: 6, 4 or 3 per rank on 2, 3 or 4 ranks
 ADAMW = {"lr": 0.02, "weight_decay": 0.1}
@@ -116,6 +117,38 @@ def test_equals_one_process_with_the_whole_batch(world_size):
     assert not torch.equal(expected["block.0.weight"], Tied().state_dict()["block.0.weight"])  # it trained
 
 
+class Reused(nn.Module):
+    """A layer applied twice in one forward, and a unit of 2 numbers, fewer than 4 ranks: some ranks' shards
+    are empty."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shared, self.gain = nn.Linear(4, 6), nn.Linear(6, 6), nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.shared(torch.tanh(self.shared(self.inp(x)))) * self.gain(x[:, :1])
+
+
+def train_reused(sharded: bool):
+    net = FullyShardedDP(Reused().to(labkit.device())) if sharded else Reused()
+    optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
+    x = torch.randn(STEPS, BATCH, 4, generator=torch.Generator().manual_seed(0))
+    for inputs in x:
+        optimizer.zero_grad()
+        net(mine(inputs) if sharded else inputs).pow(2).mean().backward()
+        if sharded:
+            net.finish()
+        optimizer.step()
+    return net.full_state_dict() if sharded else net.state_dict()
+
+
+def test_a_layer_used_twice_and_a_unit_smaller_than_the_group():
+    expected = train_reused(sharded=False)
+    for result in labkit.run(train_reused, True, world_size=4):
+        assert max(largest_differences(result, expected).values()) < 1e-5
+
+
 def torch_and_ours(data):
     return train_torch_fsdp(data), train_sharded(data)
 
@@ -154,7 +187,7 @@ def held_during_a_step():
     model = FullyShardedDP(Tied().to(labkit.device()))
     held = []  # bytes of gathered full buffers when each unit's forward begins
     for unit in model.units[:-1]:
-        unit.module.register_forward_pre_hook(lambda *_: held.append(sum(u.nbytes for u in model.units)))
+        unit.module.register_forward_pre_hook(lambda *_: held.append(model.gathered_nbytes))
     loss = loss_of(model, mine(batches()[0]))
     after_forward = [unit.nbytes for unit in model.units]
     slots_after_forward = [model.module.block[0].weight.untyped_storage().nbytes(),
@@ -177,18 +210,23 @@ def state_per_rank():
     torch.manual_seed(0)
     model = FullyShardedDP(nn.Sequential(nn.Linear(13, 17), nn.Tanh(), nn.Linear(17, 3)).to(labkit.device()))
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    model(torch.randn(4, 13, device=labkit.device())).sum().backward()
-    model.finish()
-    optimizer.step()
-    return training_state_nbytes(model, optimizer), len(model.units)
+    with peak_training_state(model, optimizer) as peak:
+        for _ in range(2):
+            optimizer.zero_grad()
+            model(torch.randn(4, 13, device=labkit.device())).sum().backward()
+            model.finish()
+            optimizer.step()
+    return peak.nbytes, len(model.units)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_each_rank_holds_one_nth_of_weights_gradients_and_adam_state(world_size):
     parameters = 13 * 17 + 17 + 17 * 3 + 3  # 292: a unit of 238 and one of 54
-    for held, units in labkit.run(state_per_rank, world_size=world_size):
-        for kind, copies in (("weights", 1), ("grads", 1), ("optimizer", 2)):  # Adam: m and v
-            assert abs(held[kind] - copies * 4 * parameters / world_size) <= copies * 4 * units
+    predicted = training_memory(parameters, weight_bytes=4, grad_bytes=4, optimizer_bytes=8,  # fp32 AdamW: m, v
+                                zero_stage=3, dp=world_size)
+    for peak, units in labkit.run(state_per_rank, world_size=world_size):
+        for kind, nbytes_per_element in (("weights", 4), ("grads", 4), ("optimizer", 8)):
+            assert abs(peak[kind] - predicted[kind]) <= nbytes_per_element * units  # one element per unit
 
 
 def traffic_of_a_step():
