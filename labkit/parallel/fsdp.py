@@ -326,7 +326,8 @@ def _check_module(module: nn.Module) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={shown(module)}: pass a torch.nn.Module, not a {type(module).__name__}.")
     home = device()
-    misplaced = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.device != home]
+    misplaced = [(name, t.device) for name, t in [*module.named_parameters(), *module.named_buffers()]
+                 if t.device != home]
     if misplaced:
-        raise ValueError(f"FullyShardedDP: the module must live on labkit.device() = {home}, but {misplaced[0]!r} "
-                         f"is on another device. Move it there first: module.to(labkit.device()).")
+        raise ValueError(f"FullyShardedDP: the module must live on labkit.device() = {home}, but {misplaced[0][0]!r} "
+                         f"is on {misplaced[0][1]}. Move it there first: module.to(labkit.device()).")

@@ -275,9 +275,9 @@ def refusals():
     said = []
     model = Tied().to(labkit.device())
     for bad in ({"compute_dtype": torch.int8}, {"units": [nn.Linear(2, 2)]}, {"units": [model.block, model.block[0]]},
-                {"units": 3}):
+                {"units": 3}, {"module": nn.Linear(2, 2, device="meta")}, {"module": "a model"}):
         try:
-            FullyShardedDP(model, **bad)
+            FullyShardedDP(**{"module": model, **bad})
         except (TypeError, ValueError) as error:
             said.append(f"{type(error).__name__}: {error}")
     return said
@@ -285,8 +285,10 @@ def refusals():
 
 def test_bad_arguments_are_refused_with_what_to_pass():
     said = labkit.run(refusals, world_size=1)[0]
-    assert len(said) == 4
+    assert len(said) == 6
     assert said[0].startswith("ValueError: compute_dtype=torch.int8: pass None") and "torch.bfloat16" in said[0]
     assert "is not a submodule of module" in said[1]
     assert "'block' and 'block.0' overlap" in said[2]
-    assert said[3].startswith("TypeError: units=")
+    assert said[3].startswith("TypeError: units=3: pass a list of submodules of module")
+    assert "'weight' is on meta. Move it there first: module.to(labkit.device())" in said[4]
+    assert said[5] == "TypeError: module='a model': pass a torch.nn.Module, not a str."
