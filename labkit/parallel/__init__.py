@@ -1,5 +1,6 @@
 """Parallelism by hand, checked against torch's own: data parallelism (`data`: gradient averaging,
-bucketed and overlapped with the backward as torch DDP does), tensor parallelism (`tensor`: Megatron's
+bucketed and overlapped with the backward as torch DDP does; `zero`: its optimizer state, and gradients, sharded
+over the ranks, ZeRO-1 and -2), tensor parallelism (`tensor`: Megatron's
 column- and row-parallel layers) and pipeline parallelism (`pipeline`: GPipe and 1F1B schedules, an
 executor over point-to-point sends, and a simulator), combined on a mesh (`mesh`: the ranks on named axes
 dp, pp and tp, each axis's process groups from torch's DeviceMesh)."""
@@ -35,11 +36,12 @@ from labkit.parallel.tensor import (
     reduce_from_tensor_parallel,
     split_to_tensor_parallel,
 )
+from labkit.parallel.zero import ShardedOptimizer
 from labkit.plan.counts import shard_sizes  # notebook 05 shows the cut the tensor-parallel layers use
 
 __all__ = ["AXES", "Action", "AllReduceCounter", "Bucket", "BucketedDDP", "CollectiveCounter", "ColumnParallelLinear",
            "Event", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "ParallelMLP", "PipelineEvent", "PipelineResult",
-           "RowParallelLinear", "all_reduce_sum", "average_gradients", "broadcast_parameters",
+           "RowParallelLinear", "ShardedOptimizer", "all_reduce_sum", "average_gradients", "broadcast_parameters",
            "copy_to_tensor_parallel", "count_allreduces", "count_collectives", "gather_from_tensor_parallel",
            "measured_bubble", "mesh_layout", "peak_in_flight", "record_collective", "reduce_from_tensor_parallel",
            "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_to_tensor_parallel", "stage_layers",

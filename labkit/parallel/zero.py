@@ -1,0 +1,411 @@
+"""ZeRO-1 and ZeRO-2 by hand: data parallelism whose optimizer state (ZeRO-1), and gradients too (ZeRO-2), are
+split over the ranks instead of replicated (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training
+Trillion Parameter Models", SC 2020, section 5: P_os and P_os+g).
+
+    ShardedOptimizer(params, torch.optim.AdamW, lr=...)                         ZeRO-1
+    ShardedOptimizer(params, torch.optim.AdamW, shard_gradients=True, lr=...)   ZeRO-2
+
+Layout. The trainable parameters (each tensor once: a tied weight once; frozen ones left out and never touched)
+are laid end to end, per param group and dtype, in buckets of at most `bucket_mb` MiB, filled from the last
+parameter back (the order the backward produces gradients). Each bucket's numbers are cut over the group's
+ranks with labkit.plan.counts.shard_sizes: group rank r owns slice r, so each rank holds 1/N of every bucket,
+up to one element. The inner optimizer (`optimizer_cls`) sees only this rank's slice, as "pieces": 1-D views
+into the model's own parameters, one per parameter the slice touches, so its state (Adam's m and v) is 1/N of
+the model's and no weight is copied.
+
+A step, per bucket: the gradients are reduce-scattered (summed, then divided by the group's size) so that each
+rank gets the average of its slice; the inner optimizer updates the slices; the slices are all-gathered back into
+every rank's parameters. That is a reduce-scatter plus an all-gather, 2(N-1)/N x the parameter bytes sent per
+rank, what DDP's all-reduce sends (paper, section 7.2.1). ZeRO-2 reduce-scatters each bucket during the backward,
+as soon as its gradients are ready (post-accumulate-grad hooks, as BucketedDDP does), and drops the gradients
+it sent: p.grad is None for every parameter after the backward, and the rank's averaged gradient slice is held
+by the inner optimizer's pieces. Its peak holds 1/N of the gradients plus the bucket being filled.
+
+torch.distributed in torch 2.13 runs both collectives on gloo, CPU included: dist.reduce_scatter_single and
+dist.all_gather_single (the new names of reduce_scatter_tensor and all_gather_into_tensor). They need the same
+size on every rank, so each rank's slice travels padded to the largest (shard_sizes differ by at most one).
+labkit.parallel.counters counts them: "reduce_scatter", the (padded) bucket this rank puts in, of which a ring
+sends (N-1)/N; "all_gather", this rank's (padded) slice, of which a ring sends N-1 copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from labkit import groups
+from labkit.checks import flag, number, shown
+from labkit.launch import device
+from labkit.parallel.counters import record_collective
+from labkit.plan.counts import shard_sizes
+
+__all__ = ["Piece", "ShardBucket", "ShardedOptimizer"]
+
+MiB = 2**20
+
+
+@dataclass
+class Piece:
+    """The part of `param` (flattened, from `start`) that this rank owns: `tensor`, a view into the parameter's
+    storage that the inner optimizer updates, at `offset` in this rank's slice of its bucket."""
+    param: nn.Parameter = field(repr=False)
+    start: int
+    offset: int
+    tensor: nn.Parameter = field(repr=False)
+
+
+@dataclass
+class ShardBucket:
+    """Parameters (of one param group and dtype) whose gradients are reduce-scattered together. `sizes`: each
+    group rank's slice of the bucket's `numel` numbers (shard_sizes); `pieces`: this rank's slice, by parameter;
+    `grad`: ZeRO-2's averaged gradient slice, kept until zero_grad()."""
+    index: int
+    group_index: int
+    params: list[nn.Parameter] = field(repr=False)
+    sizes: list[int]
+    pieces: list[Piece] = field(repr=False)
+    ready: list[bool] = field(default_factory=list, repr=False)
+    grad: torch.Tensor | None = field(default=None, repr=False)
+    pending: tuple | None = field(default=None, repr=False)  # (work, output, input) of a reduce-scatter in flight
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+
+def _trainable(param_groups: list[dict]) -> list[tuple[int, nn.Parameter]]:
+    """(group index, parameter) of every trainable parameter, each tensor once, in order."""
+    seen, found = set(), []
+    for g, group in enumerate(param_groups):
+        for p in group["params"]:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                found.append((g, p))
+    return found
+
+
+def _buckets(param_groups: list[dict], cap_nbytes: float, rank: int, size: int) -> list[ShardBucket]:
+    """Buckets of at most `cap_nbytes` (a larger parameter alone), one param group and dtype each, filled from the
+    last parameter back: bucket 0 holds the gradients the backward produces first."""
+    runs: list[list[tuple[int, nn.Parameter]]] = []
+    nbytes = 0
+    for g, p in reversed(_trainable(param_groups)):
+        p_nbytes = p.numel() * p.element_size()
+        last = runs[-1][-1] if runs else None
+        if last is None or (last[0], last[1].dtype) != (g, p.dtype) or nbytes + p_nbytes > cap_nbytes:
+            runs.append([])
+            nbytes = 0
+        runs[-1].append((g, p))
+        nbytes += p_nbytes
+    buckets = []
+    for index, run in enumerate(runs):
+        params = [p for _, p in reversed(run)]  # in the model's order within the bucket
+        sizes = shard_sizes(sum(p.numel() for p in params), size)
+        buckets.append(ShardBucket(index, run[0][0], params, sizes, _pieces(params, sizes, rank),
+                                   [False] * len(params)))
+    return buckets
+
+
+def _pieces(params: list[nn.Parameter], sizes: list[int], rank: int) -> list[Piece]:
+    """This rank's slice [lo, hi) of the parameters laid end to end, cut at the parameters' edges."""
+    lo = sum(sizes[:rank])
+    hi, pieces, at = lo + sizes[rank], [], 0
+    for p in params:
+        start, stop = max(lo, at), min(hi, at + p.numel())
+        if start < stop:
+            view = p.detach().view(-1)[start - at:stop - at]
+            pieces.append(Piece(p, start - at, start - lo, nn.Parameter(view)))
+        at += p.numel()
+    return pieces
+
+
+def _padded(flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """`flat`, cut by `sizes`, with each rank's part padded to the largest: what reduce_scatter_single needs. The
+    first ranks' parts are the larger (shard_sizes), so two copies place everything."""
+    parts, largest = len(sizes), max(sizes)
+    if largest * parts == flat.numel():
+        return flat
+    full = sizes.count(largest)
+    out = flat.new_zeros(parts, largest)
+    out[:full] = flat[:full * largest].view(full, largest)
+    out[full:, :largest - 1] = flat[full * largest:].view(parts - full, largest - 1)
+    return out.view(-1)
+
+
+def _unpadded(gathered: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The inverse of `_padded`: every rank's part, padding dropped, end to end."""
+    parts, largest = len(sizes), max(sizes)
+    if largest * parts == sum(sizes):
+        return gathered
+    full, rows = sizes.count(largest), gathered.view(parts, largest)
+    return torch.cat([rows[:full].reshape(-1), rows[full:, :largest - 1].reshape(-1)])
+
+
+_hooks = WeakIdKeyDictionary()  # parameter -> the ZeRO-2 hook on it (by identity: a tensor's == is elementwise)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 (and ZeRO-2 with `shard_gradients=True`): a torch optimizer whose state for each number of the
+    model lives on one rank of `group` only, and which keeps the replicas identical itself.
+
+    DO NOT also average the gradients (no DDP, no average_gradients): step() reduce-scatters them, averaging
+    over the group, as part of the update. Give every rank its slice of the batch, call backward(), then step().
+
+    - `params`: tensors or param-group dicts, as any torch optimizer takes them; `optimizer_cls` (SGD, Adam,
+      AdamW...) and `**optimizer_kwargs` build the inner optimizer over this rank's slice. The optimizer must be
+      elementwise (each number updated from its own state): the slice is flattened, across parameters.
+    - `group`: the data-parallel ranks (None: the world); group rank 0's trainable parameters are broadcast to
+      the others at construction, so the replicas start identical (frozen parameters and buffers are not
+      touched: they must agree already, as broadcast_parameters(model) makes them).
+    - `param_groups` are the user's groups: a change there (a learning-rate schedule) reaches the inner optimizer
+      at the next step. `state` is the inner optimizer's: the state of this rank's pieces only.
+    - A trainable parameter with no gradient on a rank counts as a zero gradient there, and is stepped (a torch
+      optimizer would skip a parameter that has no gradient anywhere): freeze what you do not train.
+    - After step(), ZeRO-1 leaves in p.grad this rank's gradient, with the slice it owns replaced by the average.
+      ZeRO-2 supports several backwards (gradient accumulation) before a step when every parameter gets a
+      gradient in each; its p.grad stays None.
+    - `state_dict()` holds this rank's slice and the layout it belongs to; `load_state_dict` refuses another's.
+
+    Example::
+
+        >>> import labkit, torch, torch.nn.functional as F
+        >>> from labkit.models import make_classification, mlp
+        >>> from labkit.parallel import ShardedOptimizer
+        >>> def train(steps=3):
+        ...     x, y = (t.to(labkit.device()) for t in make_classification())
+        ...     model = mlp(seed=labkit.rank()).to(labkit.device())      # rank 0's weights after the next line
+        ...     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+        ...     mine = slice(labkit.rank() * 256, (labkit.rank() + 1) * 256)      # this rank's half of 512
+        ...     for _ in range(steps):
+        ...         optimizer.zero_grad()
+        ...         F.cross_entropy(model(x[mine]), y[mine]).backward()         # no DDP, no averaging
+        ...         optimizer.step()           # reduce-scatter, AdamW on this rank's half, all-gather
+        ...     state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim())
+        ...     return state, model[0].weight.sum().item()
+        >>> (state0, w0), (state1, w1) = labkit.run(train, world_size=2)
+        >>> state0, state1, w0 == w1           # m and v of 5508 numbers, half on each rank; identical replicas
+        (5508, 5508, True)
+    """
+
+    def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], group=None, shard_gradients: bool = False,
+                 bucket_mb: float = 25.0, **optimizer_kwargs):
+        groups.require_member("ShardedOptimizer", group)
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_cls={shown(optimizer_cls)}: pass a torch optimizer class, such as "
+                            "torch.optim.AdamW (the class, not an instance).")
+        self.shard_gradients = flag("shard_gradients", shard_gradients)
+        self.bucket_mb = number("bucket_mb", bucket_mb, minimum=0, inclusive=False)
+        self.optimizer_cls, self.group, self._building = optimizer_cls, group, True
+        super().__init__(params, dict(optimizer_kwargs))
+        self._building = False
+        self.rank, self.size = groups.group_rank(group), groups.group_size(group)
+        _check_ranks_agree(self.param_groups, self.bucket_mb, group)
+        self.buckets = _buckets(self.param_groups, self.bucket_mb * MiB, self.rank, self.size)
+        self.inner = optimizer_cls([{**_hyperparameters(g), "params": [pc.tensor for pc in self._pieces(i)]}
+                                    for i, g in enumerate(self.param_groups)], **optimizer_kwargs)
+        self.defaults, self.state = self.inner.defaults, self.inner.state
+        for g, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            g.update(_hyperparameters(inner))
+        for piece in (pc for b in self.buckets for pc in b.pieces):
+            self.state[piece.tensor]  # an entry per piece, so that labkit.measure finds the gradient shard
+        self._next = 0  # ZeRO-2: the next bucket to reduce, in bucket order on every rank
+        self._hook_params()
+        self._broadcast_from_first()
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Only while constructing: the layout is fixed then (pass every group to the constructor)."""
+        if not getattr(self, "_building", False):
+            raise RuntimeError("ShardedOptimizer: add_param_group after construction would change every rank's "
+                               "slice; pass all param groups to the constructor.")
+        super().add_param_group(param_group)
+
+    def _pieces(self, group_index: int) -> list[Piece]:
+        return [pc for b in self.buckets if b.group_index == group_index for pc in b.pieces]
+
+    def _hook_params(self) -> None:
+        """ZeRO-2: each gradient reports when it is accumulated. A parameter answers to the last ShardedOptimizer
+        built over it: an earlier one's hook goes."""
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                old = _hooks.pop(p, None)
+                if old is not None:
+                    old.remove()
+                if self.shard_gradients:
+                    _hooks[p] = p.register_post_accumulate_grad_hook(
+                        lambda param, b=bucket, i=i: self._grad_ready(b, i))
+
+    @torch.no_grad()
+    def _broadcast_from_first(self) -> None:
+        root = groups.global_rank(self.group, 0)
+        for bucket in self.buckets:
+            for p in bucket.params:
+                record_collective("broadcast", p)
+                dist.broadcast(p.detach(), root, group=self.group)
+
+    # --- The step ---
+
+    def step(self, closure=None):
+        """Reduce-scatter the gradients (ZeRO-1; ZeRO-2 did during the backward), update this rank's slice with the
+        inner optimizer, all-gather every rank's slice into the parameters. Returns the closure's loss, if any."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            for bucket in self.buckets if not self.shard_gradients else ():
+                self._launch(bucket)
+                self._settle(bucket)
+            while self.shard_gradients and (self._next or any(any(b.ready) for b in self.buckets)):
+                self._launch_next()  # buckets a missing gradient kept from filling, zeros for those
+            for inner, group in zip(self.inner.param_groups, self.param_groups, strict=True):
+                inner.update(_hyperparameters(group))
+            self.inner.step()
+            for bucket in self.buckets:
+                self._all_gather(bucket)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The parameters' gradients and this rank's gradient slice: dropped (set_to_none) or zeroed."""
+        super().zero_grad(set_to_none)
+        self.inner.zero_grad(set_to_none)
+        for bucket in self.buckets:
+            bucket.grad = None if set_to_none else bucket.grad
+
+    def _grad_ready(self, bucket: ShardBucket, i: int) -> None:
+        """ZeRO-2: p.grad of `bucket`'s i-th parameter is accumulated; reduce every bucket that is now full, in
+        bucket order (the same collectives in the same order on every rank)."""
+        if bucket.index < self._next:
+            raise RuntimeError("ShardedOptimizer: a second backward before step(), while the first left a bucket "
+                               "waiting for a gradient that never came (a parameter unused in it): call step() "
+                               "after each backward, or freeze the unused parameter.")
+        bucket.ready[i] = True
+        while self._next < len(self.buckets) and all(self.buckets[self._next].ready):
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        """Reduce the next bucket and drop its gradients; settle the one before it (so at most two are in flight)
+        and, after the last bucket, that one too: the backward ends with every slice averaged."""
+        bucket = self.buckets[self._next]
+        self._launch(bucket)
+        for p in bucket.params:
+            p.grad = None
+        bucket.ready = [False] * len(bucket.params)
+        if self._next:
+            self._settle(self.buckets[self._next - 1])
+        self._next += 1
+        if self._next == len(self.buckets):
+            self._settle(bucket)
+            self._next = 0
+
+    def _launch(self, bucket: ShardBucket) -> None:
+        """Start the reduce-scatter (SUM) of the bucket's gradients, laid end to end (zeros for a missing one)."""
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
+                          for p in bucket.params])
+        sent = _padded(flat, bucket.sizes)
+        out = flat.new_empty(max(bucket.sizes))
+        record_collective("reduce_scatter", sent)
+        bucket.pending = (dist.reduce_scatter_single(out, sent, group=self.group, async_op=True), out, sent)
+
+    def _settle(self, bucket: ShardBucket) -> None:
+        """Wait for the bucket's reduce-scatter; divide by the group's size; hand the average to the pieces: ZeRO-1
+        writes it into p.grad (the pieces' gradients are views of it), ZeRO-2 keeps it (adding to an earlier
+        backward's) in bucket.grad."""
+        if bucket.pending is None:
+            return
+        work, out, _ = bucket.pending
+        work.wait()
+        bucket.pending = None
+        mine = out[:bucket.sizes[self.rank]].div_(self.size)
+        if self.shard_gradients:
+            bucket.grad = mine if bucket.grad is None else bucket.grad.add_(mine)
+        for pc in bucket.pieces:
+            n = pc.tensor.numel()
+            if self.shard_gradients:
+                pc.tensor.grad = bucket.grad[pc.offset:pc.offset + n]
+                continue
+            if pc.param.grad is None or not pc.param.grad.is_contiguous():
+                pc.param.grad = torch.zeros_like(pc.param) if pc.param.grad is None else pc.param.grad.contiguous()
+            pc.tensor.grad = pc.param.grad.view(-1)[pc.start:pc.start + n].copy_(mine[pc.offset:pc.offset + n])
+
+    def _all_gather(self, bucket: ShardBucket) -> None:
+        """Every rank's updated slice of the bucket, into every rank's parameters."""
+        sent = bucket.params[0].new_zeros(max(bucket.sizes))
+        if bucket.pieces:
+            torch.cat([pc.tensor.detach() for pc in bucket.pieces], out=sent[:bucket.sizes[self.rank]])
+        gathered = sent.new_empty(self.size * sent.numel())
+        record_collective("all_gather", sent)
+        dist.all_gather_single(gathered, sent, group=self.group)
+        full = _unpadded(gathered, bucket.sizes)
+        for p, values in zip(bucket.params, full.split([p.numel() for p in bucket.params]), strict=True):
+            p.copy_(values.view_as(p))
+
+    # --- Saving and loading ---
+
+    def _layout(self) -> dict:
+        """What a state_dict's slice belongs to: the group's size, this rank in it, and every bucket."""
+        return {"group size": self.size, "group rank": self.rank, "optimizer": self.optimizer_cls.__name__,
+                "buckets": [(b.group_index, str(b.params[0].dtype), [tuple(p.shape) for p in b.params])
+                            for b in self.buckets]}
+
+    def state_dict(self) -> dict:
+        """This rank's slice of the optimizer state, the user's param groups, and the layout (see load_state_dict)."""
+        inner = self.inner.state_dict()
+        param_groups = [{**_hyperparameters(g), "params": i["params"]}
+                        for g, i in zip(self.param_groups, inner["param_groups"], strict=True)]
+        return {"state": inner["state"], "param_groups": param_groups, "layout": self._layout()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state_dict saved by the same rank of a ShardedOptimizer with the same layout (group size, rank,
+        optimizer class, buckets); anything else is refused, saying what differs."""
+        saved = state_dict.get("layout") if isinstance(state_dict, dict) else None
+        difference = _layout_difference(saved, self._layout())
+        if difference:
+            raise ValueError(f"ShardedOptimizer.load_state_dict: {difference}. Load, on each rank, the state_dict "
+                             "that rank saved, with the same model, param groups, optimizer, bucket_mb and group.")
+        self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
+        for g, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
+            g.update(_hyperparameters(inner))
+
+
+def _hyperparameters(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _layout_difference(saved, mine: dict) -> str:
+    """How a state_dict's layout differs from this optimizer's, in words; "" if it does not."""
+    if not isinstance(saved, dict):
+        return "the state_dict has no 'layout': it is not a ShardedOptimizer's"
+    differ = [f"{key} {shown(saved.get(key))} saved, {shown(mine[key])} here" for key in mine
+              if key != "buckets" and saved.get(key) != mine[key]]
+    theirs = saved.get("buckets") or []
+    for b, (a, ours) in enumerate(zip(theirs + [None] * len(mine["buckets"]), mine["buckets"], strict=False)):
+        if a != ours:
+            differ.append(f"bucket {b}: {shown(a)} saved, {shown(ours)} here (param group, dtype, shapes)")
+            break
+    if len(theirs) > len(mine["buckets"]):
+        differ.append(f"{len(theirs)} buckets saved, {len(mine['buckets'])} here")
+    return "; ".join(differ)
+
+
+def _check_ranks_agree(param_groups: list[dict], bucket_mb: float, group) -> None:
+    """The same ValueError on every rank of `group` unless each has its trainable parameters on its
+    labkit.device(), contiguous (its slice is a view of them), and the same as the others' (groups, shapes,
+    dtypes, bucket_mb): mismatched buckets would hang the collectives instead of saying why."""
+    home, ranks = device(), groups.group_ranks(group)
+    misplaced = [f"a parameter of param group {g} (shape {tuple(p.shape)}) " +
+                 (f"is on {p.device}, not on labkit.device() = {home}" if p.device != home else "is not contiguous")
+                 for g, p in _trainable(param_groups) if p.device != home or not p.is_contiguous()]
+    layout = (bucket_mb, [(g, str(p.dtype), tuple(p.shape)) for g, p in _trainable(param_groups)])
+    everyone = groups.gather_objects((misplaced[:1], layout), group)
+    problems = [f"rank {ranks[r]}: {where[0]}" for r, (where, _) in enumerate(everyone) if where]
+    if problems:
+        raise ValueError("ShardedOptimizer: every trainable parameter must be contiguous and on its rank's "
+                         "labkit.device(), but " + "; ".join(problems) + ". Pass the parameters of a model moved "
+                         "with model.to(labkit.device()).")
+    groups.check_gathered([theirs for _, theirs in everyone], "ShardedOptimizer", "(bucket_mb, parameters)",
+                          "Build it over the same model, param groups and bucket_mb on every rank of the group.",
+                          ranks)
