@@ -79,7 +79,8 @@ class FullyShardedDP(nn.Module):
       MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...) does); gradients are reduce-scattered in it, then
       cast back onto the master shards (the module's dtype) that the optimizer updates. Frozen parameters are
       cast to it once, here (they never change: the cast each step would make); buffers are not cast.
-    - `timeline`: the UnitEvents of the step that finish() closed, in seconds (labkit.measure.Stopwatch).
+    - `timeline`: the UnitEvents of the step that finish() closed, in seconds (labkit.measure.Stopwatch); a
+      forward under torch.no_grad() is a step of its own, closed at its end.
     - Built from group rank 0's parameters (broadcast once), on each rank's labkit.device(). Buffers stay
       whole and unsynchronised on every rank.
 
@@ -135,13 +136,18 @@ class FullyShardedDP(nn.Module):
                 unit.module.register_forward_hook(lambda _, args, output, unit=unit: self._after_forward(unit, output))
 
     def forward(self, *args, **kwargs):
-        if self._clock is None:
+        opens_a_step = self._clock is None
+        if opens_a_step:
             self._clock, self.timeline, self._order = measure.Stopwatch(device()), [], []
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             if self._root is None:
-                return self.module(*self._cast(args), **self._cast(kwargs))
-            args, kwargs = self._before_forward(self._root, args, kwargs)
-            return self._after_forward(self._root, self.module(*args, **kwargs))
+                output = self.module(*self._cast(args), **self._cast(kwargs))
+            else:
+                args, kwargs = self._before_forward(self._root, args, kwargs)
+                output = self._after_forward(self._root, self.module(*args, **kwargs))
+        if opens_a_step and not torch.is_grad_enabled():
+            self.finish()  # no backward will follow (evaluation): the step ends here
+        return output
 
     # --- the hooks: forward, then backward ---
 

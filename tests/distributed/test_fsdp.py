@@ -188,19 +188,23 @@ def held_during_a_step():
     held = []  # bytes of gathered full buffers when each unit's forward begins
     for unit in model.units[:-1]:
         unit.module.register_forward_pre_hook(lambda *_: held.append(model.gathered_nbytes))
+    with torch.no_grad():
+        model(mine(batches()[0])[:, :-1])  # evaluation: no backward follows, so it frees at its end
+    after_evaluation, held[:] = model.gathered_nbytes, []
     loss = loss_of(model, mine(batches()[0]))
     after_forward = [unit.nbytes for unit in model.units]
     slots_after_forward = [model.module.block[0].weight.untyped_storage().nbytes(),
                            model.module.head.weight.untyped_storage().nbytes()]
     loss.backward()
     model.finish()
-    return held, after_forward, slots_after_forward, [unit.nbytes for unit in model.units], \
+    return held, after_evaluation, after_forward, slots_after_forward, [unit.nbytes for unit in model.units], \
         [(unit.full.numel() * unit.full.element_size()) for unit in model.units]
 
 
 def test_full_parameters_are_freed_after_forward_and_after_backward():
-    for held, after_forward, slots, after_backward, sizes in labkit.run(held_during_a_step, world_size=2):
-        assert after_forward == [0, 0, 0] and slots == [0, 0] and after_backward == [0, 0, 0]
+    for held, after_evaluation, after_forward, slots, after_backward, sizes in labkit.run(held_during_a_step,
+                                                                                       world_size=2):
+        assert after_evaluation == 0 and after_forward == [0, 0, 0] and slots == [0, 0] and after_backward == [0, 0, 0]
         root, block, norm = sizes[-1], sizes[0], sizes[1]
         # inside block's forward: the root's, its own and the prefetched norm's; inside norm's: root and norm
         assert held == [root + block + norm, root + norm]
