@@ -34,7 +34,7 @@ from labkit.checks import shown
 from labkit.launch import device
 from labkit.parallel.flat_shards import FlatUnit, choose_units, claim_parameters
 
-__all__ = ["FullyShardedDP", "UnitEvent"]
+__all__ = ["COMPUTE_DTYPES", "FullyShardedDP", "UnitEvent"]
 
 COMPUTE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
