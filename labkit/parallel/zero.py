@@ -271,9 +271,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The parameters' gradients and this rank's gradient slice: dropped (set_to_none) or zeroed."""
         super().zero_grad(set_to_none)
-        self.inner.zero_grad(set_to_none)
-        for bucket in self.buckets:
-            bucket.grad = None if set_to_none else bucket.grad
+        self.inner.zero_grad(set_to_none)  # zeroing the pieces' gradients zeroes ZeRO-2's bucket.grad they view
+        for bucket in self.buckets if set_to_none else ():
+            bucket.grad = None
 
     def _grad_ready(self, bucket: ShardBucket, i: int) -> None:
         """ZeRO-2: p.grad of `bucket`'s i-th parameter is accumulated; reduce every bucket that is now full, in
@@ -320,16 +320,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         work.wait()
         bucket.pending = None
         mine = out[:bucket.sizes[self.rank]].div_(self.size)
-        if self.shard_gradients:
-            bucket.grad = mine if bucket.grad is None else bucket.grad.add_(mine)
+        if not self.shard_gradients:
+            _average_into_params(bucket.pieces, mine)
+            return
+        bucket.grad = mine if bucket.grad is None else bucket.grad.add_(mine)
         for pc in bucket.pieces:
-            n = pc.tensor.numel()
-            if self.shard_gradients:
-                pc.tensor.grad = bucket.grad[pc.offset:pc.offset + n]
-                continue
-            if pc.param.grad is None or not pc.param.grad.is_contiguous():
-                pc.param.grad = torch.zeros_like(pc.param) if pc.param.grad is None else pc.param.grad.contiguous()
-            pc.tensor.grad = pc.param.grad.view(-1)[pc.start:pc.start + n].copy_(mine[pc.offset:pc.offset + n])
+            pc.tensor.grad = bucket.grad[pc.offset:pc.offset + pc.tensor.numel()]
 
     def _all_gather(self, bucket: ShardBucket) -> None:
         """Every rank's updated slice of the bucket, into every rank's parameters."""
@@ -369,6 +365,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         for g, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             g.update(_hyperparameters(inner))
+
+
+def _average_into_params(pieces: list[Piece], mine: torch.Tensor) -> None:
+    """ZeRO-1: this rank's averaged slice `mine` written over the parts of the gradients it owns (a zero gradient
+    made for a parameter that has none); each piece's gradient is a view of its part, so no gradient is copied."""
+    for pc in pieces:
+        grad = pc.param.grad
+        if grad is None or not grad.is_contiguous():
+            pc.param.grad = grad = torch.zeros_like(pc.param) if grad is None else grad.contiguous()
+        n = pc.tensor.numel()
+        pc.tensor.grad = grad.view(-1)[pc.start:pc.start + n].copy_(mine[pc.offset:pc.offset + n])
 
 
 def _hyperparameters(group: dict) -> dict:
