@@ -256,16 +256,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            for bucket in self.buckets if not self.shard_gradients else ():
-                self._launch(bucket)
-                self._settle(bucket)
+            if not self.shard_gradients:
+                _pipelined(self.buckets, self._launch, self._settle)
             while self.shard_gradients and (self._next or any(any(b.ready) for b in self.buckets)):
                 self._launch_next()  # buckets a missing gradient kept from filling, zeros for those
             for inner, group in zip(self.inner.param_groups, self.param_groups, strict=True):
                 inner.update(_hyperparameters(group))
             self.inner.step()
-            for bucket in self.buckets:
-                self._all_gather(bucket)
+            _pipelined(self.buckets, self._post_all_gather, self._place_gathered)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -327,14 +325,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for pc in bucket.pieces:
             pc.tensor.grad = bucket.grad[pc.offset:pc.offset + pc.tensor.numel()]
 
-    def _all_gather(self, bucket: ShardBucket) -> None:
-        """Every rank's updated slice of the bucket, into every rank's parameters."""
+    def _post_all_gather(self, bucket: ShardBucket) -> None:
+        """Start gathering every rank's updated slice of the bucket (this rank's padded to the largest)."""
         sent = bucket.params[0].new_zeros(max(bucket.sizes))
         if bucket.pieces:
             torch.cat([pc.tensor.detach() for pc in bucket.pieces], out=sent[:bucket.sizes[self.rank]])
         gathered = sent.new_empty(self.size * sent.numel())
         record_collective("all_gather", sent)
-        dist.all_gather_single(gathered, sent, group=self.group)
+        bucket.pending = (dist.all_gather_single(gathered, sent, group=self.group, async_op=True), gathered, sent)
+
+    def _place_gathered(self, bucket: ShardBucket) -> None:
+        """Wait for the bucket's all-gather; copy every rank's slice into this rank's parameters."""
+        work, gathered, _ = bucket.pending
+        work.wait()
+        bucket.pending = None
         full = _unpadded(gathered, bucket.sizes)
         for p, values in zip(bucket.params, full.split([p.numel() for p in bucket.params]), strict=True):
             p.copy_(values.view_as(p))
@@ -365,6 +369,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict({"state": state_dict["state"], "param_groups": state_dict["param_groups"]})
         for g, inner in zip(self.param_groups, self.inner.param_groups, strict=True):
             g.update(_hyperparameters(inner))
+
+
+def _pipelined(buckets: list[ShardBucket], post, finish) -> None:
+    """post(bucket) for each bucket in order, and finish(bucket) for each once the next is posted: one collective
+    on the wire while the previous one's result is copied out, and at most two buckets' buffers alive."""
+    for before, bucket in zip([None, *buckets], buckets, strict=False):
+        post(bucket)
+        if before is not None:
+            finish(before)
+    if buckets:
+        finish(buckets[-1])
 
 
 def _average_into_params(pieces: list[Piece], mine: torch.Tensor) -> None:
