@@ -161,6 +161,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     - `group`: the data-parallel ranks (None: the world); group rank 0's trainable parameters are broadcast to
       the others at construction, so the replicas start identical (frozen parameters and buffers are not
       touched: they must agree already, as broadcast_parameters(model) makes them).
+    - `bucket_mb`: the most MiB of gradients reduced together (torch DDP's 25 by default). ZeRO-2's gradients
+      peak at 1/N of the model plus up to one bucket: on a small model, pass a small bucket_mb to see the saving.
     - `param_groups` are the user's groups: a change there (a learning-rate schedule) reaches the inner optimizer
       at the next step. `state` is the inner optimizer's: the state of this rank's pieces only.
     - A trainable parameter with no gradient on a rank counts as a zero gradient there, and is stepped (a torch
