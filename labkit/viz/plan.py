@@ -3,50 +3,70 @@ against bandwidth."""
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 
+from labkit.checks import choice
 from labkit.plan import GB, ring_allreduce_bytes
 from labkit.plan.step_time import data_parallel_speedup
 from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED, log_axis
 
-__all__ = ["STAGE_LABELS", "memory_bars", "speedup_chart", "zero_memory_bars"]
+__all__ = ["STAGE_LABELS", "UNITS", "memory_bars", "speedup_chart", "zero_memory_bars"]
 
 PARTS = {"weights": BLUE, "grads": ORANGE, "optimizer": GREEN}  # memory_bars' stack, bottom to top
 STAGE_LABELS = {0: "DDP<br>nothing sharded", 1: "ZeRO-1<br>optimizer state", 2: "ZeRO-2<br>+ gradients",
                 3: "ZeRO-3<br>+ weights"}  # zero_memory_bars' bars: the stage, and what it shards
+UNITS = {"GB": GB, "MB": 1e6}  # the bars' unit: GB for models people train, MB for the small ones measured here
 
 
 def memory_bars(plans: dict[str, dict[str, float]], gpu_nbytes: float | None = None,
-                title: str = "Memory per GPU before activations") -> go.Figure:
+                title: str = "Memory per GPU before activations", unit: str = "GB") -> go.Figure:
     """One stacked bar per plan: bytes per GPU of weights, grads and optimizer state (`training_memory`'s dicts),
-    with the GPU's memory as a dashed line."""
+    with the GPU's memory as a dashed line; heights in `unit` (a key of UNITS: GB = 1e9 bytes, MB = 1e6)."""
+    scale = UNITS[choice("unit", unit, UNITS)]
     labels = list(plans)
-    figure = go.Figure([go.Bar(x=labels, y=[plans[label][part] / GB for label in labels], name=part,
-                               marker_color=color, hovertemplate="%{x}: %{y:.1f} GB<extra>" + part + "</extra>")
+    figure = go.Figure([go.Bar(x=labels, y=[plans[label][part] / scale for label in labels], name=part,
+                               marker_color=color, hovertemplate=f"%{{x}}: %{{y:.1f}} {unit}<extra>{part}</extra>")
                         for part, color in PARTS.items()])
     if gpu_nbytes:
-        figure.add_hline(y=gpu_nbytes / GB, line={"dash": "dash", "color": RED},
-                         annotation_text=f"GPU memory {gpu_nbytes / GB:g} GB", annotation_position="top right")
-    figure.update_layout(barmode="stack", title=title, yaxis_title="memory per GPU, GB (1e9 bytes)", height=380,
-                         margin={"t": 50})
+        figure.add_hline(y=gpu_nbytes / scale, line={"dash": "dash", "color": RED},
+                         annotation_text=f"GPU memory {gpu_nbytes / scale:g} {unit}", annotation_position="top right")
+    figure.update_layout(barmode="stack", title=title, height=380, margin={"t": 50},
+                         yaxis_title=f"memory per GPU, {unit} (1e{math.log10(scale):.0f} bytes)")
     return figure
 
 
 def zero_memory_bars(table: dict[int, dict[str, float]], gpu_nbytes: float | None = None,
-                     title: str = "Memory per GPU by ZeRO stage, before activations") -> go.Figure:
+                     title: str = "Memory per GPU by ZeRO stage, before activations", unit: str = "GB",
+                     predicted: dict[int, dict[str, float]] | None = None) -> go.Figure:
     """`plan.zero_memory_table`'s stages as `memory_bars`: per GPU, weights, grads and optimizer state stacked
-    (GB = 1e9 bytes), each bar's total written above it; the ZeRO paper's figure 1 for
-    `zero_memory_table(7.5e9, dp=64)`. A dict of measured bytes keyed the same way (stage: parts) draws too."""
-    unknown = [stage for stage in table if stage not in STAGE_LABELS]
-    if unknown or not table:
-        raise ValueError(f"table has stages {list(table)}: pass plan.zero_memory_table's dict, keyed by ZeRO "
-                         "stage 0, 1, 2 or 3.")
+    (in `unit`: GB = 1e9 bytes, MB = 1e6), each bar's total written above it; the ZeRO paper's figure 1 for
+    `zero_memory_table(7.5e9, dp=64)`. A dict of measured bytes keyed the same way (stage: parts) draws too, and
+    `predicted` (plan's table for the same stages) then marks each predicted total beside its measured bar."""
+    _check_stages("table", table)
+    if predicted is not None:
+        _check_stages("predicted", predicted)
     plans = {STAGE_LABELS[stage]: memory for stage, memory in table.items()}
-    figure = memory_bars(plans, gpu_nbytes, title)
+    figure = memory_bars(plans, gpu_nbytes, title, unit)
+    scale = UNITS[unit]
     for label, memory in plans.items():
-        figure.add_annotation(x=label, y=memory["total"] / GB, text=f"{memory['total'] / GB:.1f} GB",
+        figure.add_annotation(x=label, y=memory["total"] / scale, text=f"{memory['total'] / scale:.1f} {unit}",
                               showarrow=False, yanchor="bottom")
+    if predicted:
+        figure.add_scatter(x=[STAGE_LABELS[stage] for stage in predicted],
+                           y=[memory["total"] / scale for memory in predicted.values()], mode="markers",
+                           name="predicted total (plan)", marker={"symbol": "line-ew-open", "size": 40,
+                                                                  "line": {"width": 3, "color": GREY}},
+                           hovertemplate=f"%{{x}}: plan predicts %{{y:.3f}} {unit}<extra></extra>")
     return figure
+
+
+def _check_stages(name: str, table: dict) -> None:
+    """ValueError unless `table` is keyed by ZeRO stages, at least one."""
+    if not table or any(stage not in STAGE_LABELS for stage in table):
+        raise ValueError(f"{name} has stages {list(table)}: pass plan.zero_memory_table's dict, keyed by ZeRO "
+                         "stage 0, 1, 2 or 3.")
 
 
 def speedup_chart(devices: int, compute_seconds: float, gradient_nbytes: float, bandwidths, overlaps=(0.0, 0.9),

@@ -41,6 +41,22 @@ def test_zero_memory_bars_draw_the_stages_they_are_given_and_refuse_others():
             zero_memory_bars(bad)
 
 
+def test_zero_memory_bars_draw_measured_megabytes_with_plans_totals_beside_them():
+    measured = zero_memory_table(1e6, dp=4, weight_bytes=4, grad_bytes=4, optimizer_bytes=8)  # a small fp32 model
+    predicted = {stage: {**parts, "total": parts["total"] * 1.01} for stage, parts in measured.items()}
+    figure = zero_memory_bars(measured, gpu_nbytes=12e6, unit="MB", predicted=predicted)
+    assert list(figure.data[0].y) == pytest.approx([4, 4, 4, 1])                  # weights in MB (1e6 bytes)
+    assert [a.text for a in figure.layout.annotations][1:] == ["16.0 MB", "10.0 MB", "7.0 MB", "4.0 MB"]
+    assert figure.layout.shapes[0].y0 == 12 and "MB (1e6 bytes)" in figure.layout.yaxis.title.text
+    marks = figure.data[-1]
+    assert marks.name == "predicted total (plan)" and list(marks.y) == pytest.approx([16.16, 10.1, 7.07, 4.04])
+    assert "GB (1e9 bytes)" in zero_memory_bars(measured).layout.yaxis.title.text  # GB unless told otherwise
+    with pytest.raises(ValueError, match=r"unit='kB': use one of 'GB', 'MB'"):
+        zero_memory_bars(measured, unit="kB")
+    with pytest.raises(ValueError, match=r"predicted has stages \[5\]"):
+        zero_memory_bars(measured, predicted={5: measured[0]})
+
+
 def test_speedup_chart_reaches_the_device_count_on_fast_links():
     figure = speedup_chart(8, 1.0, 14e9, [1e9, 14.7e9, 1e13], overlaps=(0.0,))
     speedups = figure.data[0].y
