@@ -81,7 +81,7 @@ browser: setup ## every notebook in JupyterLab in Chromium (Playwright); screens
 	$(BIN)/python -m pytest tests/browser; status=$$?; \
 		echo "Screenshots of every notebook: $(ARTIFACTS)/screenshots/"; exit $$status
 
-bench: setup ## print the benchmark tables (launcher, collectives)
+bench: setup ## print the benchmark tables (launcher, collectives, DDP, pipeline, ZeRO and FSDP)
 	@for b in benchmarks/[a-z]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done
 
 # On a CUDA machine with its own torch, nothing installed: `make gpu-test` there uses .venv if it exists, else python3.
