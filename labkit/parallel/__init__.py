@@ -1,9 +1,11 @@
 """Parallelism by hand, checked against torch's own: data parallelism (`data`: gradient averaging,
-bucketed and overlapped with the backward as torch DDP does; `zero`: its optimizer state, and gradients, sharded
-over the ranks, ZeRO-1 and -2), tensor parallelism (`tensor`: Megatron's
-column- and row-parallel layers) and pipeline parallelism (`pipeline`: GPipe and 1F1B schedules, an
-executor over point-to-point sends, and a simulator), combined on a mesh (`mesh`: the ranks on named axes
-dp, pp and tp, each axis's process groups from torch's DeviceMesh)."""
+bucketed and overlapped with the backward as torch DDP does), sharded data parallelism (`zero`: the optimizer
+state, and gradients, sharded over the ranks, ZeRO-1 and -2, laid out by `zero_buckets`; `fsdp`: the parameters
+too, unit by unit, ZeRO-3 as torch's FSDP does it, its units in `fsdp_units`; both cut a flat vector of parameters
+over the ranks with `flat_shards`), tensor parallelism (`tensor`: Megatron's column- and row-parallel layers)
+and pipeline parallelism (`pipeline`: GPipe and 1F1B schedules, an executor over point-to-point sends, and a
+simulator), combined on a mesh (`mesh`: the ranks on named axes dp, pp and tp, each axis's process groups from
+torch's DeviceMesh)."""
 
 from labkit.parallel.counters import (
     AllReduceCounter,

@@ -1,157 +1,100 @@
-"""ZeRO-3's layout: each unit's parameters as one flat vector, cut over the ranks of a group.
+"""A flat vector cut over the ranks of a group: the layout ZeRO's three stages share (zero_buckets.py's buckets for
+ZeRO-1 and -2, fsdp_units.py's units for ZeRO-3), and the two collectives that move it.
 
-    choose_units(module, units)              the submodules that are each one unit (default: the children)
-    claim_parameters(module, unit_modules)   which trainable parameters each unit owns
-    FlatUnit                                 one unit: its parameters' places, this rank's flat shard, and the
-                                             full buffer that an all-gather fills and freeing empties
+    FlatLayout(shapes, parts)                   tensors of these shapes end to end, cut over `parts` ranks
+    post_all_gather(layout, sent, group)        every rank's slice into one buffer (async, counted)
+    post_reduce_scatter(layout, buffer, group)  the buffers summed, each rank receiving its slice (async, counted)
 
-A unit's trainable parameters (each distinct tensor once, in `model.parameters()` order) are concatenated into a
-flat vector of `numel` elements, cut with labkit.plan.counts.shard_sizes: group rank r keeps slice r as `shard`,
-an nn.Parameter in the parameters' dtype, the master copy its optimizer updates (Rajbhandari et al., "ZeRO",
-SC 2020; Zhao et al., "PyTorch FSDP", VLDB 2023, section 3: FSDP's FlatParameter).
+The tensors (each distinct parameter once) are concatenated into one flat vector of `numel` numbers, cut with
+labkit.plan.counts.shard_sizes: group rank r owns slice r, `sizes[r]` numbers from `start(r)`. So each rank holds
+1/N of it, up to one number (Rajbhandari et al., "ZeRO", SC 2020, section 5; Zhao et al., "PyTorch FSDP",
+VLDB 2023, section 3: FSDP's FlatParameter).
 
-The full vector lives only in `full`: a leaf tensor of group size x `piece` elements (`piece`: the largest slice),
-in the compute dtype, whose storage is resized to 0 bytes whenever the unit is freed. gloo's all-gather and
-reduce-scatter need equal pieces, so every rank sends `piece` elements (a smaller slice padded with one zero) and
-the gathered pieces are then moved together (`compact`), so that full[:numel] is the flat vector and each
-parameter is a view of it; a gradient goes the other way (`spread`) before its reduce-scatter.
+torch.distributed's all_gather_single and reduce_scatter_single (the new names of all_gather_into_tensor and
+reduce_scatter_tensor; gloo runs both, on the CPU too, in torch 2.13) need the same length from every rank, so
+each slice travels padded to `piece` numbers, the largest slice (shard_sizes gives the longer slices first, and
+they differ by at most one). A buffer of `parts` x `piece` numbers holds every rank's piece: `compact` moves the
+gathered pieces together, so that buffer[:numel] is the flat vector, and `spread` is its inverse, which a
+reduce-scatter's input needs. Both work in place: one buffer, no second copy of the whole vector.
+labkit.parallel.counters counts each collective by what this rank puts in: its piece for an all-gather (a ring
+sends N-1 copies of it), its whole buffer for a reduce-scatter (a ring sends (N-1)/N of it).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from labkit import groups
-from labkit.checks import items, shown
 from labkit.parallel.counters import record_collective
 from labkit.plan.counts import shard_sizes
 
-__all__ = ["FlatUnit", "Placed", "choose_units", "claim_parameters"]
+__all__ = ["FlatLayout", "post_all_gather", "post_reduce_scatter"]
 
 
-@dataclass(eq=False)
-class Placed:
-    """One parameter of a unit: the (qualified name, module, attribute) slots that hold it (two or more when it
-    is tied), its shape, and where it starts in the unit's flat vector."""
-    slots: list[tuple[str, nn.Module, str]]
-    shape: torch.Size
-    offset: int
+class FlatLayout:
+    """Tensors of `shapes` laid end to end in one flat vector of `numel` numbers (tensor i from `offsets[i]`),
+    cut over `parts` ranks with shard_sizes (`sizes`); each slice travels padded to `piece` = sizes[0].
 
-    @property
-    def numel(self) -> int:
-        return self.shape.numel()
+    >>> layout = FlatLayout([(2, 3), (4,)], parts=4)          # 10 numbers over 4 ranks
+    >>> layout.sizes, layout.piece, layout.start(2), layout.owned(1)
+    ([3, 3, 2, 2], 3, 6, [(0, 3, 0, 3)])
+    >>> buffer = torch.arange(12.0)                          # 4 pieces of 3: the flat vector first
+    >>> layout.spread(buffer); buffer                        # ranks 2 and 3 padded with a zero
+    tensor([0., 1., 2., 3., 4., 5., 6., 7., 0., 8., 9., 0.])
+    >>> layout.compact(buffer); buffer[:layout.numel]
+    tensor([0., 1., 2., 3., 4., 5., 6., 7., 8., 9.])
+    """
 
-
-def choose_units(module: nn.Module, units) -> list[nn.Module]:
-    """The unit submodules: `units` checked (distinct submodules of `module`, none inside another, not the root),
-    or by default every direct child with a trainable parameter."""
-    if units is None:
-        return [child for child in module.children() if any(p.requires_grad for p in child.parameters())]
-    units = items("units", units, "a list of submodules of module")
-    names = {id(m): name for name, m in module.named_modules() if name}
-    strangers = [u for u in units if id(u) not in names]
-    if strangers:
-        raise ValueError(f"units: {shown(strangers[0])} is not a submodule of module: pass submodules, e.g. the "
-                         "layers (not the module itself: its own parameters form the root's unit anyway).")
-    chosen = [names[id(u)] for u in units]
-    overlaps = [(a, b) for i, a in enumerate(chosen) for b in chosen[i + 1:]
-                if a == b or b.startswith(a + ".") or a.startswith(b + ".")]
-    if overlaps:
-        raise ValueError(f"units: {overlaps[0][0]!r} and {overlaps[0][1]!r} overlap (the same module, or one inside "
-                         "the other): pass units that do not overlap.")
-    return units
-
-
-def claim_parameters(root: nn.Module, unit_modules: list[nn.Module]) -> list[tuple[nn.Module, list]]:
-    """For each of `unit_modules`, then for the root, the trainable parameters it owns, as (parameter, its slots)
-    in `root.parameters()` order. A parameter belongs to the one unit whose subtree holds every slot of it; one
-    that no unit holds, or that two units share (a tied weight), belongs to the root. Frozen parameters
-    (requires_grad=False) belong to nobody: they stay where they are, whole on every rank."""
-    prefixes = [{name + "." for name, m in root.named_modules(remove_duplicate=False) if m is unit}
-                for unit in unit_modules]
-    slots: dict[nn.Parameter, list] = {}  # insertion order: root.parameters() order
-    for qualified, param in root.named_parameters(remove_duplicate=False):
-        if param.requires_grad:
-            path, _, attr = qualified.rpartition(".")
-            slots.setdefault(param, []).append((qualified, root.get_submodule(path), attr))
-    owned: list[list] = [[] for _ in range(len(unit_modules) + 1)]  # the last: the root
-    for param, where in slots.items():
-        holders = {next((i for i, starts in enumerate(prefixes) if name.startswith(tuple(starts))), None)
-                   for name, _, _ in where}
-        owned[holders.pop() if len(holders) == 1 and None not in holders else -1].append((param, where))
-    return [(module, params) for module, params in zip([*unit_modules, root], owned, strict=True) if params]
-
-
-class FlatUnit:
-    """One unit's parameters, sharded: `shard` (this rank's slice of the flat vector, an nn.Parameter), `full`
-    (the gathered vector, storage 0 bytes while freed), `placed` (where each parameter sits in it).
-
-    Built from group rank 0's values (broadcast once), as DDP starts from rank 0's replica. The parameters
-    leave their modules: each slot then holds a view of `full` (`use_views`), so that the module's own forward
-    computes with the gathered values and autograd sends the gradients into `full.grad`."""
-
-    def __init__(self, index: int, name: str, module: nn.Module, owned: list, group, compute_dtype):
-        self.index, self.name, self.module, self.group = index, name, module, group
-        params = [param for param, _ in owned]
-        if len({p.dtype for p in params}) > 1:
-            raise ValueError(f"FullyShardedDP: unit {name!r} mixes dtypes {sorted({str(p.dtype) for p in params})}; "
-                             "a unit is one flat vector: pass units= that keep each dtype apart.")
-        offsets = [0, *itertools.accumulate(p.numel() for p in params)]
-        self.placed = [Placed(where, param.shape, offset)
-                       for (param, where), offset in zip(owned, offsets, strict=False)]
-        self.numel, self.world = offsets[-1], groups.group_size(group)
-        self.sizes = shard_sizes(self.numel, self.world)
-        self.piece, me = self.sizes[0], groups.group_rank(group)
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        record_collective("broadcast", flat)
-        dist.broadcast(flat, groups.global_rank(group, 0), group=group)
-        start = sum(self.sizes[:me])
-        self.shard = nn.Parameter(flat[start:start + self.sizes[me]].clone())
-        self.full = flat.new_empty(self.piece * self.world, dtype=compute_dtype or flat.dtype).requires_grad_()
-        self.work = None  # the all-gather in flight, if one is
-        for placed in self.placed:
-            for _, slot_module, attr in placed.slots:
-                delattr(slot_module, attr)
-        with torch.no_grad():
-            self.use_views()  # until the first forward: views of the buffer that free() empties, shapes only
-        self.free()
+    def __init__(self, shapes, parts: int):
+        self.shapes = [torch.Size(shape) for shape in shapes]
+        self.offsets = [0, *itertools.accumulate(shape.numel() for shape in self.shapes)]
+        self.numel, self.parts = self.offsets[-1], parts
+        self.sizes = shard_sizes(self.numel, parts)
+        self.piece = self.sizes[0]
 
     def __repr__(self) -> str:
-        return f"FlatUnit({self.index}, {self.name!r}, numel={self.numel}, shard={self.shard.numel()})"
+        return f"FlatLayout(numel={self.numel}, sizes={self.sizes})"
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes the full buffer holds now: group size x piece x element size while gathered, 0 while freed."""
-        return self.full.untyped_storage().nbytes()
+    def start(self, rank: int) -> int:
+        """Where group rank `rank`'s slice starts in the flat vector."""
+        return sum(self.sizes[:rank])
 
-    def free(self) -> None:
-        """Give the full buffer's memory back; its views keep their shapes and hold no data."""
-        self.full.untyped_storage().resize_(0)
+    def owned(self, rank: int) -> list[tuple[int, int, int, int]]:
+        """The tensors `rank`'s slice touches, each as (tensor index, where the slice's part starts in that tensor,
+        flattened; where it starts in the slice; how many numbers), in order."""
+        lo = self.start(rank)
+        hi, found = lo + self.sizes[rank], []
+        for i, at in enumerate(self.offsets[:-1]):
+            first, stop = max(lo, at), min(hi, self.offsets[i + 1])
+            if first < stop:
+                found.append((i, first - at, first - lo, stop - first))
+        return found
 
-    def all_gather(self):
-        """Post the all-gather of every rank's piece, in the compute dtype, into `full` (storage allocated here);
-        returns torch's work handle. `compact` once it has completed."""
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        mine = _padded(self.shard.detach().to(self.full.dtype), self.piece)
-        record_collective("all_gather", mine)
-        self.work = dist.all_gather_single(self.full.detach(), mine, group=self.group, async_op=True)
-        return self.work
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor's view of `flat` (the flat vector, or a buffer that starts with it), in its shape."""
+        return [flat[at:at + shape.numel()].view(shape) for at, shape in zip(self.offsets, self.shapes, strict=False)]
+
+    def padded(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """One rank's slice, given as `parts` (at least one tensor; an empty one gives the dtype and device), end
+        to end and followed by zeros up to `piece` numbers: what each rank sends to an all-gather. No copy when
+        the slice is one tensor of `piece` numbers already."""
+        missing = self.piece - sum(part.numel() for part in parts)
+        if len(parts) == 1 and not missing:
+            return parts[0].reshape(-1)
+        return torch.cat([*(part.reshape(-1) for part in parts), parts[0].new_zeros(missing)])
 
     def compact(self, buffer: torch.Tensor) -> None:
-        """Gathered pieces (each `piece` long, the smaller slices padded) -> the flat vector at the front."""
+        """Every rank's piece (the shorter slices padded) -> the flat vector at the front of `buffer`, in place."""
         block = self._padded_block(buffer)
         if block is not None:
             start, rows = self._first_padded() * self.piece, block[:, :-1].reshape(-1)  # a copy: no overlap
             buffer[start:start + rows.numel()] = rows
 
     def spread(self, buffer: torch.Tensor) -> None:
-        """The flat vector at the front -> one `piece` per rank, zeros where a slice is shorter: `compact`'s
-        inverse, which a reduce-scatter's input needs."""
+        """The flat vector at the front of `buffer` -> one piece per rank, a zero after each shorter slice, in
+        place: `compact`'s inverse."""
         block = self._padded_block(buffer)
         if block is not None:
             start = self._first_padded() * self.piece
@@ -160,47 +103,29 @@ class FlatUnit:
             block[:, -1] = 0
 
     def _first_padded(self) -> int:
-        """The first group rank whose slice is one shorter than `piece` (shard_sizes gives the longer ones first)."""
-        return self.sizes.index(self.piece - 1) if self.sizes[-1] < self.piece else self.world
+        """The first rank whose slice is one shorter than `piece`; `parts` when none is."""
+        return self.sizes.index(self.piece - 1) if self.sizes[-1] < self.piece else self.parts
 
     def _padded_block(self, buffer: torch.Tensor) -> torch.Tensor | None:
         """The padded ranks' pieces of `buffer`, one row each; None when every slice is `piece` long."""
         first = self._first_padded()
-        return None if first == self.world else buffer[first * self.piece:].view(self.world - first, self.piece)
-
-    def use_views(self) -> None:
-        """Point every slot at its parameter's view of full[:numel] (under autograd when grad is enabled)."""
-        flat = self.full[:self.numel]
-        for placed in self.placed:
-            view = flat[placed.offset:placed.offset + placed.numel].view(placed.shape)
-            for _, slot_module, attr in placed.slots:
-                setattr(slot_module, attr, view)
-
-    def reduce_scatter(self, grad: torch.Tensor):
-        """Post the reduce-scatter (SUM) of the full gradient `grad`, in its dtype; returns (work, this rank's
-        piece of the sum). `add_gradient` once it has completed."""
-        grad = grad.contiguous()
-        self.spread(grad)
-        piece = grad.new_empty(self.piece)
-        record_collective("reduce_scatter", grad)
-        return dist.reduce_scatter_single(piece, grad, group=self.group, async_op=True), piece
-
-    def add_gradient(self, piece: torch.Tensor) -> None:
-        """This rank's piece of the summed gradient, divided by the group size (the average), in the shard's
-        dtype, into `shard.grad` (added, if a gradient is there already)."""
-        mine = piece[:self.shard.numel()].to(self.shard.dtype) / self.world
-        self.shard.grad = mine if self.shard.grad is None else self.shard.grad.add_(mine)
-
-    def gather_master(self) -> torch.Tensor:
-        """The flat vector of the master shards (their dtype), all-gathered into a new tensor."""
-        buffer = self.shard.detach().new_empty(self.piece * self.world)
-        mine = _padded(self.shard.detach(), self.piece)
-        record_collective("all_gather", mine)
-        dist.all_gather_single(buffer, mine, group=self.group)
-        self.compact(buffer)
-        return buffer[:self.numel]
+        return None if first == self.parts else buffer[first * self.piece:].view(self.parts - first, self.piece)
 
 
-def _padded(shard: torch.Tensor, piece: int) -> torch.Tensor:
-    """`shard`, with a zero after it when it is one element shorter than `piece`."""
-    return shard if shard.numel() == piece else torch.cat([shard, shard.new_zeros(piece - shard.numel())])
+def post_all_gather(layout: FlatLayout, sent: torch.Tensor, group, out: torch.Tensor | None = None):
+    """Post the all-gather of every rank's piece (`sent`: this rank's, from layout.padded) into `out` (`parts` x
+    `piece` numbers; a new buffer if None). Returns (torch's work handle, out): once the work is done,
+    layout.compact(out) puts the flat vector at its front."""
+    out = sent.new_empty(layout.parts * layout.piece) if out is None else out
+    record_collective("all_gather", sent)
+    return dist.all_gather_single(out, sent, group=group, async_op=True), out
+
+
+def post_reduce_scatter(layout: FlatLayout, buffer: torch.Tensor, group):
+    """Post the reduce-scatter (SUM) of `buffer` (`parts` x `piece` numbers, the flat vector at its front; spread
+    here, in place). Returns (torch's work handle, this rank's piece of the sum): once the work is done, its first
+    sizes[rank] numbers are the sum of the group's slices."""
+    layout.spread(buffer)
+    mine = buffer.new_empty(layout.piece)
+    record_collective("reduce_scatter", buffer)
+    return dist.reduce_scatter_single(mine, buffer, group=group, async_op=True), mine

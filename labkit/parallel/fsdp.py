@@ -19,7 +19,8 @@ FSDP", VLDB 2023, section 3). Freeing must really free: autograd would keep the 
 backward, so tensors it saves that are views of a unit's buffer are saved as a note (unit, shape, strides,
 offset) and rebuilt from the re-gathered buffer (torch.autograd.graph.saved_tensors_hooks; torch's fully_shard
 instead refills the same storage behind autograd's version counter). Collectives: all_gather_single and
-reduce_scatter_single, which gloo runs on the CPU (async too) in torch 2.13, with equal pieces (flat_shards.py).
+reduce_scatter_single, which gloo runs on the CPU (async too) in torch 2.13, with equal pieces (flat_shards.py);
+the units themselves, their shards and buffers, are fsdp_units.py's.
 """
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ from torch import nn
 from labkit import groups, measure
 from labkit.checks import shown
 from labkit.launch import device
-from labkit.parallel.flat_shards import FlatUnit, choose_units, claim_parameters
+from labkit.parallel.fsdp_units import (
+    FlatUnit,
+    cast_floating,
+    cast_frozen,
+    check_module,
+    choose_units,
+    claim_parameters,
+    output_tensors,
+)
 
 __all__ = ["COMPUTE_DTYPES", "FullyShardedDP", "UnitEvent"]
 
@@ -110,7 +119,7 @@ class FullyShardedDP(nn.Module):
             raise ValueError(f"compute_dtype={shown(compute_dtype)}: pass None (the module's dtype) or one of "
                              f"{', '.join(map(str, COMPUTE_DTYPES))}.")
         groups.require_member("FullyShardedDP", group)
-        _check_module(module)
+        check_module(module)
         claimed = claim_parameters(module, choose_units(module, units))
         names = {id(m): name or "(root)" for name, m in module.named_modules()}
         groups.check_same([(names[id(m)], [(where[0][0], tuple(p.shape), str(p.dtype)) for p, where in owned])
@@ -121,7 +130,7 @@ class FullyShardedDP(nn.Module):
         self.units = [FlatUnit(i, names[id(m)], m, owned, group, compute_dtype)
                       for i, (m, owned) in enumerate(claimed)]
         self.shards = nn.ParameterList([unit.shard for unit in self.units])
-        _cast_frozen(module, compute_dtype)
+        cast_frozen(module, compute_dtype)
         self._root = self.units[-1] if self.units and self.units[-1].module is module else None
         self.timeline: list[UnitEvent] = []
         self._clock, self._order, self._pending, self._running = None, [], [], {}
@@ -141,7 +150,8 @@ class FullyShardedDP(nn.Module):
             self._clock, self.timeline, self._order = measure.Stopwatch(device()), [], []
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             if self._root is None:
-                output = self.module(*self._cast(args), **self._cast(kwargs))
+                args, kwargs = cast_floating((args, kwargs), self.compute_dtype)
+                output = self.module(*args, **kwargs)
             else:
                 args, kwargs = self._before_forward(self._root, args, kwargs)
                 output = self._after_forward(self._root, self.module(*args, **kwargs))
@@ -158,12 +168,12 @@ class FullyShardedDP(nn.Module):
         self._prefetch(self._planned[position] if position < len(self._planned) else None, "forward")
         unit.use_views()
         self._running[unit] = self._event("compute", unit, "forward")
-        return self._cast(args), self._cast(kwargs)
+        return cast_floating((args, kwargs), self.compute_dtype)
 
     def _after_forward(self, unit: FlatUnit, output):
         self._running.pop(unit).end = self._clock.mark()
         self._free(unit)
-        needing = [t for t in _tensors(output) if t.requires_grad]
+        needing = [t for t in output_tensors(output) if t.requires_grad]
         if needing:
             torch.autograd.graph.register_multi_grad_hook(needing, lambda _: self._before_backward(unit), mode="any")
         return output
@@ -223,10 +233,8 @@ class FullyShardedDP(nn.Module):
         names. Under compute_dtype, frozen parameters hold values rounded to it (see the class docstring)."""
         full = {}
         for unit in self.units:
-            flat = unit.gather_master()
-            for placed in unit.placed:
-                tensor = flat[placed.offset:placed.offset + placed.numel].view(placed.shape).clone()
-                full.update({name: tensor for name, _, _ in placed.slots})
+            for where, values in zip(unit.slots, unit.gather_master(), strict=True):
+                full.update({name: values.clone() for name, _, _ in where})
         rest = self.module.state_dict()
         return {key: (full[key] if key in full else rest[key]).to(dtype) for key, dtype in self._dtypes.items()}
 
@@ -246,7 +254,7 @@ class FullyShardedDP(nn.Module):
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
-            unit.compact(unit.full.detach())
+            unit.compact()
 
     def _prefetch(self, unit: FlatUnit | None, phase: str) -> None:
         if unit is not None and unit.nbytes == 0:
@@ -298,42 +306,3 @@ class FullyShardedDP(nn.Module):
             return saved
         self._gather(saved.unit, "backward")  # normally done already, by the hook on the unit's output
         return saved.unit.full.detach().as_strided(saved.size, saved.stride, saved.offset)
-
-    def _cast(self, value):
-        """`value` with its floating-point tensors (also inside tuples, lists and dicts) in compute_dtype."""
-        if self.compute_dtype is None:
-            return value
-        if isinstance(value, torch.Tensor):
-            return value.to(self.compute_dtype) if value.is_floating_point() else value
-        if isinstance(value, (tuple, list)):
-            return type(value)(self._cast(v) for v in value)
-        return {k: self._cast(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    """The tensors in a module's output: itself, or inside a tuple, list or dict."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else []
-    return [t for v in values for t in _tensors(v)]
-
-
-def _cast_frozen(module: nn.Module, compute_dtype: torch.dtype | None) -> None:
-    """The frozen floating-point parameters (all that is left in `module` once the units hold the trainable
-    ones) in compute_dtype: never trained, so this one cast is the one each step would make."""
-    for frozen in module.parameters() if compute_dtype is not None else ():
-        if frozen.is_floating_point():
-            frozen.data = frozen.data.to(compute_dtype)
-
-
-def _check_module(module: nn.Module) -> None:
-    """TypeError unless `module` is an nn.Module; ValueError unless its parameters and buffers are all on this
-    rank's labkit.device() (under NCCL a CPU tensor would quietly travel over gloo)."""
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"module={shown(module)}: pass a torch.nn.Module, not a {type(module).__name__}.")
-    home = device()
-    misplaced = [(name, t.device) for name, t in [*module.named_parameters(), *module.named_buffers()]
-                 if t.device != home]
-    if misplaced:
-        raise ValueError(f"FullyShardedDP: the module must live on labkit.device() = {home}, but {misplaced[0][0]!r} "
-                         f"is on {misplaced[0][1]}. Move it there first: module.to(labkit.device()).")

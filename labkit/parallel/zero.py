@@ -5,13 +5,11 @@ Trillion Parameter Models", SC 2020, section 5: P_os and P_os+g).
     ShardedOptimizer(params, torch.optim.AdamW, lr=...)                         ZeRO-1
     ShardedOptimizer(params, torch.optim.AdamW, shard_gradients=True, lr=...)   ZeRO-2
 
-Layout. The trainable parameters (each tensor once: a tied weight once; frozen ones left out and never touched)
-are laid end to end, per param group and dtype, in buckets of at most `bucket_mb` MiB, filled from the last
-parameter back (the order the backward produces gradients). Each bucket's numbers are cut over the group's
-ranks with labkit.plan.counts.shard_sizes: group rank r owns slice r, so each rank holds 1/N of every bucket,
-up to one element. The inner optimizer (`optimizer_cls`) sees only this rank's slice, as "pieces": 1-D views
-into the model's own parameters, one per parameter the slice touches, so its state (Adam's m and v) is 1/N of
-the model's and no weight is copied.
+Layout (zero_buckets.py): the trainable parameters (each tensor once; frozen ones never touched) end to end,
+per param group and dtype, in buckets of at most `bucket_mb` MiB, each cut over the group's ranks with
+labkit.plan.counts.shard_sizes, so each rank owns 1/N of every bucket, up to one element. The inner optimizer
+(`optimizer_cls`) sees only this rank's slice, as "pieces": 1-D views into the model's own parameters, one per
+parameter the slice touches, so its state (Adam's m and v) is 1/N of the model's and no weight is copied.
 
 A step, per bucket: the gradients are reduce-scattered (summed, then divided by the group's size) so that each
 rank gets the average of its slice; the inner optimizer updates the slices; the slices are all-gathered back into
@@ -21,128 +19,32 @@ as soon as its gradients are ready (post-accumulate-grad hooks, as BucketedDDP d
 it sent: p.grad is None for every parameter after the backward, and the rank's averaged gradient slice is held
 by the inner optimizer's pieces. Its peak holds 1/N of the gradients plus the bucket being filled.
 
-torch.distributed in torch 2.13 runs both collectives on gloo, CPU included: dist.reduce_scatter_single and
-dist.all_gather_single (the new names of reduce_scatter_tensor and all_gather_into_tensor). They need the same
-size on every rank, so each rank's slice travels padded to the largest (shard_sizes differ by at most one).
-labkit.parallel.counters counts them: "reduce_scatter", the (padded) bucket this rank puts in, of which a ring
-sends (N-1)/N; "all_gather", this rank's (padded) slice, of which a ring sends N-1 copies.
+The collectives, reduce_scatter_single and all_gather_single (gloo runs both, CPU included, in torch 2.13), are
+flat_shards.py's post_reduce_scatter and post_all_gather, which ZeRO-3 uses too: each slice travels padded to the
+largest, and each is counted by labkit.parallel.counters ("reduce_scatter": the padded bucket this rank puts in,
+of which a ring sends (N-1)/N; "all_gather": its padded slice, of which a ring sends N-1 copies).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from labkit import groups
 from labkit.checks import flag, number, shown
-from labkit.launch import device
 from labkit.parallel.counters import record_collective
-from labkit.plan.counts import shard_sizes
+from labkit.parallel.data import MiB
+from labkit.parallel.flat_shards import post_all_gather, post_reduce_scatter
+from labkit.parallel.zero_buckets import (
+    Piece,
+    ShardBucket,
+    check_ranks_agree,
+    layout_difference,
+    shard_buckets,
+)
 
-__all__ = ["Piece", "ShardBucket", "ShardedOptimizer"]
-
-MiB = 2**20
-
-
-@dataclass
-class Piece:
-    """The part of `param` (flattened, from `start`) that this rank owns: `tensor`, a view into the parameter's
-    storage that the inner optimizer updates, at `offset` in this rank's slice of its bucket."""
-    param: nn.Parameter = field(repr=False)
-    start: int
-    offset: int
-    tensor: nn.Parameter = field(repr=False)
-
-
-@dataclass
-class ShardBucket:
-    """Parameters (of one param group and dtype) whose gradients are reduce-scattered together. `sizes`: each
-    group rank's slice of the bucket's `numel` numbers (shard_sizes); `pieces`: this rank's slice, by parameter;
-    `grad`: ZeRO-2's averaged gradient slice, kept until zero_grad()."""
-    index: int
-    group_index: int
-    params: list[nn.Parameter] = field(repr=False)
-    sizes: list[int]
-    pieces: list[Piece] = field(repr=False)
-    ready: list[bool] = field(default_factory=list, repr=False)
-    grad: torch.Tensor | None = field(default=None, repr=False)
-    pending: tuple | None = field(default=None, repr=False)  # (work, output, input) of a reduce-scatter in flight
-
-    @property
-    def numel(self) -> int:
-        return sum(self.sizes)
-
-
-def _trainable(param_groups: list[dict]) -> list[tuple[int, nn.Parameter]]:
-    """(group index, parameter) of every trainable parameter, each tensor once, in order."""
-    seen, found = set(), []
-    for g, group in enumerate(param_groups):
-        for p in group["params"]:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                found.append((g, p))
-    return found
-
-
-def _buckets(param_groups: list[dict], cap_nbytes: float, rank: int, size: int) -> list[ShardBucket]:
-    """Buckets of at most `cap_nbytes` (a larger parameter alone), one param group and dtype each, filled from the
-    last parameter back: bucket 0 holds the gradients the backward produces first."""
-    runs: list[list[tuple[int, nn.Parameter]]] = []
-    nbytes = 0
-    for g, p in reversed(_trainable(param_groups)):
-        p_nbytes = p.numel() * p.element_size()
-        last = runs[-1][-1] if runs else None
-        if last is None or (last[0], last[1].dtype) != (g, p.dtype) or nbytes + p_nbytes > cap_nbytes:
-            runs.append([])
-            nbytes = 0
-        runs[-1].append((g, p))
-        nbytes += p_nbytes
-    buckets = []
-    for index, run in enumerate(runs):
-        params = [p for _, p in reversed(run)]  # in the model's order within the bucket
-        sizes = shard_sizes(sum(p.numel() for p in params), size)
-        buckets.append(ShardBucket(index, run[0][0], params, sizes, _pieces(params, sizes, rank),
-                                   [False] * len(params)))
-    return buckets
-
-
-def _pieces(params: list[nn.Parameter], sizes: list[int], rank: int) -> list[Piece]:
-    """This rank's slice [lo, hi) of the parameters laid end to end, cut at the parameters' edges."""
-    lo = sum(sizes[:rank])
-    hi, pieces, at = lo + sizes[rank], [], 0
-    for p in params:
-        start, stop = max(lo, at), min(hi, at + p.numel())
-        if start < stop:
-            view = p.detach().view(-1)[start - at:stop - at]
-            pieces.append(Piece(p, start - at, start - lo, nn.Parameter(view)))
-        at += p.numel()
-    return pieces
-
-
-def _padded(flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """`flat`, cut by `sizes`, with each rank's part padded to the largest: what reduce_scatter_single needs. The
-    first ranks' parts are the larger (shard_sizes), so two copies place everything."""
-    parts, largest = len(sizes), max(sizes)
-    if largest * parts == flat.numel():
-        return flat
-    full = sizes.count(largest)
-    out = flat.new_zeros(parts, largest)
-    out[:full] = flat[:full * largest].view(full, largest)
-    out[full:, :largest - 1] = flat[full * largest:].view(parts - full, largest - 1)
-    return out.view(-1)
-
-
-def _unpadded(gathered: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """The inverse of `_padded`: every rank's part, padding dropped, end to end."""
-    parts, largest = len(sizes), max(sizes)
-    if largest * parts == sum(sizes):
-        return gathered
-    full, rows = sizes.count(largest), gathered.view(parts, largest)
-    return torch.cat([rows[:full].reshape(-1), rows[full:, :largest - 1].reshape(-1)])
+__all__ = ["ShardedOptimizer"]
 
 
 _hooks = WeakIdKeyDictionary()  # parameter -> the ZeRO-2 hook on it (by identity: a tensor's == is elementwise)
@@ -205,8 +107,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(params, dict(optimizer_kwargs))
         self._building = False
         self.rank, self.size = groups.group_rank(group), groups.group_size(group)
-        _check_ranks_agree(self.param_groups, self.bucket_mb, group)
-        self.buckets = _buckets(self.param_groups, self.bucket_mb * MiB, self.rank, self.size)
+        check_ranks_agree(self.param_groups, self.bucket_mb, group)
+        self.buckets = shard_buckets(self.param_groups, self.bucket_mb * MiB, self.rank, self.size)
         self.inner = optimizer_cls([{**_hyperparameters(g), "params": [pc.tensor for pc in self._pieces(i)]}
                                     for i, g in enumerate(self.param_groups)], **optimizer_kwargs)
         self.defaults, self.state = self.inner.defaults, self.inner.state
@@ -303,12 +205,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _launch(self, bucket: ShardBucket) -> None:
         """Start the reduce-scatter (SUM) of the bucket's gradients, laid end to end (zeros for a missing one)."""
-        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel())
-                          for p in bucket.params])
-        sent = _padded(flat, bucket.sizes)
-        out = flat.new_empty(max(bucket.sizes))
-        record_collective("reduce_scatter", sent)
-        bucket.pending = (dist.reduce_scatter_single(out, sent, group=self.group, async_op=True), out, sent)
+        layout = bucket.layout
+        sent = bucket.params[0].new_empty(layout.parts * layout.piece)
+        torch.cat([p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in bucket.params],
+                  out=sent[:layout.numel])
+        bucket.pending = (*post_reduce_scatter(layout, sent, self.group), sent)
 
     def _settle(self, bucket: ShardBucket) -> None:
         """Wait for the bucket's reduce-scatter; divide by the group's size; hand the average to the pieces: ZeRO-1
@@ -319,7 +220,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         work, out, _ = bucket.pending
         work.wait()
         bucket.pending = None
-        mine = out[:bucket.sizes[self.rank]].div_(self.size)
+        mine = out[:bucket.layout.sizes[self.rank]].div_(self.size)
         if not self.shard_gradients:
             _average_into_params(bucket.pieces, mine)
             return
@@ -329,21 +230,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _post_all_gather(self, bucket: ShardBucket) -> None:
         """Start gathering every rank's updated slice of the bucket (this rank's padded to the largest)."""
-        sent = bucket.params[0].new_zeros(max(bucket.sizes))
-        if bucket.pieces:
-            torch.cat([pc.tensor.detach() for pc in bucket.pieces], out=sent[:bucket.sizes[self.rank]])
-        gathered = sent.new_empty(self.size * sent.numel())
-        record_collective("all_gather", sent)
-        bucket.pending = (dist.all_gather_single(gathered, sent, group=self.group, async_op=True), gathered, sent)
+        mine = [pc.tensor.detach() for pc in bucket.pieces] or [bucket.params[0].detach().view(-1)[:0]]
+        sent = bucket.layout.padded(mine)
+        bucket.pending = (*post_all_gather(bucket.layout, sent, self.group), sent)
 
     def _place_gathered(self, bucket: ShardBucket) -> None:
         """Wait for the bucket's all-gather; copy every rank's slice into this rank's parameters."""
         work, gathered, _ = bucket.pending
         work.wait()
         bucket.pending = None
-        full = _unpadded(gathered, bucket.sizes)
-        for p, values in zip(bucket.params, full.split([p.numel() for p in bucket.params]), strict=True):
-            p.copy_(values.view_as(p))
+        bucket.layout.compact(gathered)
+        for p, values in zip(bucket.params, bucket.layout.views(gathered), strict=True):
+            p.copy_(values)
 
     # --- Saving and loading ---
 
@@ -364,7 +262,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load a state_dict saved by the same rank of a ShardedOptimizer with the same layout (group size, rank,
         optimizer class, buckets); anything else is refused, saying what differs."""
         saved = state_dict.get("layout") if isinstance(state_dict, dict) else None
-        difference = _layout_difference(saved, self._layout())
+        difference = layout_difference(saved, self._layout())
         if difference:
             raise ValueError(f"ShardedOptimizer.load_state_dict: {difference}. Load, on each rank, the state_dict "
                              "that rank saved, with the same model, param groups, optimizer, bucket_mb and group.")
@@ -398,38 +296,3 @@ def _average_into_params(pieces: list[Piece], mine: torch.Tensor) -> None:
 def _hyperparameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
-
-def _layout_difference(saved, mine: dict) -> str:
-    """How a state_dict's layout differs from this optimizer's, in words; "" if it does not."""
-    if not isinstance(saved, dict):
-        return "the state_dict has no 'layout': it is not a ShardedOptimizer's"
-    differ = [f"{key} {shown(saved.get(key))} saved, {shown(mine[key])} here" for key in mine
-              if key != "buckets" and saved.get(key) != mine[key]]
-    theirs = saved.get("buckets") or []
-    for b, (a, ours) in enumerate(zip(theirs + [None] * len(mine["buckets"]), mine["buckets"], strict=False)):
-        if a != ours:
-            differ.append(f"bucket {b}: {shown(a)} saved, {shown(ours)} here (param group, dtype, shapes)")
-            break
-    if len(theirs) > len(mine["buckets"]):
-        differ.append(f"{len(theirs)} buckets saved, {len(mine['buckets'])} here")
-    return "; ".join(differ)
-
-
-def _check_ranks_agree(param_groups: list[dict], bucket_mb: float, group) -> None:
-    """The same ValueError on every rank of `group` unless each has its trainable parameters on its
-    labkit.device(), contiguous (its slice is a view of them), and the same as the others' (groups, shapes,
-    dtypes, bucket_mb): mismatched buckets would hang the collectives instead of saying why."""
-    home, ranks = device(), groups.group_ranks(group)
-    misplaced = [f"a parameter of param group {g} (shape {tuple(p.shape)}) " +
-                 (f"is on {p.device}, not on labkit.device() = {home}" if p.device != home else "is not contiguous")
-                 for g, p in _trainable(param_groups) if p.device != home or not p.is_contiguous()]
-    layout = (bucket_mb, [(g, str(p.dtype), tuple(p.shape)) for g, p in _trainable(param_groups)])
-    everyone = groups.gather_objects((misplaced[:1], layout), group)
-    problems = [f"rank {ranks[r]}: {where[0]}" for r, (where, _) in enumerate(everyone) if where]
-    if problems:
-        raise ValueError("ShardedOptimizer: every trainable parameter must be contiguous and on its rank's "
-                         "labkit.device(), but " + "; ".join(problems) + ". Pass the parameters of a model moved "
-                         "with model.to(labkit.device()).")
-    groups.check_gathered([theirs for _, theirs in everyone], "ShardedOptimizer", "(bucket_mb, parameters)",
-                          "Build it over the same model, param groups and bucket_mb on every rank of the group.",
-                          ranks)
