@@ -153,7 +153,7 @@ def torch_and_ours(data):
     return train_torch_fsdp(data), train_sharded(data)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_equals_torch_fully_shard(world_size):
     for theirs, ours in labkit.run(torch_and_ours, batches(), world_size=world_size):
         assert max(largest_differences(ours, theirs).values()) < 1e-5
@@ -223,7 +223,7 @@ def state_per_rank():
     return peak.nbytes, len(model.units)
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_each_rank_holds_one_nth_of_weights_gradients_and_adam_state(world_size):
     parameters = 13 * 17 + 17 + 17 * 3 + 3  # 292: a unit of 238 and one of 54
     predicted = training_memory(parameters, weight_bytes=4, grad_bytes=4, optimizer_bytes=8,  # fp32 AdamW: m, v
@@ -241,7 +241,7 @@ def traffic_of_a_step():
     return dict(counted.calls), dict(counted.nbytes), [unit.numel for unit in model.units]
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_traffic_per_step_is_one_and_a_half_times_ddps(world_size):
     n = world_size
     for calls, nbytes, numels in labkit.run(traffic_of_a_step, world_size=n):

@@ -17,6 +17,7 @@ import labkit
 from labkit import groups
 from labkit.measure import peak_training_state, training_state_nbytes
 from labkit.parallel import ShardedOptimizer, average_gradients, count_collectives
+from labkit.parallel.flat_shards import FlatLayout
 from labkit.plan import training_memory
 from labkit.plan.counts import shard_sizes
 
@@ -284,6 +285,31 @@ def test_with_sizes_no_world_size_divides_each_rank_holds_one_nth_of_the_state_u
     for rank, (state, _) in enumerate(per_rank):
         assert state == 2 * sum(shard_sizes(size, 3)[rank] for size in sizes)  # Adam's m and v, its slices only
         assert abs(state / 2 - TRAINABLE / 3) <= len(sizes)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 12])
+def test_the_flat_layout_both_stages_share_pads_each_slice_to_the_largest_and_back(parts):
+    """FlatLayout, which ShardedOptimizer's buckets and FullyShardedDP's units both use: 11 numbers in three tensors
+    cut as torch.tensor_split cuts (12 ranks: one empty slice); each slice padded to the largest for gloo."""
+    layout, flat = FlatLayout([(2, 3), (1,), (4,)], parts), torch.arange(1.0, 12.0)
+    slices = flat.tensor_split(parts)
+    assert layout.sizes == [len(s) for s in slices] and layout.piece == len(slices[0])
+    pieces = torch.cat([layout.padded([s]) for s in slices])  # what the ranks send: each piece zero-padded
+    assert pieces.numel() == parts * layout.piece and torch.equal(pieces[pieces != 0], flat)
+    buffer = torch.full((parts * layout.piece,), float("nan"))
+    buffer[:flat.numel()] = flat
+    layout.spread(buffer)
+    assert torch.equal(buffer, pieces)  # a reduce-scatter's input, made in place
+    layout.compact(buffer)
+    assert torch.equal(buffer[:flat.numel()], flat)  # an all-gather's output, back to the flat vector
+    tensors = layout.views(flat)
+    assert [t.shape for t in tensors] == [(2, 3), (1,), (4,)]
+    assert torch.equal(torch.cat([t.reshape(-1) for t in tensors]), flat)
+    for rank, mine in enumerate(slices):  # the parts of each tensor that each rank's slice covers
+        owned = [tensors[i].reshape(-1)[start:start + n] for i, start, _, n in layout.owned(rank)]
+        assert torch.equal(torch.cat([flat[:0], *owned]), mine)
+        offsets = [offset for _, _, offset, _ in layout.owned(rank)]
+        assert offsets == [sum(t.numel() for t in owned[:k]) for k in range(len(owned))]
 
 
 # --- Accumulation, a closure, a second optimizer over the same model ---
