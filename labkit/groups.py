@@ -21,8 +21,9 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["broadcast_object", "check_gathered", "check_same", "gather_objects", "global_rank", "group_is_up",
-           "group_rank", "group_ranks", "group_size", "new_group", "require_group", "require_member"]
+__all__ = ["broadcast_object", "check_gathered", "check_placed", "check_same", "first_misplaced", "gather_objects",
+           "global_rank", "group_is_up", "group_rank", "group_ranks", "group_size", "new_group", "require_group",
+           "require_member"]
 
 OUTSIDE = ("{caller} needs a torch.distributed process group: call it inside a rank (in a function given to "
            "labkit.run, in a %%ranks cell, or in a script started by torchrun). Here none is initialised.")
@@ -146,3 +147,27 @@ def check_gathered(everyone: list, caller: str, what: str, fix: str, ranks: list
     if differ:
         described = "; ".join(f"rank {ranks[r]}: {everyone[r]}" for r in [0, *differ])
         raise ValueError(f"{caller}: the ranks passed different {what} ({described}). {fix}")
+
+
+def first_misplaced(named_tensors) -> str:
+    """The first of `named_tensors` ((name, tensor) pairs) that is not on this rank's labkit.device(), described;
+    "" if none. Under NCCL a CPU tensor would quietly travel over gloo, and one on another rank's GPU would hang
+    or fail, so every primitive that communicates a model's tensors asks this first."""
+    from labkit.launch.context import device  # here, not above: labkit.launch imports this module
+
+    home = device()
+    for name, tensor in named_tensors:
+        if tensor.device != home:
+            return f"{name} is on {tensor.device}, not on labkit.device() = {home}"
+    return ""
+
+
+def check_placed(named_tensors, caller: str, fix: str, group=None) -> None:
+    """The same ValueError on every rank of `group` unless every rank's `named_tensors` are on its
+    labkit.device(): a rank that raised alone would leave the others waiting in their next collective."""
+    everyone = gather_objects(first_misplaced(named_tensors), group)
+    ranks = group_ranks(group)
+    misplaced = [f"rank {ranks[r]}: {where}" for r, where in enumerate(everyone) if where]
+    if misplaced:
+        raise ValueError(f"{caller}: every tensor must live on its rank's labkit.device() (the CPU under gloo, "
+                         f"cuda:LOCAL_RANK under NCCL), but " + "; ".join(misplaced) + f". {fix}")

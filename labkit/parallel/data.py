@@ -30,7 +30,6 @@ from torch import nn
 
 from labkit import groups, measure
 from labkit.checks import number, shown, whole
-from labkit.launch import device
 from labkit.parallel.counters import all_reduce_sum, record_collective
 
 __all__ = ["FIRST_BUCKET_MB", "Bucket", "BucketedDDP", "Event", "MiB", "average_gradients", "broadcast_parameters",
@@ -50,15 +49,10 @@ def _signature(model: nn.Module) -> list[tuple]:
              for n, b in model.named_buffers()])
 
 
-def _misplaced(model: nn.Module) -> str:
-    """The first parameter or buffer that is not on this rank's labkit.device(), described; "" if none. Under
-    NCCL a CPU tensor would quietly travel over gloo, a tensor on another rank's GPU would hang or fail."""
-    home = device()
-    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
-        for name, tensor in named:
-            if tensor.device != home:
-                return f"{kind} {name!r} is on {tensor.device}, not on labkit.device() = {home}"
-    return ""
+def _named_tensors(model: nn.Module) -> list:
+    """The model's parameters and buffers, named for an error message."""
+    return [(f"parameter {n!r}", p) for n, p in model.named_parameters()] + \
+        [(f"buffer {n!r}", b) for n, b in model.named_buffers()]
 
 
 def _check_replicas(model: nn.Module, src, caller: str, group) -> int:
@@ -66,7 +60,8 @@ def _check_replicas(model: nn.Module, src, caller: str, group) -> int:
     src, and holds the same model (names, shapes, dtypes, frozen or not); else the same ValueError on every
     rank: a broadcast or bucket of mismatched tensors would hang or abort the backend instead of saying why."""
     groups.require_member(caller, group)
-    everyone = groups.gather_objects((_misplaced(model), src, _signature(model)), group)
+    everyone = groups.gather_objects((groups.first_misplaced(_named_tensors(model)), src, _signature(model)),
+                                     group)
     ranks = groups.group_ranks(group)
     misplaced = [f"rank {ranks[r]}: {where}" for r, (where, _, _) in enumerate(everyone) if where]
     if misplaced:

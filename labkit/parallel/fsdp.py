@@ -119,7 +119,7 @@ class FullyShardedDP(nn.Module):
             raise ValueError(f"compute_dtype={shown(compute_dtype)}: pass None (the module's dtype) or one of "
                              f"{', '.join(map(str, COMPUTE_DTYPES))}.")
         groups.require_member("FullyShardedDP", group)
-        check_module(module)
+        check_module(module, group)
         claimed = claim_parameters(module, choose_units(module, units))
         names = {id(m): name or "(root)" for name, m in module.named_modules()}
         groups.check_same([(names[id(m)], [(where[0][0], tuple(p.shape), str(p.dtype)) for p, where in owned])

@@ -22,7 +22,6 @@ from torch import nn
 
 from labkit import groups
 from labkit.checks import items, shown
-from labkit.launch import device
 from labkit.parallel.counters import record_collective
 from labkit.parallel.flat_shards import FlatLayout, post_all_gather, post_reduce_scatter
 
@@ -184,14 +183,10 @@ def cast_frozen(module: nn.Module, compute_dtype: torch.dtype | None) -> None:
             frozen.data = frozen.data.to(compute_dtype)
 
 
-def check_module(module: nn.Module) -> None:
-    """TypeError unless `module` is an nn.Module; ValueError unless its parameters and buffers are all on this
-    rank's labkit.device() (under NCCL a CPU tensor would quietly travel over gloo)."""
+def check_module(module: nn.Module, group=None) -> None:
+    """TypeError unless `module` is an nn.Module; the same ValueError on every rank of `group` unless its
+    parameters and buffers are all on each rank's labkit.device() (groups.check_placed)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"module={shown(module)}: pass a torch.nn.Module, not a {type(module).__name__}.")
-    home = device()
-    misplaced = [(name, t.device) for name, t in [*module.named_parameters(), *module.named_buffers()]
-                 if t.device != home]
-    if misplaced:
-        raise ValueError(f"FullyShardedDP: the module must live on labkit.device() = {home}, but {misplaced[0][0]!r} "
-                         f"is on {misplaced[0][1]}. Move it there first: module.to(labkit.device()).")
+    named = [(f"{name!r}", t) for name, t in [*module.named_parameters(), *module.named_buffers()]]
+    groups.check_placed(named, "FullyShardedDP", "Move it there first: module.to(labkit.device()).", group)

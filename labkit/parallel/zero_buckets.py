@@ -22,7 +22,6 @@ from torch import nn
 
 from labkit import groups
 from labkit.checks import shown
-from labkit.launch import device
 from labkit.parallel.flat_shards import FlatLayout
 
 __all__ = ["Piece", "ShardBucket", "check_ranks_agree", "layout_difference", "shard_buckets", "trainable_parameters"]
@@ -111,14 +110,14 @@ def check_ranks_agree(param_groups: list[dict], bucket_mb: float, group) -> None
     """The same ValueError on every rank of `group` unless each has its trainable parameters on its
     labkit.device(), contiguous (its slice is a view of them), and the same as the others' (groups, shapes,
     dtypes, bucket_mb): mismatched buckets would hang the collectives instead of saying why."""
-    home, ranks = device(), groups.group_ranks(group)
+    ranks = groups.group_ranks(group)
     trainable = trainable_parameters(param_groups)
-    misplaced = [f"a parameter of param group {g} (shape {tuple(p.shape)}) " +
-                 (f"is on {p.device}, not on labkit.device() = {home}" if p.device != home else "is not contiguous")
-                 for g, p in trainable if p.device != home or not p.is_contiguous()]
+    named = [(f"a parameter of param group {g} (shape {tuple(p.shape)})", p) for g, p in trainable]
+    misplaced = groups.first_misplaced(named) or next(
+        (f"{name} is not contiguous" for name, p in named if not p.is_contiguous()), "")
     layout = (bucket_mb, [(g, str(p.dtype), tuple(p.shape)) for g, p in trainable])
-    everyone = groups.gather_objects((misplaced[:1], layout), group)
-    problems = [f"rank {ranks[r]}: {where[0]}" for r, (where, _) in enumerate(everyone) if where]
+    everyone = groups.gather_objects((misplaced, layout), group)
+    problems = [f"rank {ranks[r]}: {where}" for r, (where, _) in enumerate(everyone) if where]
     if problems:
         raise ValueError("ShardedOptimizer: every trainable parameter must be contiguous and on its rank's "
                          "labkit.device(), but " + "; ".join(problems) + ". Pass the parameters of a model moved "

@@ -294,5 +294,20 @@ def test_bad_arguments_are_refused_with_what_to_pass():
     assert "is not a submodule of module" in said[1]
     assert "'block' and 'block.0' overlap" in said[2]
     assert said[3].startswith("TypeError: units=3: pass a list of submodules of module")
-    assert "'weight' is on meta. Move it there first: module.to(labkit.device())" in said[4]
+    assert "rank 0: 'weight' is on meta, not on labkit.device() = cpu. Move it there first: " \
+           "module.to(labkit.device())" in said[4]
     assert said[5] == "TypeError: module='a model': pass a torch.nn.Module, not a str."
+
+
+def wrap_with_rank_1_off_the_device():
+    model = Tied().to("meta" if labkit.rank() == 1 else labkit.device())
+    try:
+        FullyShardedDP(model)
+    except ValueError as error:
+        return str(error)
+    return "wrapped"
+
+
+def test_a_module_off_the_device_on_one_rank_is_named_on_every_rank():
+    said = labkit.run(wrap_with_rank_1_off_the_device, world_size=2, timeout=30)
+    assert said[0] == said[1] and "rank 1: 'embed.weight' is on meta" in said[0], said
