@@ -18,6 +18,22 @@ rank's, from a barrier, and the median over the rounds counts (labkit.measure.se
 slowest_rank_median). Target (issue 17): labkit <= 1.2 x torch for each.
 
     python benchmarks/zero.py
+
+One run (commit 4ac242e, torch 2.13.0+cpu, 2 cores shared with other jobs: load average 4.8):
+
+    stage   labkit                                     ms  torch                             ms  ratio  target
+    ------  --------------------------------------  -----  -----------------------------  -----  -----  ------  -------
+    ZeRO-1  ShardedOptimizer                        106.4  DDP + ZeroRedundancyOptimizer   79.2   1.34  <= 1.2  NOT met
+    ZeRO-2  ShardedOptimizer(shard_gradients=True)  104.7  DDP + ZeroRedundancyOptimizer   79.2   1.32  <= 1.2  NOT met
+    ZeRO-3  FullyShardedDP                          116.0  fully_shard (FSDP2)            165.3   0.70  <= 1.2      met
+    ratio = labkit's step time / torch's; local (the same step, no communication, whole model on one rank): 66.9 ms
+
+Why ZeRO-1 and -2 lose on gloo: torch 2.13's ProcessGroupGloo has no reduce-scatter of its own.
+reduce_scatter_single clones its input, all-reduces the clone and copies this rank's chunk out
+(ProcessGroupGloo::reduce_scatter_tensor_coalesced), so it sends all_reduce's bytes (counted on the loopback
+interface: 200 MB for a 100 MB tensor on 2 ranks, as all_reduce; all_gather_single 100 MB) plus two copies;
+torch's baseline does DDP's one all_reduce, overlapped with the backward, then cheap broadcasts. The ratio swings
+by +-0.15 from run to run on a loaded machine.
 """
 
 import torch
