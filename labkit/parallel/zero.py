@@ -220,7 +220,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         work, out, _ = bucket.pending
         work.wait()
         bucket.pending = None
-        mine = out[:bucket.layout.sizes[self.rank]].div_(self.size)
+        mine = out[:bucket.layout.sizes[self.rank]].div(self.size)
         if not self.shard_gradients:
             _average_into_params(bucket.pieces, mine)
             return
