@@ -119,7 +119,27 @@ def post_all_gather(layout: FlatLayout, sent: torch.Tensor, group, out: torch.Te
     layout.compact(out) puts the flat vector at its front."""
     out = sent.new_empty(layout.parts * layout.piece) if out is None else out
     record_collective("all_gather", sent)
+    if dist.get_backend(group) == "gloo":  # gloo's all-gather copies through a buffer of its own: a broadcast each
+        pieces, rank = out.view(layout.parts, layout.piece), groups.group_rank(group)
+        pieces[rank].copy_(sent)
+        return _AllOf([dist.broadcast(piece, groups.global_rank(group, r), group=group, async_op=True)
+                       for r, piece in enumerate(pieces)]), out
     return dist.all_gather_single(out, sent, group=group, async_op=True), out
+
+
+class _AllOf:
+    """Several works as one: wait() waits for each (the broadcasts that make up a gloo all-gather)."""
+
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        return True
+
+    def get_future(self):
+        return torch.futures.collect_all([w.get_future() for w in self.works])
 
 
 def post_reduce_scatter(layout: FlatLayout, buffer: torch.Tensor, group):
