@@ -54,7 +54,7 @@ TARGET = 1.2
 ROWS = [("ZeRO-1", "ShardedOptimizer", "zero1", "DDP + ZeroRedundancyOptimizer", "torch_zero"),
         ("ZeRO-2", "ShardedOptimizer(shard_gradients=True)", "zero2", "DDP + ZeroRedundancyOptimizer", "torch_zero"),
         ("ZeRO-3", "FullyShardedDP", "fsdp", "fully_shard (FSDP2)", "torch_fsdp")]
-HEADER = ("stage", "labkit", "ms", "torch", "ms", "ratio", "target", "")
+HEADER = ("stage", "labkit", "ms", "torch", "ms", "ratio", "target", "met")
 
 
 def model() -> torch.nn.Sequential:
