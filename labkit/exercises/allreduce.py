@@ -16,12 +16,17 @@ only if, in every case, on every rank:
 
 from __future__ import annotations
 
-import time
-
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.diagnosis import hub_traffic, ring_traffic, unmatched, wrong_values
-from labkit.exercises.guard import attempt, forbidden_message, forbidden_spelling, messages_of_last_attempt, rank_input
+from labkit.exercises.guard import (
+    attempt,
+    forbidden_message,
+    forbidden_spelling,
+    messages_of_last_attempt,
+    rank_input,
+    stop_pool,
+)
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
 
@@ -93,14 +98,9 @@ def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_
 
 
 def _stop_pool_if_unmatched(world_size: int, messages: list[tuple[list, list]]) -> None:
-    """Have labkit stop the pool of `world_size` ranks if some message was left without its partner.
-
-    labkit.run stops a pool whose call outlasts its timeout (labkit/launch/pool.py), as this one does."""
+    """Stop the pool of `world_size` ranks if their sends and receives did not match (a message left waiting)."""
     if unmatched(messages):
-        try:
-            labkit.run(time.sleep, 60, world_size=world_size, timeout=0.1)
-        except labkit.RankTimeout:
-            pass
+        stop_pool(world_size)
 
 
 def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) -> str:

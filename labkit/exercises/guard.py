@@ -13,6 +13,7 @@ rendezvous store, files, sockets) is not counted, so such a solution fails the t
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +22,7 @@ import labkit
 from labkit.checks import whole
 
 __all__ = ["ForbiddenCall", "Guard", "Outcome", "attempt", "forbidden_message", "forbidden_spelling",
-           "messages_of_last_attempt", "rank_input"]
+           "messages_of_last_attempt", "rank_input", "stop_pool"]
 
 POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
 
@@ -66,6 +67,15 @@ def rank_input(rank: int, numel: int, device=None) -> torch.Tensor:
 
 class ForbiddenCall(RuntimeError):
     """Raised on a rank when graded code calls what the exercise asks it to build from send and recv."""
+
+
+def stop_pool(world_size: int) -> None:
+    """Have labkit stop the pool of `world_size` ranks, whose collectives are out of step after a wrong answer (a
+    call left waiting): labkit.run stops a pool whose call outlasts its timeout (labkit/launch/pool.py)."""
+    try:
+        labkit.run(time.sleep, 60, world_size=world_size, timeout=0.1)
+    except labkit.RankTimeout:
+        pass
 
 
 def forbidden_spelling(summary: str) -> str | None:
@@ -141,24 +151,31 @@ class Guard:
         raise ForbiddenCall(spelling + _SWITCHED_OFF)
 
     def _switch_off_collectives(self) -> None:
+        from labkit.comm.torch_transport import TorchTransport
+
+        self.switch_off_torch_distributed()
+        for name in ("_post_send", "_post_recv"):
+            self._replace(TorchTransport, name, "a labkit.comm collective")
+
+    def switch_off_torch_distributed(self, functions=_TORCH_FUNCTIONS, group_methods=_GROUP_METHODS,
+                                     backend_methods=_BACKEND_METHODS) -> None:
+        """Make these ways into torch.distributed's communication raise ForbiddenCall: its `functions`, the process
+        group's and its backend's methods, and every c10d operator of torch.ops. An exercise that allows some
+        collectives passes the lists without them."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
-        from labkit.comm.torch_transport import TorchTransport
-
         for module, prefix in ((dist, "torch.distributed"), (distributed_c10d, "torch.distributed.distributed_c10d")):
-            for name in _TORCH_FUNCTIONS:
+            for name in functions:
                 self._replace(module, name, f"{prefix}.{name}")
-        for name in _GROUP_METHODS:
+        for name in group_methods:
             self._replace(dist.ProcessGroup, name, f"ProcessGroup.{name} (as in dist.group.WORLD.{name})")
-        for name in _BACKEND_METHODS:
+        for name in backend_methods:
             self._replace(torch._C._distributed_c10d.Backend, name, f"the process group's backend's {name}")
         for qualified in torch._C._dispatch_get_all_op_names():  # "c10d::allreduce_", "_c10d_functional::..."
             namespace, _, name = qualified.partition("::")
             if "c10d" in namespace:
                 self._replace(getattr(torch.ops, namespace), name, f"torch.ops.{namespace}.{name}", cached=False)
-        for name in ("_post_send", "_post_recv"):
-            self._replace(TorchTransport, name, "a labkit.comm collective")
 
     def _replace(self, owner, name: str, spelling: str, cached: bool = True) -> None:
         """Make owner.name raise; `cached=False` for torch.ops namespaces, which create attributes on first use."""

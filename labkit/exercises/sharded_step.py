@@ -33,7 +33,6 @@ backend's methods and the c10d operators under torch.ops (functional collectives
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -43,7 +42,7 @@ from labkit.checks import timeout_seconds as checked_timeout
 from labkit.checks import whole
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
-from labkit.exercises.guard import Guard, forbidden_spelling
+from labkit.exercises.guard import Guard, forbidden_spelling, stop_pool
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
 from labkit.plan.counts import shard_sizes
@@ -195,29 +194,13 @@ class StepGuard(Guard):
 
     def __enter__(self) -> StepGuard:
         try:
-            self._switch_off_the_rest()
+            self.switch_off_torch_distributed(_TORCH_FUNCTIONS, _GROUP_METHODS, _BACKEND_METHODS)
             for name, kind in _COUNTED.items():
                 self._record(name, kind)
         except BaseException:
             self._restore()
             raise
         return self
-
-    def _switch_off_the_rest(self) -> None:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
-
-        for module, prefix in ((dist, "torch.distributed"), (distributed_c10d, "torch.distributed.distributed_c10d")):
-            for name in _TORCH_FUNCTIONS:
-                self._replace(module, name, f"{prefix}.{name}")
-        for name in _GROUP_METHODS:
-            self._replace(dist.ProcessGroup, name, f"ProcessGroup.{name} (as in dist.group.WORLD.{name})")
-        for name in _BACKEND_METHODS:
-            self._replace(torch._C._distributed_c10d.Backend, name, f"the process group's backend's {name}")
-        for qualified in torch._C._dispatch_get_all_op_names():  # "c10d::allreduce_", "_c10d_functional::..."
-            namespace, _, name = qualified.partition("::")
-            if "c10d" in namespace:
-                self._replace(getattr(torch.ops, namespace), name, f"torch.ops.{namespace}.{name}", cached=False)
 
     def _record(self, name: str, kind: str) -> None:
         """Record each call of ProcessGroup.`name` as a Collective of `kind`, then make it."""
@@ -362,13 +345,10 @@ def _case_problem(fn, world_size: int, numel: int, dtype: torch.dtype, timeout_s
 
 
 def _stop_pool_if_out_of_step(world_size: int, kinds: list[list[str]]) -> None:
-    """Have labkit stop the pool of `world_size` ranks if they did not all make the same collectives (a call
-    left waiting, async_op=True without wait()): labkit.run stops a pool whose call outlasts its timeout."""
+    """Stop the pool of `world_size` ranks if they did not all make the same collectives (a call left waiting,
+    async_op=True without wait())."""
     if any(k != kinds[0] for k in kinds):
-        try:
-            labkit.run(time.sleep, 60, world_size=world_size, timeout=0.1)
-        except labkit.RankTimeout:
-            pass
+        stop_pool(world_size)
 
 
 def _hang_message(hang: labkit.RankTimeout, world_size: int, timeout_seconds: float) -> str:
