@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 import labkit
 from labkit.exercises import ForbiddenCall, Verdict, check_sharded_step, ring_nbytes_per_rank, step_inputs
-from labkit.exercises.sharded_step import LR, TOLERANCES, Collective, StepGuard, reference_step, step_nbytes_bounds
+from labkit.exercises.step_guard import LR, Collective, StepGuard
+from labkit.exercises.step_nbytes import step_nbytes_bounds
+from labkit.exercises.step_values import TOLERANCES, reference_step
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes
 

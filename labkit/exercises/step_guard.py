@@ -1,0 +1,223 @@
+"""On a rank, while check_sharded_step grades the student's ZeRO-1 step: its inputs, the guard, and what the step
+left behind.
+
+Traffic is counted where torch hands each collective to the process group (ProcessGroup.reduce_scatter,
+.allgather, .broadcast, .allreduce and their single-tensor forms), as the ring's grader counts each message
+in ProcessGroup.send and .recv (`labkit.exercises.guard`), and converted to the bytes each rank sends in the ring
+algorithm (`Collective.sent_nbytes`). Calls that would move data past that count raise `ForbiddenCall` while the
+step is graded: point-to-point messages, object collectives, reduce/gather/scatter/all_to_all, coalesced forms,
+the backend's methods and the c10d operators under torch.ops (functional collectives).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+import labkit
+from labkit.checks import whole
+from labkit.exercises.diagnosis import ring_nbytes_per_rank
+from labkit.exercises.guard import Guard
+
+__all__ = ["LR", "Collective", "StepGuard", "StepOutcome", "attempt_step", "calls_of_last_attempt", "step_inputs"]
+
+LR = 0.1  # not a power of two, so that a float32 buffer inside a float64 step shows in the result
+
+# What the step may not call: torch.distributed's functions whose data the process group count would miss or that
+# this step does not need, ...
+_TORCH_FUNCTIONS = (
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
+    "gather_object", "scatter_object_list", "send_object_list", "recv_object_list", "reduce", "gather", "scatter",
+    "all_to_all", "all_to_all_single", "all_reduce_coalesced", "all_gather_coalesced", "new_group",
+    "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group", "init_device_mesh",
+    "init_process_group", "destroy_process_group",
+)
+# ... the process group's other methods (its point-to-point ones included), ...
+_GROUP_METHODS = (
+    "send", "recv", "recv_anysource", "reduce", "gather", "scatter", "alltoall", "alltoall_base",
+    "all_to_all_single", "allreduce_coalesced", "allgather_coalesced", "allgather_into_tensor_coalesced",
+    "all_gather_single_coalesced", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
+    "monitored_barrier", "split_group", "merge_remote_group",
+)
+# ... every communication method of a backend (reached through ProcessGroup._get_backend), and every c10d operator.
+_BACKEND_METHODS = (
+    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+    "allgather_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall",
+    "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+)
+# What it may call, counted: the process group's method, and the kind it is recorded as.
+_COUNTED = {"reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+            "_reduce_scatter_base": "reduce_scatter", "allgather": "all_gather", "all_gather_single": "all_gather",
+            "_allgather_base": "all_gather", "broadcast": "broadcast", "allreduce": "all_reduce",
+            "barrier": "barrier"}
+
+
+def step_inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32, device=None):
+    """Rank r's (param, grad): param is [1, 2, ..., numel] on every rank, grad is (r + 1)^2 x [numel, ..., 2, 1].
+
+    Squares, so that no rank's gradient equals the average over 2, 3 or 4 ranks and every mistake shows.
+
+    >>> step_inputs(1, 3)
+    (tensor([1., 2., 3.]), tensor([12.,  8.,  4.]))
+    """
+    rank, numel = whole("rank", rank, minimum=0), whole("numel", numel, minimum=0)
+    param = torch.arange(1, numel + 1, dtype=dtype, device=device)
+    return param, (rank + 1) ** 2 * param.flip(0)
+
+
+@dataclass
+class Collective:
+    """One collective a rank made while its step was graded, as its process group received it.
+
+    `chunk_nbytes`: the bytes of every rank's chunk of the vector it covers (reduce_scatter, all_gather), or
+    [the tensor's bytes] (all_reduce, broadcast); `contribution`: the values this rank put in (its all-gather
+    input, or the tensor it broadcast as the root)."""
+
+    kind: str  # "reduce_scatter", "all_gather", "broadcast", "all_reduce" or "barrier"
+    chunk_nbytes: list[int]
+    element_size: int
+    rank: int  # this rank and the size, in the group it was made on
+    world_size: int
+    root: int | None = None  # a broadcast's source
+    contribution: list[float] | None = None
+
+    def sent_nbytes(self) -> int:
+        """The bytes this rank sends in the collective's ring algorithm (notebook 03's ring; Patarasuk & Yuan
+        2009): a reduce-scatter sends every chunk but the one it completes (its own), an all-gather every chunk
+        but the one it receives last (its right neighbour's), a broadcast passes the tensor along a chain from
+        the root (every rank but the one before the root sends it once), an all-reduce is both phases."""
+        total, n, r = sum(self.chunk_nbytes), self.world_size, self.rank
+        if self.kind == "reduce_scatter":
+            return total - self.chunk_nbytes[r]
+        if self.kind == "all_gather":
+            return total - self.chunk_nbytes[(r + 1) % n]
+        if self.kind == "broadcast":
+            return 0 if r == (self.root - 1) % n else total
+        if self.kind == "all_reduce":
+            return ring_nbytes_per_rank(total // self.element_size, n, self.element_size)[r]
+        return 0
+
+    def describe(self) -> str:
+        """'an all_gather of 48 bytes in chunks of [12] (sends 36)', for a message."""
+        covered = sum(self.chunk_nbytes)
+        if self.kind in ("reduce_scatter", "all_gather"):
+            article, chunks = "a" if self.kind == "reduce_scatter" else "an", sorted(set(self.chunk_nbytes))[::-1]
+            what = f"{article} {self.kind} of {covered} bytes in chunks of {chunks}"
+        elif self.kind == "broadcast":
+            what = f"a broadcast of {covered} bytes from rank {self.root}"
+        else:
+            what = f"an {self.kind} of {covered} bytes" if self.kind == "all_reduce" else "a barrier"
+        return f"{what} (sends {self.sent_nbytes()})"
+
+
+class StepGuard(Guard):
+    """While a student's step runs on a rank: the collectives it may use are recorded as `Collective`s where the
+    process group receives them (then made), everything else raises `ForbiddenCall`.
+
+    The ring grader's Guard turned around: there collectives are off and messages counted, here messages are
+    off and collectives counted. Everything is replaced where Python looks it up, for the whole process, and put
+    back on exit (even when the step raises)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[Collective] = []
+
+    def __enter__(self) -> StepGuard:
+        try:
+            self.switch_off_torch_distributed(_TORCH_FUNCTIONS, _GROUP_METHODS, _BACKEND_METHODS)
+            for name, kind in _COUNTED.items():
+                self._record(name, kind)
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _record(self, name: str, kind: str) -> None:
+        """Record each call of ProcessGroup.`name` as a Collective of `kind`, then make it."""
+        import torch.distributed as dist
+
+        original = vars(dist.ProcessGroup)[name]
+
+        def recorded(group, *args, **kwargs):
+            self.calls.append(_collective(kind, name, group, args, kwargs))
+            return original(group, *args, **kwargs)
+
+        self._saved.append((dist.ProcessGroup, name, original))
+        setattr(dist.ProcessGroup, name, recorded)
+
+
+def _flat(value) -> list[torch.Tensor]:
+    """The tensors in a tensor or a (nested) list of them, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for item in value for t in _flat(item)]
+    return []
+
+
+def _collective(kind: str, method: str, group, args: tuple, kwargs: dict) -> Collective:
+    """A Collective from a ProcessGroup method's arguments, in each of its overloads: (outputs, inputs, opts),
+    (tensors, opts), (tensor, root) ..."""
+    rank, world_size = group.rank(), group.size()
+    first, second = (_flat(args[i]) if len(args) > i else [] for i in (0, 1))
+    if not first:
+        return Collective(kind, [0], 1, rank, world_size)
+    element_size = first[0].element_size()
+    nbytes = [t.numel() * element_size for t in first]
+    if kind == "reduce_scatter":  # (outputs, input lists) or (output, input)
+        chunks = [t.numel() * element_size for t in second] if method == "reduce_scatter" else nbytes * world_size
+        return Collective(kind, chunks, element_size, rank, world_size)
+    if kind == "all_gather":  # (output lists, inputs) or (output, input): the input is this rank's contribution
+        chunks = nbytes if method == "allgather" else [sum(t.numel() for t in second) * element_size] * world_size
+        return Collective(kind, chunks, element_size, rank, world_size,
+                          contribution=[x for t in second for x in t.detach().flatten().tolist()])
+    if kind == "broadcast":
+        options = args[1] if len(args) > 1 else kwargs.get("opts", kwargs.get("root"))
+        root = options if isinstance(options, int) else getattr(options, "rootRank", 0)
+        contribution = first[0].detach().flatten().tolist() if root == rank else None
+        return Collective(kind, [sum(nbytes)], element_size, rank, world_size, root, contribution)
+    return Collective(kind, [sum(nbytes)], element_size, rank, world_size)
+
+
+@dataclass
+class StepOutcome:
+    """What one rank's step left behind: param's values, what fn returned, and every collective it made."""
+
+    param: list[float]
+    returned: list[float] | None  # a tensor fn returned other than param, as a list
+    same_memory: bool  # param still uses the memory it came in
+    placement: str  # "float32 on cpu": param's dtype and device after the step, ...
+    came: str  # ... and before it
+    calls: list[Collective] = field(default_factory=list)
+    forbidden: list[str] = field(default_factory=list)  # what it called that is switched off
+
+
+_last_calls: list[Collective] = []  # on a rank: the collectives of the last graded step
+
+
+def attempt_step(fn, numel: int, dtype: torch.dtype = torch.float32) -> StepOutcome:
+    """On a rank: call fn(param, grad, LR) on this rank's inputs under a StepGuard; what happened, for the grader."""
+    global _last_calls
+    param, grad = step_inputs(labkit.rank(), numel, dtype, device=labkit.device())
+    memory, came = param.data_ptr(), _placement(param)
+    guard = StepGuard()
+    try:
+        with guard:
+            returned = fn(param, grad, LR)
+    finally:
+        _last_calls = guard.calls
+    returned = returned.detach().flatten().tolist() if isinstance(returned, torch.Tensor) and returned is not param \
+        else None
+    return StepOutcome(param.detach().flatten().tolist(), returned, param.data_ptr() == memory, _placement(param),
+                       came, guard.calls, guard.forbidden)
+
+
+def _placement(tensor: torch.Tensor) -> str:
+    """'float32 on cpu': a tensor's dtype and device type, for a message."""
+    return f"{str(tensor.dtype).removeprefix('torch.')} on {tensor.device.type}"
+
+
+def calls_of_last_attempt() -> list[str]:
+    """On a rank: the kinds of collective the last graded step made, when it raised instead of returning them."""
+    return [call.kind for call in _last_calls]

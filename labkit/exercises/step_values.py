@@ -1,0 +1,158 @@
+"""What is wrong with the values a student's ZeRO-1 step left in param (notebook 11's grader, `check_sharded_step`).
+
+The answer is full SGD on the gradient averaged over the ranks, computed in one process (`reference_step`); a
+rank's param must end equal to it, in its own memory, dtype and device. A wrong param is compared with what wrong
+steps often leave (unchanged, summed, its own gradient, ...), element by element, to say which mistake it is.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from labkit.exercises.step_guard import LR, StepOutcome, step_inputs
+from labkit.plan.counts import shard_sizes
+
+__all__ = ["TOLERANCES", "element_span", "reference_step", "shown_values", "values_close", "wrong_step"]
+
+TOLERANCES = {torch.float32: 1e-6, torch.float64: 1e-12}  # relative; roundings of right solutions differ by ulps
+
+
+def reference_step(numel: int, world_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The answer, in one process: torch.optim.SGD's step (param - LR x gradient) on the gradient averaged over
+    `world_size` ranks.
+
+    >>> reference_step(3, 2)    # the average gradient is 2.5 x [3, 2, 1]
+    tensor([0.2500, 1.5000, 2.7500])
+    """
+    param = torch.nn.Parameter(step_inputs(0, numel, dtype)[0])
+    param.grad = torch.stack([step_inputs(r, numel, dtype)[1] for r in range(world_size)]).mean(0)
+    torch.optim.SGD([param], lr=LR).step()
+    return param.detach()
+
+
+def shown_values(values) -> str:
+    """Values for a message: '[0.25, 1.5, 2.75]', six significant digits."""
+    return "[" + ", ".join(f"{float(x):.6g}" for x in values) + "]"
+
+
+def element_span(start: int, stop: int) -> str:
+    """'element 9' or 'elements 6 to 7' for the elements start..stop-1."""
+    return f"element {start}" if stop - start == 1 else f"elements {start} to {stop - 1}"
+
+
+def values_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elementwise: equal up to the roundings that right solutions may differ by."""
+    return torch.isclose(got, expected, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])
+
+
+def wrong_step(outcomes: list[StepOutcome], numel: int, dtype: torch.dtype) -> str | None:
+    """The first rank whose param is not full SGD on the averaged gradient, in its own memory, and why."""
+    expected = reference_step(numel, len(outcomes), dtype)
+    for rank, outcome in enumerate(outcomes):
+        problem = _contract_problem(rank, outcome, expected, dtype)
+        if problem:
+            return problem
+    for rank, outcome in enumerate(outcomes):
+        got = torch.tensor(outcome.param, dtype=dtype)
+        if not values_close(got, expected, dtype).all():
+            return _wrong_values(rank, got, outcomes, numel, dtype)
+    return None
+
+
+def _contract_problem(rank: int, outcome: StepOutcome, expected: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """param must be updated in place: in its own memory, dtype and device, with its numel elements."""
+    if not outcome.same_memory:
+        now = "" if outcome.placement == outcome.came else \
+            f" (it is now {outcome.placement}; it came as {outcome.came})"
+        return (f"rank {rank}'s param was pointed at new memory (param.data = ... or param.set_(...)){now}: the step "
+                "updates param in place, in its own memory, dtype and device, so that the model's parameter and "
+                "every view of it see the update. Write into it: param.copy_(...), or into its slices.")
+    if len(outcome.param) != expected.numel():
+        return f"rank {rank} ended with {len(outcome.param)} elements in param instead of {expected.numel()}."
+    got = torch.tensor(outcome.param, dtype=dtype)
+    returned = torch.tensor(outcome.returned or [], dtype=dtype)
+    if returned.shape == expected.shape and values_close(returned, expected, dtype).all() \
+            and not values_close(got, expected, dtype).all():
+        state = "unchanged" if torch.equal(got, step_inputs(0, expected.numel(), dtype)[0]) else shown_values(got)
+        return (f"rank {rank} returned the updated parameters in a new tensor, but its param is {state}: the step "
+                "works in place, like an optimizer's step(), so that param itself holds the result. Write into "
+                "param's slices (params[rank].sub_(...), params[r].copy_(...)) or finish with param.copy_(result).")
+    return None
+
+
+def _candidates(rank: int, numel: int, world_size: int, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """What a wrong step's elements often hold, each named for a message, in the order they are tried."""
+    param, _ = step_inputs(0, numel, dtype)
+    grads = [step_inputs(r, numel, dtype)[1] for r in range(world_size)]
+    owner = torch.repeat_interleave(torch.arange(world_size), torch.tensor(shard_sizes(numel, world_size)))
+    owners_own = torch.stack(grads)[owner, torch.arange(numel)] if numel else param
+    return [
+        ("right", reference_step(numel, world_size, dtype)),
+        ("unchanged", param),
+        ("summed", param - LR * sum(grads)),
+        ("own", param - LR * grads[rank]),
+        ("owner's own", param - LR * owners_own),
+        ("gradient", sum(grads) / world_size),
+    ]
+
+
+def _categories(got: torch.Tensor, candidates: list[tuple[str, torch.Tensor]], dtype: torch.dtype) -> list[str]:
+    """For each element of a rank's param: the first candidate it equals, or 'other'."""
+    found = ["other"] * got.numel()
+    for name, values in reversed(candidates):
+        for i in torch.nonzero(values_close(got, values, dtype)).flatten().tolist():
+            found[i] = name
+    return found
+
+
+def _wrong_values(rank: int, got: torch.Tensor, outcomes: list[StepOutcome], numel: int, dtype: torch.dtype) -> str:
+    """Why rank `rank`'s param is wrong: a mistake that explains every element, else the first wrong elements."""
+    world_size = len(outcomes)
+    sizes = shard_sizes(numel, world_size)
+    start = sum(sizes[:rank])
+    candidates = _candidates(rank, numel, world_size, dtype)
+    found = _categories(got, candidates, dtype)
+    mine = set(range(start, start + sizes[rank]))
+    disagree = " After the step the ranks disagree." if len({tuple(o.param) for o in outcomes}) > 1 else ""
+    if all(c == "unchanged" or (i in mine and c == "right") for i, c in enumerate(found)) and mine:
+        return (f"rank {rank} updated its own slice ({element_span(start, start + sizes[rank])}) but every other "
+                f"element is unchanged.{disagree} The all-gather is missing: after the update, every rank sends its "
+                "updated slice to all the others, so that every rank holds the whole updated vector again.")
+    everywhere = {"unchanged": "its param is unchanged: the step must update param itself, in place.",
+                  "summed": ("its param moved by lr x the sum of the gradients over the ranks: average them. The "
+                             "reduce-scatter sums; divide your slice by N (dist.get_world_size()), as DDP does."),
+                  "own": (f"it updated with its own gradient, not the average over the ranks.{disagree} "
+                          "Reduce-scatter the gradients first, so that your slice holds their sum over the ranks, "
+                          "then divide by N."),
+                  "owner's own": ("every slice was updated with its owner's own gradient: the gradients were never "
+                                  "summed over the ranks. Reduce-scatter them first (rank r receives the sum of slice "
+                                  "r), then divide by N."),
+                  "gradient": "its param holds the averaged gradient, not the updated parameters."}
+    explains = next((name for name, values in candidates if name in everywhere
+                     and values_close(got, values, dtype).all()), None)
+    if explains:
+        return f"rank {rank}: {everywhere[explains]}"
+    return _first_wrong_elements(rank, got, found, numel, world_size, dtype)
+
+
+def _first_wrong_elements(rank: int, got: torch.Tensor, found: list[str], numel: int, world_size: int,
+                          dtype: torch.dtype) -> str:
+    """The first run of wrong elements of one kind, and whose slice they are in."""
+    sizes = shard_sizes(numel, world_size)
+    expected = reference_step(numel, world_size, dtype)
+    first = next(i for i, c in enumerate(found) if c != "right")
+    stop = next((i for i in range(first, numel) if found[i] != found[first]), numel)
+    owner = next(r for r in range(world_size) if sum(sizes[:r + 1]) > first)
+    owner_start = sum(sizes[:owner])
+    one = stop - first == 1
+    what = {"unchanged": "is unchanged" if one else "are unchanged",
+            "summed": "moved by lr x the sum of the gradients, not their average",
+            "own": "moved by this rank's own gradient", "owner's own": "moved by their owner's own gradient alone",
+            "gradient": "holds the averaged gradient" if one else "hold the averaged gradient",
+            }.get(found[first], f"{'holds' if one else 'hold'} {shown_values(got[first:stop])}")
+    uneven = "" if numel % world_size == 0 else (
+        f" N = {world_size} does not divide {numel}: shard_sizes gives the first {numel % world_size} rank(s) one "
+        "element more, and rank r's slice starts at sum(sizes[:r]); param.split(sizes) cuts exactly these slices.")
+    return (f"on rank {rank}, {element_span(first, stop)} {what} (expected {shown_values(expected[first:stop])}). "
+            f"They are in rank {owner}'s slice, {element_span(owner_start, owner_start + sizes[owner])}. Every element "
+            f"belongs to exactly one slice, updated once by its owner and then sent to every rank.{uneven}")
