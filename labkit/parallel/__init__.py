@@ -10,6 +10,7 @@ torch's DeviceMesh)."""
 from labkit.parallel.counters import (
     AllReduceCounter,
     CollectiveCounter,
+    Traffic,
     all_reduce_sum,
     count_allreduces,
     count_collectives,
@@ -47,4 +48,4 @@ __all__ = ["AXES", "Action", "AllReduceCounter", "Bucket", "BucketedDDP", "Colle
            "copy_to_tensor_parallel", "count_allreduces", "count_collectives", "gather_from_tensor_parallel",
            "measured_bubble", "mesh_layout", "peak_in_flight", "record_collective", "reduce_from_tensor_parallel",
            "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_to_tensor_parallel", "stage_layers",
-           "FullyShardedDP", "UnitEvent"]
+           "FullyShardedDP", "Traffic", "UnitEvent"]

@@ -22,22 +22,33 @@ import torch.distributed as dist
 
 from labkit import groups
 
-__all__ = ["AllReduceCounter", "CollectiveCounter", "all_reduce_sum", "count_allreduces", "count_collectives",
-           "record_collective"]
+__all__ = ["AllReduceCounter", "CollectiveCounter", "Traffic", "all_reduce_sum", "count_allreduces",
+           "count_collectives", "record_collective"]
 
 
 @dataclass(eq=False)  # counters are told apart by identity (nested blocks), never by value
-class CollectiveCounter:
+class Traffic:
+    """Collectives by kind: `calls[kind]` and `nbytes[kind]`, both collections.Counter (a kind never called
+    reads 0; `.total()` sums the kinds)."""
+    calls: Counter = field(default_factory=Counter)
+    nbytes: Counter = field(default_factory=Counter)
+
+    def add(self, kind: str, nbytes: int, ranks: tuple[int, ...]) -> None:
+        self.calls[kind] += 1
+        self.nbytes[kind] += nbytes
+
+
+@dataclass(eq=False)
+class CollectiveCounter(Traffic):
     """Collectives made by labkit.parallel on this rank, by kind ("all_reduce", "all_gather", "broadcast",
     "send"): `calls[kind]` and `nbytes[kind]` (each tensor's size, summed; for an all_gather, this rank's
     contribution, padded to the largest; for a send, the tensor sent). Both are collections.Counter, so a kind
     never called reads 0."""
-    calls: Counter = field(default_factory=Counter)
-    nbytes: Counter = field(default_factory=Counter)
+    by_group: dict[tuple[int, ...], Traffic] = field(default_factory=dict)
 
-    def add(self, kind: str, nbytes: int) -> None:
-        self.calls[kind] += 1
-        self.nbytes[kind] += nbytes
+    def add(self, kind: str, nbytes: int, ranks: tuple[int, ...]) -> None:
+        super().add(kind, nbytes, ranks)
+        self.by_group.setdefault(ranks, Traffic()).add(kind, nbytes, ranks)
 
 
 @dataclass(eq=False)
@@ -46,7 +57,7 @@ class AllReduceCounter:
     calls: int = 0
     nbytes: int = 0
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, ranks: tuple[int, ...]) -> None:
         if kind == "all_reduce":
             self.calls += 1
             self.nbytes += nbytes
@@ -111,12 +122,15 @@ def count_allreduces():
     return _counting(AllReduceCounter())
 
 
-def record_collective(kind: str, tensor: torch.Tensor) -> None:
-    """Tell the open counters that this rank makes a collective of `kind` on `tensor`: every collective of
-    labkit.parallel calls this just before it goes out."""
-    nbytes = tensor.numel() * tensor.element_size()
+def record_collective(kind: str, tensor: torch.Tensor, group=None) -> None:
+    """Tell the open counters that this rank makes a collective of `kind` on `tensor` over `group` (None: the
+    world; for a send, the group its two stages belong to): every collective of labkit.parallel calls this just
+    before it goes out."""
+    if not _counters:
+        return
+    nbytes, ranks = tensor.numel() * tensor.element_size(), tuple(groups.group_ranks(group))
     for counter in _counters:
-        counter.add(kind, nbytes)
+        counter.add(kind, nbytes, ranks)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False):
@@ -140,5 +154,5 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False):
         [(3.0, {'all_reduce': 4}), (3.0, {'all_reduce': 4})]
     """
     groups.require_member("all_reduce_sum", group)
-    record_collective("all_reduce", tensor)
+    record_collective("all_reduce", tensor, group)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -123,7 +123,7 @@ def _broadcast(model: nn.Module, src: int, group) -> None:
     rank; `group_src` would take `src` itself)."""
     root = groups.global_rank(group, src)
     for tensor in [*model.parameters(), *model.buffers()]:
-        record_collective("broadcast", tensor)
+        record_collective("broadcast", tensor, group)
         dist.broadcast(tensor.detach(), root, group=group)
 
 

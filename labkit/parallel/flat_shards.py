@@ -118,7 +118,7 @@ def post_all_gather(layout: FlatLayout, sent: torch.Tensor, group, out: torch.Te
     `piece` numbers; a new buffer if None). Returns (torch's work handle, out): once the work is done,
     layout.compact(out) puts the flat vector at its front."""
     out = sent.new_empty(layout.parts * layout.piece) if out is None else out
-    record_collective("all_gather", sent)
+    record_collective("all_gather", sent, group)
     if dist.get_backend(group) == "gloo":  # gloo's all-gather copies through a buffer of its own: a broadcast each
         pieces, rank = out.view(layout.parts, layout.piece), groups.group_rank(group)
         pieces[rank].copy_(sent)
@@ -152,7 +152,7 @@ def post_reduce_scatter(layout: FlatLayout, buffer: torch.Tensor, group):
     `buffer` in place instead, sparing two copies; the counter records the reduce-scatter the algorithm needs,
     which is what NCCL moves."""
     layout.spread(buffer)
-    record_collective("reduce_scatter", buffer)
+    record_collective("reduce_scatter", buffer, group)
     if dist.get_backend(group) == "gloo":
         rank = groups.group_rank(group)
         return (dist.all_reduce(buffer, group=group, async_op=True),

@@ -88,7 +88,7 @@ class FlatUnit:
         self.slots = [where for _, where in owned]
         self.layout = FlatLayout([p.shape for p in params], groups.group_size(group))
         flat = torch.cat([p.detach().reshape(-1) for p in params])
-        record_collective("broadcast", flat)
+        record_collective("broadcast", flat, group)
         dist.broadcast(flat, groups.global_rank(group, 0), group=group)
         me = groups.group_rank(group)
         start = self.layout.start(me)

@@ -58,7 +58,7 @@ def _all_gather_last(part: torch.Tensor, sizes: list[int], group) -> torch.Tenso
     in size (`sizes`), so each is padded to the largest for the all_gather and trimmed after."""
     widest = max(sizes)
     padded = F.pad(part, (0, widest - part.shape[-1])).contiguous()
-    record_collective("all_gather", padded)
+    record_collective("all_gather", padded, group)
     parts = [torch.empty_like(padded) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)

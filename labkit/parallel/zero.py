@@ -147,7 +147,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         root = groups.global_rank(self.group, 0)
         for bucket in self.buckets:
             for p in bucket.params:
-                record_collective("broadcast", p)
+                record_collective("broadcast", p, self.group)
                 dist.broadcast(p.detach(), root, group=self.group)
 
     # --- The step ---

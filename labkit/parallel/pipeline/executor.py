@@ -227,17 +227,18 @@ class _StageRun:
     def post(self, messages: tuple[Message, ...], link: StageLink) -> None:
         """Post one group of messages together; keep each receive's buffer and request for the action that
         needs it, and each send's request until the end of the step."""
-        group = [(message, self._tensor_for(message)) for message in messages]
+        group = [(message, self._tensor_for(message, link.transport.group)) for message in messages]
         for (message, tensor), request in zip(group, link.post(group), strict=True):
             if message.op == "recv":
                 self.arriving[(message.what, message.microbatch)] = (tensor, request)
             else:
                 self.sends.append(request)
 
-    def _tensor_for(self, message: Message) -> torch.Tensor:
-        """A send's payload, or an empty buffer of the size a receive's message will have."""
+    def _tensor_for(self, message: Message, group) -> torch.Tensor:
+        """A send's payload (counted on `group`, the pipeline's), or an empty buffer of the size a receive's
+        message will have."""
         if message.op == "send":
-            return _payload(self.outgoing.pop((message.what, message.microbatch)), message)
+            return _payload(self.outgoing.pop((message.what, message.microbatch)), message, group)
         if message.what == "header":
             return torch.empty(2 + MAX_DIMS, dtype=torch.int64, device=self.device)
         if message.what == "gradient":
@@ -312,11 +313,11 @@ def _header(tensor: torch.Tensor) -> list[int]:
     return signature(tensor)
 
 
-def _payload(tensor: torch.Tensor, message: Message) -> torch.Tensor:
-    """What a send puts on the wire, counted by count_collectives() as a "send" (the header aside)."""
+def _payload(tensor: torch.Tensor, message: Message, group) -> torch.Tensor:
+    """What a send puts on the wire, counted by count_collectives() as a "send" on `group` (the header aside)."""
     payload = tensor.detach().contiguous()
     if message.what != "header":
-        record_collective("send", payload)
+        record_collective("send", payload, group)
     return payload
 
 
