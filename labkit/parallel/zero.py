@@ -14,10 +14,17 @@ parameter the slice touches, so its state (Adam's m and v) is 1/N of the model's
 A step, per bucket: the gradients are reduce-scattered (summed, then divided by the group's size) so that each
 rank gets the average of its slice; the inner optimizer updates the slices; the slices are all-gathered back into
 every rank's parameters. That is a reduce-scatter plus an all-gather, 2(N-1)/N x the parameter bytes sent per
-rank, what DDP's all-reduce sends (paper, section 7.2.1). ZeRO-2 reduce-scatters each bucket during the backward,
-as soon as its gradients are ready (post-accumulate-grad hooks, as BucketedDDP does), and drops the gradients
-it sent: p.grad is None for every parameter after the backward, and the rank's averaged gradient slice is held
-by the inner optimizer's pieces. Its peak holds 1/N of the gradients plus the bucket being filled.
+rank, what DDP's all-reduce sends (paper, section 7.2.1). Both stages reduce-scatter each bucket during the
+backward, as soon as its gradients are ready (post-accumulate-grad hooks, as BucketedDDP does), so the
+communication overlaps the rest of the backward. What they keep differs:
+
+- ZeRO-1 keeps every gradient (P_os shards the optimizer state only): a reduced bucket's gradients are zeroed and
+  the slice this rank owns receives the group's sum, which step() divides by N for the inner optimizer and then
+  restores. A later backward before zero_grad() sends that sum along with its new gradients, so accumulation
+  stays exact: the reduce of (sum so far + new gradients) is the sum of everything.
+- ZeRO-2 drops the gradients it sent: p.grad is None for every parameter after the backward, and the rank's
+  averaged gradient slice is held by the inner optimizer's pieces. Its peak holds 1/N of the gradients plus the
+  bucket being filled.
 
 The collectives, reduce_scatter_single and all_gather_single (gloo runs both, CPU included, in torch 2.13), are
 flat_shards.py's post_reduce_scatter and post_all_gather, which ZeRO-3 uses too: each slice travels padded to the
@@ -69,9 +76,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
       at the next step. `state` is the inner optimizer's: the state of this rank's pieces only.
     - A trainable parameter with no gradient on a rank counts as a zero gradient there, and is stepped (a torch
       optimizer would skip a parameter that has no gradient anywhere): freeze what you do not train.
-    - After step(), ZeRO-1 leaves in p.grad this rank's gradient, with the slice it owns replaced by the average.
-      ZeRO-2 supports several backwards (gradient accumulation) before a step when every parameter gets a
-      gradient in each; its p.grad stays None.
+    - Gradients must come from backward() (the hooks reduce them as it makes them). Several backwards
+      (gradient accumulation) before a step work when every parameter gets a gradient in each.
+    - After a backward, ZeRO-1's p.grad holds zeros except the slice this rank owns, which holds the sum of the
+      group's gradients (N x their average: step() divides it for the update and restores it, so a backward
+      before the next zero_grad() accumulates as in one process). ZeRO-2's p.grad stays None.
     - `state_dict()` holds this rank's slice and the layout it belongs to; `load_state_dict` refuses another's.
 
     Example::
@@ -86,8 +95,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ...     mine = slice(labkit.rank() * 256, (labkit.rank() + 1) * 256)      # this rank's half of 512
         ...     for _ in range(steps):
         ...         optimizer.zero_grad()
-        ...         F.cross_entropy(model(x[mine]), y[mine]).backward()         # no DDP, no averaging
-        ...         optimizer.step()           # reduce-scatter, AdamW on this rank's half, all-gather
+        ...         F.cross_entropy(model(x[mine]), y[mine]).backward()   # reduce-scatters as it goes
+        ...         optimizer.step()           # AdamW on this rank's half, all-gather
         ...     state = sum(t.numel() for s in optimizer.state.values() for t in s.values() if t.dim())
         ...     return state, model[0].weight.sum().item()
         >>> (state0, w0), (state1, w1) = labkit.run(train, world_size=2)
@@ -116,7 +125,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             g.update(_hyperparameters(inner))
         for piece in (pc for b in self.buckets for pc in b.pieces):
             self.state[piece.tensor]  # an entry per piece, so that labkit.measure finds the gradient shard
-        self._next = 0  # ZeRO-2: the next bucket to reduce, in bucket order on every rank
+        self._next = 0  # the next bucket to reduce, in bucket order on every rank
         self._hook_params()
         self._broadcast_from_first()
 
@@ -131,16 +140,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [pc for b in self.buckets if b.group_index == group_index for pc in b.pieces]
 
     def _hook_params(self) -> None:
-        """ZeRO-2: each gradient reports when it is accumulated. A parameter answers to the last ShardedOptimizer
-        built over it: an earlier one's hook goes."""
+        """Each gradient reports when it is accumulated. A parameter answers to the last ShardedOptimizer built
+        over it: an earlier one's hook goes."""
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 old = _hooks.pop(p, None)
                 if old is not None:
                     old.remove()
-                if self.shard_gradients:
-                    _hooks[p] = p.register_post_accumulate_grad_hook(
-                        lambda param, b=bucket, i=i: self._grad_ready(b, i))
+                _hooks[p] = p.register_post_accumulate_grad_hook(lambda param, b=bucket, i=i: self._grad_ready(b, i))
 
     @torch.no_grad()
     def _broadcast_from_first(self) -> None:
@@ -153,22 +160,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # --- The step ---
 
     def step(self, closure=None):
-        """Reduce-scatter the gradients (ZeRO-1; ZeRO-2 did during the backward), update this rank's slice with the
-        inner optimizer, all-gather every rank's slice into the parameters. Returns the closure's loss, if any."""
+        """Reduce-scatter what the backward left (buckets a missing gradient kept from filling), update this rank's
+        slice with the inner optimizer, all-gather every rank's slice into the parameters. Returns the closure's
+        loss, if any."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            if not self.shard_gradients:
-                _pipelined(self.buckets, self._launch, self._settle)
-            while self.shard_gradients and (self._next or any(any(b.ready) for b in self.buckets)):
-                self._launch_next()  # buckets a missing gradient kept from filling, zeros for those
+            while self._next or any(any(b.ready) for b in self.buckets):
+                self._launch_next()  # zeros for the missing gradients
             for inner, group in zip(self.inner.param_groups, self.param_groups, strict=True):
                 inner.update(_hyperparameters(group))
+            self._scale_owned_sums(1 / self.size)
             self.inner.step()
+            self._scale_owned_sums(self.size)
             _pipelined(self.buckets, self._post_all_gather, self._place_gathered)
         return loss
+
+    def _scale_owned_sums(self, factor: float) -> None:
+        """ZeRO-1: multiply the owned slices of the gradients (the group's sums, viewed by the pieces) by `factor`:
+        1/N turns them into the averages the inner optimizer steps with, N turns them back."""
+        for pc in (pc for b in self.buckets for pc in b.pieces if not self.shard_gradients):
+            if pc.tensor.grad is not None:
+                pc.tensor.grad.mul_(factor)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The parameters' gradients and this rank's gradient slice: dropped (set_to_none) or zeroed."""
@@ -178,7 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             bucket.grad = None
 
     def _grad_ready(self, bucket: ShardBucket, i: int) -> None:
-        """ZeRO-2: p.grad of `bucket`'s i-th parameter is accumulated; reduce every bucket that is now full, in
+        """p.grad of `bucket`'s i-th parameter is accumulated; reduce every bucket that is now full, in
         bucket order (the same collectives in the same order on every rank)."""
         if bucket.index < self._next:
             raise RuntimeError("ShardedOptimizer: a second backward before step(), while the first left a bucket "
@@ -189,12 +204,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._launch_next()
 
     def _launch_next(self) -> None:
-        """Reduce the next bucket and drop its gradients; settle the one before it (so at most two are in flight)
-        and, after the last bucket, that one too: the backward ends with every slice averaged."""
+        """Reduce the next bucket; drop its gradients (ZeRO-2) or zero them (ZeRO-1: the owned slice gets the sum);
+        settle the bucket before it (so at most two are in flight) and, after the last bucket, that one too: the
+        backward ends with every slice reduced."""
         bucket = self.buckets[self._next]
         self._launch(bucket)
         for p in bucket.params:
-            p.grad = None
+            if self.shard_gradients:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
         bucket.ready = [False] * len(bucket.params)
         if self._next:
             self._settle(self.buckets[self._next - 1])
@@ -212,18 +231,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         bucket.pending = (*post_reduce_scatter(layout, sent, self.group), sent)
 
     def _settle(self, bucket: ShardBucket) -> None:
-        """Wait for the bucket's reduce-scatter; divide by the group's size; hand the average to the pieces: ZeRO-1
-        writes it into p.grad (the pieces' gradients are views of it), ZeRO-2 keeps it (adding to an earlier
-        backward's) in bucket.grad."""
+        """Wait for the bucket's reduce-scatter and hand this rank's slice to the pieces: ZeRO-1 writes the sum into
+        p.grad (the pieces' gradients are views of it); ZeRO-2 divides it by the group's size and keeps the
+        average (adding to an earlier backward's) in bucket.grad."""
         if bucket.pending is None:
             return
         work, out, _ = bucket.pending
         work.wait()
         bucket.pending = None
-        mine = out[:bucket.layout.sizes[self.rank]].div(self.size)
+        mine = out[:bucket.layout.sizes[self.rank]]
         if not self.shard_gradients:
-            _average_into_params(bucket.pieces, mine)
+            _sum_into_params(bucket.pieces, mine)
             return
+        mine = mine.div(self.size)
         bucket.grad = mine if bucket.grad is None else bucket.grad.add_(mine)
         for pc in bucket.pieces:
             pc.tensor.grad = bucket.grad[pc.offset:pc.offset + pc.tensor.numel()]
@@ -282,8 +302,8 @@ def _pipelined(buckets: list[ShardBucket], post, finish) -> None:
         finish(buckets[-1])
 
 
-def _average_into_params(pieces: list[Piece], mine: torch.Tensor) -> None:
-    """ZeRO-1: this rank's averaged slice `mine` written over the parts of the gradients it owns (a zero gradient
+def _sum_into_params(pieces: list[Piece], mine: torch.Tensor) -> None:
+    """ZeRO-1: this rank's reduced slice `mine` written over the parts of the gradients it owns (a zero gradient
     made for a parameter that has none); each piece's gradient is a view of its part, so no gradient is copied."""
     for pc in pieces:
         grad = pc.param.grad

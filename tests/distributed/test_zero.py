@@ -348,6 +348,41 @@ def test_accumulated_backwards_a_closure_and_a_replaced_optimizer_train_as_one_p
             torch.testing.assert_close(result, alone, rtol=1e-9, atol=1e-12)
 
 
+def reduced_during_backward_and_kept_without_zero_grad():
+    """What each stage sends during the backward and during step(); and training that never calls zero_grad, so
+    that every backward adds to the gradients of all the earlier ones (as in one process)."""
+    tokens, targets = batches()
+    sent, trained = {}, {}
+    for stage in (1, 2):
+        model, optimizer = sharded("sgd", stage, SMALL_MB)
+        with count_collectives() as backward_calls:
+            loss(model, tokens[0], targets[0]).backward()
+        with count_collectives() as step_calls:
+            optimizer.step()
+        sent[stage] = dict(backward_calls.calls), dict(step_calls.calls), len(optimizer.buckets)
+        if stage == 1:
+            for step in range(1, STEPS):
+                loss(model, tokens[step], targets[step]).backward()
+                optimizer.step()
+            trained[stage] = flat(model)
+    return sent, trained
+
+
+def test_both_stages_reduce_during_the_backward_and_zero1_accumulates_across_steps_without_zero_grad():
+    model = TiedNet()
+    optimizer = torch.optim.SGD(param_groups(model), **OPTIMIZERS["sgd"][1])
+    tokens, targets = batches()
+    for step in range(STEPS):
+        loss(model, tokens[step], targets[step]).backward()
+        optimizer.step()
+    for sent, trained in labkit.run(reduced_during_backward_and_kept_without_zero_grad, world_size=3):
+        for stage in (1, 2):
+            in_backward, in_step, buckets = sent[stage]
+            assert buckets > 3 and in_backward == {"reduce_scatter": buckets}, (stage, sent[stage])
+            assert in_step == {"all_gather": buckets}
+        torch.testing.assert_close(trained[1], flat(model), rtol=1e-9, atol=1e-12)
+
+
 # --- Clear errors, on every rank, instead of hangs ---
 
 def misuse():
