@@ -13,11 +13,10 @@ Target (issue: data parallelism): bucketed <= 1.15 x torch.
 """
 
 import torch
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import labkit
-from labkit.measure import seconds_taking_turns, slowest_rank_median
+from labkit.measure import seconds_taking_turns, slowest_rank_median, training_step
 from labkit.models import mlp
 from labkit.parallel import BucketedDDP, average_gradients, broadcast_parameters
 from labkit.tables import text_table
@@ -43,13 +42,7 @@ def make_variants(bucket_mb: float) -> dict:
     theirs = DistributedDataParallel(model(), bucket_cap_mb=bucket_mb)
 
     def step(net, optimizer, after_backward=None):
-        def run():
-            optimizer.zero_grad()
-            F.cross_entropy(net(x), y).backward()
-            if after_backward is not None:
-                after_backward()
-            optimizer.step()
-        return run
+        return training_step(net, optimizer, x, y, after_backward)
 
     def sgd(net):
         return torch.optim.SGD(net.parameters(), lr=1e-3)

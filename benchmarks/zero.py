@@ -37,12 +37,11 @@ by +-0.15 from run to run on a loaded machine.
 """
 
 import torch
-import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 import labkit
-from labkit.measure import seconds_taking_turns, slowest_rank_median
+from labkit.measure import seconds_taking_turns, slowest_rank_median, training_step
 from labkit.models import mlp
 from labkit.parallel import FullyShardedDP, ShardedOptimizer
 from labkit.tables import text_table
@@ -82,13 +81,7 @@ def variants() -> dict:
     x, y = x.to(labkit.device()), y.to(labkit.device())
 
     def step(net, optimizer, after_backward=None):
-        def run():
-            optimizer.zero_grad()
-            F.cross_entropy(net(x), y).backward()
-            if after_backward is not None:
-                after_backward()
-            optimizer.step()
-        return run
+        return training_step(net, optimizer, x, y, after_backward)
 
     local, zero1, zero2, ddp = model(), model(), model(), DistributedDataParallel(model())
     fsdp, theirs = FullyShardedDP(model()), torch_fsdp()

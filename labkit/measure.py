@@ -11,6 +11,7 @@ device is synchronized, the host clock runs over one round of calls, and the med
     median_seconds(fn, repeats, device, group)          the median round
     seconds_taking_turns(fns, rounds, calls, ...)       several functions, rounds in rotating order
     slowest_rank_median(per_rank)                       each round's slowest rank, then the median
+    training_step(model, optimizer, inputs, targets)    one training step as a function of nothing, to time
 
 and the bytes a rank holds in weights, gradients and optimizer state, keyed like labkit.plan.training_memory, under
 any strategy (a plain optimizer, DDP, labkit.parallel's ShardedOptimizer and FullyShardedDP):
@@ -40,7 +41,7 @@ from labkit.groups import group_is_up
 
 __all__ = ["PeakTrainingState", "Stopwatch", "allreduce_seconds_by_size", "allreduce_sweep", "median_seconds",
            "peak_training_state", "seconds_per_call", "seconds_taking_turns", "slowest_rank_median", "synchronize",
-           "training_state_nbytes"]
+           "training_state_nbytes", "training_step"]
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -150,6 +151,28 @@ def slowest_rank_median(per_rank: list[dict[Hashable, list[float]]]) -> dict[Has
     """
     return {name: statistics.median(max(times) for times in zip(*(rank[name] for rank in per_rank), strict=True))
             for name in per_rank[0]}
+
+
+def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.Tensor,
+                  targets: torch.Tensor, after_backward: Callable[[], object] | None = None,
+                  loss_fn: Callable = torch.nn.functional.cross_entropy) -> Callable[[], None]:
+    """A function of nothing that runs one training step: zero_grad, forward, `loss_fn`, backward, then
+    `after_backward()` if given (BucketedDDP.finish, FullyShardedDP.finish, average_gradients), then the
+    optimizer's step: what the benchmarks hand to seconds_taking_turns.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 3)
+    >>> step = training_step(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.ones(2, 4), torch.tensor([0, 2]))
+    >>> before = model.weight.clone(); step(); bool((model.weight != before).any())
+    True
+    """
+    def step() -> None:
+        optimizer.zero_grad()
+        loss_fn(model(inputs), targets).backward()
+        if after_backward is not None:
+            after_backward()
+        optimizer.step()
+    return step
 
 
 def allreduce_seconds_by_size(sizes_nbytes: Iterable[int], allreduce: Callable | None = None,
