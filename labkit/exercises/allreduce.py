@@ -21,11 +21,12 @@ from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.diagnosis import hub_traffic, ring_traffic, unmatched, wrong_values
 from labkit.exercises.guard import (
     attempt,
+    first_failure,
     forbidden_message,
-    forbidden_spelling,
     messages_of_last_attempt,
     rank_input,
     stop_pool,
+    where_ranks_waited,
 )
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
@@ -105,8 +106,7 @@ def _stop_pool_if_unmatched(world_size: int, messages: list[tuple[list, list]]) 
 
 def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) -> str:
     """A call that never finished: where the first ranks waited, and how sends and receives deadlock."""
-    waiting = sorted((f for f in hang.failures if f.kind == NoReply.STOPPED), key=lambda f: f.rank)[:2]
-    where = "; ".join(f"rank {f.rank} {f.summary}" for f in waiting)
+    where = where_ranks_waited(hang)
     agree = "the same neighbours: left and right" if ring else "the same hub, rank 0"
     return (f"it never finished (stopped after {timeout_seconds:g} s): some rank waited for a message that never "
             f"came. {where}. Every send needs a matching recv on the other rank, in an order that cannot leave "
@@ -116,10 +116,7 @@ def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) 
 
 def _error_message(error: labkit.RankError) -> str:
     """A call that raised: the first switched-off call it made, else the first rank's own error."""
-    forbidden = [f for f in error.failures if forbidden_spelling(f.summary) is not None]
-    if forbidden:
-        first = min(forbidden, key=lambda f: (f.time, f.rank))
-        return forbidden_message(first.rank, forbidden_spelling(first.summary), caught=False)
-    first = min((f for f in error.failures if f.kind != NoReply.STOPPED), key=lambda f: (f.time, f.rank),
-                default=error.failures[0])
+    first, spelling = first_failure(error)
+    if spelling is not None:
+        return forbidden_message(first.rank, spelling, caught=False)
     return f"rank {first.rank} raised {first.summary}"

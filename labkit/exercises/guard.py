@@ -20,9 +20,10 @@ import torch
 
 import labkit
 from labkit.checks import whole
+from labkit.launch.errors import NoReply
 
-__all__ = ["ForbiddenCall", "Guard", "Outcome", "attempt", "forbidden_message", "forbidden_spelling",
-           "messages_of_last_attempt", "rank_input", "stop_pool"]
+__all__ = ["ForbiddenCall", "Guard", "Outcome", "attempt", "first_failure", "forbidden_message",
+           "forbidden_spelling", "messages_of_last_attempt", "rank_input", "stop_pool", "where_ranks_waited"]
 
 POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
 
@@ -84,6 +85,25 @@ def forbidden_spelling(summary: str) -> str | None:
     if not summary.startswith(prefix):
         return None
     return summary.removeprefix(prefix).removesuffix(_SWITCHED_OFF)
+
+
+def first_failure(error: labkit.RankError):
+    """The failure a grader reports: the earliest call the guard switched off, else the earliest rank's own
+    error (a rank that merely stopped, only when nothing else failed). Returns (failure, what it called: the
+    forbidden spelling, or None for an error of its own)."""
+    forbidden = [f for f in error.failures if forbidden_spelling(f.summary) is not None]
+    if forbidden:
+        first = min(forbidden, key=lambda f: (f.time, f.rank))
+        return first, forbidden_spelling(first.summary)
+    first = min((f for f in error.failures if f.kind != NoReply.STOPPED), key=lambda f: (f.time, f.rank),
+                default=error.failures[0])
+    return first, None
+
+
+def where_ranks_waited(hang: labkit.RankTimeout, ranks: int = 2) -> str:
+    """Where the first `ranks` ranks that were stopped mid-call were waiting, from labkit's hang report."""
+    waiting = sorted((f for f in hang.failures if f.kind == NoReply.STOPPED), key=lambda f: f.rank)[:ranks]
+    return "; ".join(f"rank {f.rank} {f.summary}" for f in waiting)
 
 
 def forbidden_message(rank: int, spelling: str, caught: bool) -> str:

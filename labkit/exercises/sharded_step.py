@@ -35,7 +35,7 @@ import torch
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.guard import forbidden_spelling, stop_pool
+from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
 from labkit.exercises.step_guard import attempt_step, calls_of_last_attempt
 from labkit.exercises.step_nbytes import step_traffic
 from labkit.exercises.step_values import wrong_step
@@ -117,8 +117,7 @@ def _stop_pool_if_out_of_step(world_size: int, kinds: list[list[str]]) -> None:
 
 def _hang_message(hang: labkit.RankTimeout, world_size: int, timeout_seconds: float) -> str:
     """A step that never finished: where the first ranks waited, and why collectives wait."""
-    waiting = sorted((f for f in hang.failures if f.kind == NoReply.STOPPED), key=lambda f: f.rank)[:2]
-    where = "; ".join(f"rank {f.rank} {f.summary}" for f in waiting)
+    where = where_ranks_waited(hang)
     stopped = {f.rank for f in hang.failures if f.kind == NoReply.STOPPED}
     returned = sorted(set(range(world_size)) - stopped)
     where += f"; rank(s) {returned} had returned" if returned else ""
@@ -130,12 +129,9 @@ def _hang_message(hang: labkit.RankTimeout, world_size: int, timeout_seconds: fl
 
 def _error_message(error: labkit.RankError) -> str:
     """A step that raised: the first switched-off call it made, else the first rank's own error and a hint."""
-    forbidden = [f for f in error.failures if forbidden_spelling(f.summary) is not None]
-    if forbidden:
-        first = min(forbidden, key=lambda f: (f.time, f.rank))
-        return _forbidden_message(first.rank, forbidden_spelling(first.summary), caught=False)
-    first = min((f for f in error.failures if f.kind != NoReply.STOPPED), key=lambda f: (f.time, f.rank),
-                default=error.failures[0])
+    first, spelling = first_failure(error)
+    if spelling is not None:
+        return _forbidden_message(first.rank, spelling, caught=False)
     hint = ""
     if "invalid tensor size" in first.summary:
         hint = " " + PADDING_HINT
