@@ -383,6 +383,34 @@ def test_both_stages_reduce_during_the_backward_and_zero1_accumulates_across_ste
         torch.testing.assert_close(trained[1], flat(model), rtol=1e-9, atol=1e-12)
 
 
+def collectives_on_an_older_torch() -> tuple[list, list]:
+    """flat_shards' all_gather_single and reduce_scatter_single (NCCL's path) on a torch before 2.13, which has
+    only all_gather_into_tensor and reduce_scatter_tensor, next to those."""
+    import torch.distributed as dist
+
+    from labkit.parallel.flat_shards import all_gather_single, reduce_scatter_single
+    mine = torch.arange(3.0) + 10 * labkit.rank()
+    results = []
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        saved = getattr(dist, name)
+        delattr(dist, name)
+        try:
+            gathered, scattered = torch.empty(6), torch.empty(3)
+            all_gather_single(gathered, mine)
+            reduce_scatter_single(scattered, torch.cat([mine, 2 * mine]))
+            results.append([gathered, scattered])
+        finally:
+            setattr(dist, name, saved)
+    return results
+
+
+def test_the_2_13_collective_names_fall_back_to_the_old_ones_on_an_older_torch():
+    for rank, results in enumerate(labkit.run(collectives_on_an_older_torch, world_size=2)):
+        for gathered, scattered in results:
+            assert gathered.tolist() == [0.0, 1.0, 2.0, 10.0, 11.0, 12.0]
+            assert scattered.tolist() == [(1 + rank) * (10 + 2 * i) for i in range(3)]
+
+
 # --- Clear errors, on every rank, instead of hangs ---
 
 def misuse():

@@ -13,16 +13,15 @@ on GPU tensors. Every test skips, saying why, where torch.cuda.is_available() is
   with a ValueError naming the rank, the device and labkit.device(): asserted here.
 
 labkit's ZeRO calls torch.distributed.all_gather_single and reduce_scatter_single, the torch 2.13 names of
-all_gather_into_tensor and reduce_scatter_tensor (pytorch/pytorch PR #186123: a rename, same arguments and
-behaviour). A GPU machine whose torch predates them (2.11 has only the old names) runs these tests with the old
-functions under the new names, inside the ranks, and says so in a warning: labkit itself pins torch 2.13.
+all_gather_into_tensor and reduce_scatter_tensor (a rename: same arguments and behaviour), and the old names on a
+torch that predates them (a GPU machine's own torch, 2.11 say): labkit.parallel.flat_shards picks at each call.
+The watched collectives are therefore matched by family: "all_gather" is either name.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import warnings
 
 import pytest
 import torch
@@ -40,7 +39,8 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NO_CUDA = f"CUDA is not available (torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})"
 needs_cuda = pytest.mark.skipif(GPUS == 0, reason=NO_CUDA)
 
-RENAMED = {"all_gather_single": "all_gather_into_tensor", "reduce_scatter_single": "reduce_scatter_tensor"}
+FAMILIES = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+            "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter"}
 WATCHED = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_single", "all_gather_into_tensor",
            "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "all_to_all_single", "send", "recv",
            "isend", "irecv")
@@ -48,24 +48,6 @@ ADAMW = {"lr": 0.01, "weight_decay": 0.1}
 STEPS = 4
 SMALL_MB = 4096 / 2**20  # buckets of at most 4 KiB: mlp()'s 5,508 parameters make several buckets
 SLEEP_CYCLES = 100_000_000  # torch.cuda._sleep: about 50 ms at an H200's 1.98 GHz; timed in the rank
-
-
-@pytest.fixture(autouse=True, scope="module")
-def say_if_renamed_collectives_are_aliased():
-    missing = [new for new in RENAMED if not hasattr(dist, new)]
-    if missing and GPUS:
-        warnings.warn(f"torch {torch.__version__} lacks torch.distributed.{' and '.join(missing)} (torch 2.13's "
-                      "names, which labkit's ZeRO calls): these tests alias them, in the ranks, to "
-                      f"{', '.join(RENAMED[n] for n in missing)}, the same collectives under their old names.",
-                      stacklevel=1)
-    yield
-
-
-def torch_2_13_names() -> None:
-    """In a rank: torch 2.13's names of the single-tensor collectives, on an older torch (see the docstring)."""
-    for new, old in RENAMED.items():
-        if not hasattr(dist, new):
-            setattr(dist, new, getattr(dist, old))
 
 
 @contextlib.contextmanager
@@ -116,7 +98,7 @@ def check_collectives(seen: list, expected: set[str]) -> None:
     """Every watched collective was handed cuda tensors only, and each of `expected` ran."""
     off_gpu = [(name, where) for name, where in seen if not all(d.startswith("cuda") for d in where)]
     assert not off_gpu, f"collectives handed tensors that are not on the GPU: {off_gpu}"
-    assert expected <= {name for name, _ in seen}, (expected, seen)
+    assert expected <= {FAMILIES.get(name, name) for name, _ in seen}, (expected, seen)
 
 
 # ---- ZeRO-1 and -2: ShardedOptimizer at NCCL world size 1 equals one process ----------------------------------
@@ -124,7 +106,6 @@ def check_collectives(seen: list, expected: set[str]) -> None:
 def zero_against_one_process(shard_gradients: bool, group_of=None) -> dict:
     """ShardedOptimizer(AdamW) and torch's AdamW on the same model, data and steps on this rank's GPU.
     `group_of`: a function of nothing giving the group (called in the rank: e.g. a Mesh axis); None: the world."""
-    torch_2_13_names()
     device = labkit.device()
     x, y = (t.to(device) for t in make_classification())
     model, reference = mlp().to(device), mlp().to(device)
@@ -159,7 +140,7 @@ def test_sharded_optimizer_at_nccl_world_1_equals_one_process_on_the_gpu(shard_g
     assert result["state_numel"] == 2 * sum(p.numel() for p in mlp().parameters())  # m and v, all of it: N = 1
     assert result["buckets"] > 1
     assert result["grads_kept"] == [not shard_gradients] * STEPS  # ZeRO-2 drops the gradients it reduced
-    check_collectives(result["seen"], {"broadcast", "reduce_scatter_single", "all_gather_single"})
+    check_collectives(result["seen"], {"broadcast", "reduce_scatter", "all_gather"})
 
 
 # ---- ZeRO-3: FullyShardedDP at NCCL world size 1 equals one process, float32 and bfloat16 ------------------------
@@ -168,7 +149,6 @@ def fsdp_against_one_process(compute_dtype) -> dict:
     """FullyShardedDP(mlp) with AdamW on the shards, and one process with AdamW on float32 masters making the
     casts FullyShardedDP makes under compute_dtype: a compute_dtype copy of the weights, the inputs cast to it,
     the gradient in it, then cast to float32 (and divided by the group's size, 1)."""
-    torch_2_13_names()
     device = labkit.device()
     x, y = (t.to(device) for t in make_classification())
     with collectives_seen() as seen:
@@ -223,7 +203,7 @@ def test_fully_sharded_dp_at_nccl_world_1_equals_one_process_on_the_gpu(compute_
     assert result["losses"] == pytest.approx(result["reference_losses"], rel=tolerance, abs=tolerance), result
     assert result["logits_dtype"] == str(compute_dtype or torch.float32)
     assert result["shards"] == result["full"] == result["state"] == {"cuda:0"}, result
-    check_collectives(result["seen"], {"broadcast", "reduce_scatter_single", "all_gather_single"})
+    check_collectives(result["seen"], {"broadcast", "reduce_scatter", "all_gather"})
 
 
 # ---- timing waits for the GPU ----------------------------------------------------------------------------------
@@ -254,7 +234,6 @@ def timings() -> dict:
     """Seconds that labkit measured around GPU work of a known length: a ShardedOptimizer step after a sleep
     kernel (measure.seconds_per_call) and the forward of FullyShardedDP's unit that sleeps (its timeline), next
     to the sleep's own length, a step without it, and what the host clock sees while only queueing the sleep."""
-    torch_2_13_names()
     device = labkit.device()
     sleep = gpu_sleep_seconds()
     x, y = (t.to(device) for t in make_classification())
@@ -312,14 +291,13 @@ def test_mesh_on_cuda_hands_each_axis_a_gpu_group():
     assert result["coordinate"] == {"dp": 0, "pp": 0, "tp": 0}
     assert result["sums"] == {axis: ([2.0, 2.0, 2.0], 1, 0) for axis in ("dp", "pp", "tp")}
     assert result["zero"]["difference"] <= 1e-6 and result["zero"]["state"] == {"cuda:0"}, result["zero"]
-    check_collectives(result["zero"]["seen"], {"reduce_scatter_single", "all_gather_single"})
+    check_collectives(result["zero"]["seen"], {"reduce_scatter", "all_gather"})
 
 
 # ---- two ranks sharing the GPU over gloo: CUDA parameters refused, clearly -----------------------------------------
 
 def shard_elsewhere(kind: str, device: str) -> None:
     """On a gloo rank (labkit.device() is the CPU): shard a model whose parameters are on `device`."""
-    torch_2_13_names()
     model = mlp().to(device)
     if kind == "ShardedOptimizer":
         ShardedOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
