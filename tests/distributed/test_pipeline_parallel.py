@@ -6,6 +6,7 @@ within 15% of (p-1)/(m+p-1) on real ranks with emulated compute."""
 import pytest
 import torch
 import torch.nn.functional as F
+from nccl_stream_model import plan_posts, stream_deadlock
 from torch import nn
 
 import labkit
@@ -55,7 +56,7 @@ def test_the_two_orders_read_as_the_papers_draw_them():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("zero-bubble", 2, 4), "kind='zero-bubble': use one of 'gpipe', '1f1b'"),
+    (("zero-bubble", 2, 4), "kind='zero-bubble': use one of 'gpipe', '1f1b', 'interleaved'"),
     (("gpipe", 0, 4), "stages=0: pass a whole number >= 1"),
     (("1f1b", 2, 2.5), "microbatches=2.5: pass a whole number >= 1"),
     (("1f1b", True, 2), "stages=True: pass a whole number >= 1"),
@@ -186,12 +187,12 @@ def test_pipelined_step_equals_one_process_and_holds_the_expected_activations(p,
             boundaries = (r < p - 1) + (r > 0)
             assert dict(counted.calls) == ({"send": 2 * m} if boundaries == 2 else {"send": m} if boundaries else {})
             assert counted.nbytes["send"] == boundaries * BATCH * 64 * 8
-            assert result.stage == r and result.layers == stage_layers(7, p)[r]
+            assert result.stage == r and result.layers == (stage_layers(7, p)[r],)
             assert result.peak_in_flight == (m if kind == "gpipe" else min(p - r, m)), (kind, m, r)
             assert [(e.kind, e.microbatch) for e in result.events] == \
                 [(a.kind, a.microbatch) for a in schedule(kind, p, m)[r]]
             assert (result.loss is None) == (r < p - 1)
-            assert set(mine) == {f"{i}.{w}" for i in result.layers if i % 2 == 0 for w in ("weight", "bias")}
+            assert set(mine) == {f"{i}.{w}" for i in result.layers[0] if i % 2 == 0 for w in ("weight", "bias")}
             seen.update(mine)
         assert per_rank[-1][c][0].loss == pytest.approx(loss, rel=1e-12, abs=0), (kind, m)
         assert set(seen) == set(grads)
@@ -236,7 +237,7 @@ def test_two_pipelines_on_sub_groups_each_equal_the_unsplit_model(parts):
         seen = {}
         for stage, rank in enumerate(ranks):
             mine, result, stage_grads, counted = per_rank[rank]
-            assert mine == part and result.stage == stage and result.layers == stage_layers(7, 2)[stage]
+            assert mine == part and result.stage == stage and result.layers == (stage_layers(7, 2)[stage],)
             assert [(e.stage, e.kind, e.microbatch) for e in result.events] == \
                 [(stage, a.kind, a.microbatch) for a in schedule(kind, 2, m)[stage]]
             assert dict(counted.calls) == {"send": m} and counted.nbytes["send"] == BATCH * 64 * 8
@@ -277,9 +278,9 @@ def test_stages_that_plan_different_steps_are_told_on_every_stage_not_left_to_ha
     with pytest.raises(labkit.RankError) as raised:
         labkit.run(one_pair_disagrees, what, world_size=4, timeout=60)
     assert sorted(f.rank for f in raised.value.failures) == [1, 3]
-    theirs = DISAGREEMENTS[what][:2] + (2 * DISAGREEMENTS[what][2] + 1,)  # mlp(layers=n) has 2n + 1 layers
-    assert ("ValueError: run_pipeline: the ranks passed different (schedule_kind, microbatches, layers of the "
-            f"model) (rank 1: ('1f1b', 2, 3); rank 3: {theirs}). Pass the same schedule") in str(raised.value)
+    theirs = DISAGREEMENTS[what][:2] + (1, 2 * DISAGREEMENTS[what][2] + 1)  # mlp(layers=n) has 2n + 1 layers
+    assert ("ValueError: run_pipeline: the ranks passed different (schedule_kind, microbatches, chunks, layers of "
+            f"the model) (rank 1: ('1f1b', 2, 1, 3); rank 3: {theirs}). Pass the same schedule") in str(raised.value)
 
 
 def batched_as_a_word():
@@ -375,65 +376,6 @@ def test_a_fresh_process_first_actions_last_what_was_emulated(script):
 
 # --- Communication that cannot hang under NCCL, and timings that wait for the device ---
 
-def stream_deadlock(posts: list[list[tuple]]) -> list | None:
-    """A single-stream model of NCCL: None if every rank's operations complete, else each rank's stuck head.
-
-    posts[r]: rank r's groups, in posting order; a group is a tuple of ("send", peer, key, nbytes),
-    ("recv", peer, key, nbytes) or ("barrier",). Each rank's stream runs its groups in order, one at a time.
-    The k-th send from a to b matches the k-th recv on b from a (NCCL ignores tags); the two complete only
-    together, when both are in their stream's running group (a group's operations run at once: a
-    batch_isend_irecv); a barrier completes when it is in every rank's running group. A group ends when all
-    its operations have."""
-    counts, streams = {}, []
-    for r, groups in enumerate(posts):
-        stream = []
-        for group in groups:
-            ops = []
-            for op in group:
-                pair = ("barrier",) if op[0] == "barrier" else (r, op[1]) if op[0] == "send" else (op[1], r)
-                key = (op[0], pair, r if op[0] == "barrier" else None)  # barriers: counted per rank
-                index = counts[key] = counts.get(key, -1) + 1
-                ops.append((op[0], pair, index, op[2:]))
-            stream.append(ops)
-        streams.append(stream)
-    head, done = [0] * len(posts), [set() for _ in posts]
-
-    def running(r):
-        return streams[r][head[r]] if head[r] < len(streams[r]) else []
-
-    while any(head[r] < len(streams[r]) for r in range(len(posts))):
-        progressed = False
-        for r in range(len(posts)):
-            for op in running(r):
-                if op in done[r]:
-                    continue
-                if op[0] == "barrier" and all(op in running(q) for q in range(len(posts))):
-                    for q in range(len(posts)):
-                        done[q].add(op)
-                    progressed = True
-                elif op[0] == "send":
-                    match = next((o for o in running(op[1][1]) if o[:3] == ("recv", op[1], op[2])), None)
-                    if match is not None and match not in done[op[1][1]]:
-                        assert match[3] == op[3], f"send {op} meets recv {match}: different messages"
-                        done[r].add(op)
-                        done[op[1][1]].add(match)
-                        progressed = True
-        for r in range(len(posts)):
-            if running(r) and all(op in done[r] for op in running(r)):
-                head[r], done[r] = head[r] + 1, set()
-                progressed = True
-        if not progressed:
-            return [running(r) for r in range(len(posts))]
-    return None
-
-
-def plan_posts(kind, p, m):
-    """communication_plan's groups as stream_deadlock reads them (no sizes): a barrier first, as run_pipeline."""
-    return [[(("barrier",),)] + [tuple((msg.op, msg.peer, msg.what, msg.microbatch) for msg in step)
-                              for step in steps if not isinstance(step, Action)]
-            for steps in communication_plan(kind, p, m)]
-
-
 def test_the_model_catches_the_old_executors_order():
     """The executor before issue 15, p = 2, m = 1, as it posted: stage 1 its header receive before the barrier
     that stage 0 passes before sending it; stage 0 the gradient's receive before the activation's send. Both
@@ -477,8 +419,8 @@ def recorded_step(cases, batched):
             super().barrier()
 
         def post(self, group):
-            posted.append(tuple((m.op, m.peer, m.what, m.microbatch, t.numel() * t.element_size(), t.device.type)
-                                for m, t in group))
+            posted.append(tuple((m.op, m.peer, m.what, m.microbatch, m.chunk, t.numel() * t.element_size(),
+                                 t.device.type) for m, t in group))
             return super().post(group)
 
     real_link, real_sync = executor.StageLink, measure.synchronize
@@ -507,13 +449,13 @@ def test_posted_groups_follow_the_plan_complete_on_one_stream_and_train_right(ba
     per_rank = labkit.run(recorded_step, cases, batched, world_size=p)
     loss, grads = reference()
     for c, (kind, m) in enumerate(cases):
-        posts = [[tuple(op[:4] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
+        posts = [[tuple(op[:5] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
                  for r in range(p)]
         assert posts == plan_posts(kind, p, m), (kind, m)
-        sized = [[tuple(op[:5] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
+        sized = [[tuple(op[:6] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
                  for r in range(p)]
         assert stream_deadlock(sized) is None, (kind, m)  # the sizes of each send and its receive agree too
-        assert {op[5] for r in range(p) for group in per_rank[r][c][0] for op in group if len(op) > 1} == {"cpu"}
+        assert {op[6] for r in range(p) for group in per_rank[r][c][0] for op in group if len(op) > 1} == {"cpu"}
         seen = {}
         for r in range(p):
             _, result, mine, synced = per_rank[r][c]

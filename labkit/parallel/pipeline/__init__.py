@@ -2,6 +2,7 @@
 micro-batches that flow forward through the stages and whose gradients flow back, so stages work at once.
 
     schedule.py   schedule("1f1b", 4, 8)            each stage's ordered actions: Action("F", i), Action("B", i)
+                  schedule("interleaved", 4, 8, chunks=2)   v chunks per stage: Action("F", i, chunk)
                   communication_plan("1f1b", 4, 8)  the same, with the messages each stage posts between them
     timeline.py   simulate_pipeline("1f1b", 4, 8)   the step's timeline from stage costs, without processes
                   measured_bubble(events)           idle share of a timeline: 1 - busy / (makespan x stages)
@@ -9,13 +10,16 @@ micro-batches that flow forward through the stages and whose gradients flow back
                                                     a process group (activations and gradients over
                                                     point-to-point, as communication_plan says), timed action
                                                     by action
+    stage_run.py  StageRun, StageLink               one stage's side of that step: its chunks, tensors, messages
 
 GPipe (Huang et al. 2019) and 1F1B (PipeDream-Flush, Narayanan et al. 2021) both idle (p-1)/(m+p-1) of the
-time with equal stage costs (labkit.plan.bubble_fraction); their orders match torch.distributed.pipelining's.
+time with equal stage costs, interleaved 1F1B with v chunks per stage (the same paper, section 2.2.2)
+(p-1)/(v m+p-1) (labkit.plan.bubble_fraction); their orders match torch.distributed.pipelining's.
 """
 
-from labkit.parallel.pipeline.executor import PipelineResult, StageLink, run_pipeline, stage_layers
+from labkit.parallel.pipeline.executor import PipelineResult, run_pipeline, stage_layers
 from labkit.parallel.pipeline.schedule import KINDS, Action, Message, communication_plan, peak_in_flight, schedule
+from labkit.parallel.pipeline.stage_run import StageLink
 from labkit.parallel.pipeline.timeline import PipelineEvent, measured_bubble, simulate_pipeline
 
 __all__ = ["KINDS", "Action", "Message", "PipelineEvent", "PipelineResult", "StageLink", "communication_plan",

@@ -4,7 +4,10 @@ GPipe (Huang et al. 2019): every forward, then every backward (in micro-batch or
 does); m micro-batches of activations wait on each stage. 1F1B (PipeDream-Flush, Narayanan et al. 2021,
 "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2): stage r runs
 min(p - r - 1, m) warm-up forwards, then one forward and one backward in turn, then the remaining backwards; at
-most min(p - r, m) micro-batches wait. The orders match torch.distributed.pipelining's (tested).
+most min(p - r, m) micro-batches wait. Interleaved 1F1B (the same paper, section 2.2.2): the model is cut into
+v p chunks and stage r holds v of them, r, r + p, ..., r + (v-1) p, so that a micro-batch passes every stage v
+times and the pipeline fills and drains in chunks 1/v the size. The orders match torch.distributed.pipelining's
+(tested).
 """
 
 from __future__ import annotations
@@ -16,43 +19,103 @@ from labkit.checks import choice, whole
 
 __all__ = ["KINDS", "Action", "Message", "communication_plan", "peak_in_flight", "schedule"]
 
-KINDS = ("gpipe", "1f1b")
+KINDS = ("gpipe", "1f1b", "interleaved")
+TAG_CHUNK_STRIDE = 2**20  # a Message's tag: chunk c's tags start at c * 2**20 (gloo's tags are 32-bit)
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a stage's schedule: the forward ("F") or backward ("B") of micro-batch `microbatch`."""
+    """One step of a stage's schedule: the forward ("F") or backward ("B") of micro-batch `microbatch` through
+    the stage's chunk `chunk` (0 to v-1: its layers `chunk * p + stage` of the v p pieces; always 0 without
+    interleaving). Written "F3" for chunk 0, "F3.1" for chunk 1."""
     kind: str
     microbatch: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def schedule(kind: str, stages: int, microbatches: int) -> list[list[Action]]:
-    """Each stage's actions, in the order it runs them, for "gpipe" or "1f1b" (case ignored).
+def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
+    """Each stage's actions, in the order it runs them, for "gpipe", "1f1b" or "interleaved" (case ignored).
+
+    "interleaved" takes `chunks` = v >= 2 per stage and m a multiple of p (Megatron-LM's requirement: the
+    micro-batches go through in groups of p). Its order is torch 2.13's ScheduleInterleaved1F1B (tested) and
+    Megatron-LM's forward_backward_pipelining_with_interleaving: stage r's forward number k runs chunk
+    (k // p) mod v, its backward number k chunk v - 1 - (k // p) mod v, each on micro-batch (k // (v p)) p +
+    k mod p; (v-1) p + 2 (p - r - 1) warm-up forwards (at most m v), then one forward and one backward in turn,
+    then the remaining backwards. Where m = p, every forward runs first, as Megatron-LM does; torch keeps the
+    warm-up above there, which communication_plan's groups (Megatron's) cannot post without hanging under NCCL:
+    a steady pair's gradient would depend on the pair's own forward.
 
     >>> [" ".join(map(str, actions)) for actions in schedule("1f1b", 3, 4)]
     ['F0 F1 F2 B0 F3 B1 B2 B3', 'F0 F1 B0 F2 B1 F3 B2 B3', 'F0 B0 F1 B1 F2 B2 F3 B3']
+    >>> for actions in schedule("interleaved", 2, 4, chunks=2):  # F3.1: micro-batch 3's forward, chunk 1
+    ...     print(" ".join(map(str, actions)))
+    F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3
+    F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3
     """
+    kind, p, m, v = _checked(kind, stages, microbatches, chunks)
+    return [_interleaved(r, p, m, v) if kind == "interleaved" else _one_chunk(kind, r, p, m) for r in range(p)]
+
+
+def _checked(kind, stages, microbatches, chunks) -> tuple[str, int, int, int]:
+    """The schedule's kind (lower case), p, m and v, once they make a schedule."""
     kind = choice("kind", kind.lower() if isinstance(kind, str) else kind, KINDS)
-    p, m = whole("stages", stages), whole("microbatches", microbatches)
-    plan = []
-    for r in range(p):
-        warmup = m if kind == "gpipe" else min(p - r - 1, m)
-        actions = [Action("F", i) for i in range(warmup)]
-        for i in range(m - warmup):  # steady state: one forward, one backward
-            actions += [Action("F", warmup + i), Action("B", i)]
-        actions += [Action("B", i) for i in range(m - warmup, m)]  # cool-down
-        plan.append(actions)
-    return plan
+    p, m, v = whole("stages", stages), whole("microbatches", microbatches), whole("chunks", chunks)
+    if kind != "interleaved" and v != 1:
+        raise ValueError(f"chunks={v}: {kind!r} runs one chunk per stage; more (chunks >= 2) is kind='interleaved'.")
+    if kind == "interleaved" and v == 1:
+        raise ValueError("chunks=1: 'interleaved' needs chunks >= 2 per stage (with one chunk it is '1f1b').")
+    if kind == "interleaved" and m % p:
+        raise ValueError(f"microbatches={m}: interleaving runs micro-batches in groups of stages={p}; pass a "
+                         f"multiple of {p} (Narayanan et al. 2021, section 2.2.2).")
+    return kind, p, m, v
+
+
+def _warmup(kind: str, r: int, p: int, m: int, v: int) -> int:
+    """How many forwards stage r runs before its first backward (its steady state's first pair aside)."""
+    if kind == "gpipe":
+        return m
+    if kind == "1f1b":
+        return min(p - r - 1, m)
+    return m * v if m == p else min((v - 1) * p + 2 * (p - r - 1), m * v)
+
+
+def _one_chunk(kind: str, r: int, p: int, m: int) -> list[Action]:
+    """Stage r's GPipe or 1F1B order: warm-up forwards, then one forward and one backward, then backwards."""
+    warmup = _warmup(kind, r, p, m, 1)
+    actions = [Action("F", i) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state: one forward, one backward
+        actions += [Action("F", warmup + i), Action("B", i)]
+    return actions + [Action("B", i) for i in range(m - warmup, m)]  # cool-down
+
+
+def _interleaved(r: int, p: int, m: int, v: int) -> list[Action]:
+    """Stage r's interleaved 1F1B order (see schedule): forward and backward number k, counted per kind."""
+    total, warmup = m * v, _warmup("interleaved", r, p, m, v)
+
+    def forward(k: int) -> Action:
+        return Action("F", k // (p * v) * p + k % p, k // p % v)
+
+    def backward(k: int) -> Action:
+        return Action("B", k // (p * v) * p + k % p, v - 1 - k // p % v)
+
+    actions = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [forward(warmup + k), backward(k)]
+    return actions + [backward(k) for k in range(total - warmup, total)]
 
 
 def peak_in_flight(actions: Sequence[Action]) -> int:
-    """Most micro-batches whose forward has run and backward not yet, along one stage's actions.
+    """Most activations held along one stage's actions: those of a (micro-batch, chunk) whose forward has run
+    and backward not yet. Without interleaving, micro-batches; with v chunks, each holds 1/v of the stage's
+    layers' activations (interleaved 1F1B's first stage holds (v+1) p - 1 of them, 1F1B's p).
 
     >>> peak_in_flight(schedule("gpipe", 4, 8)[0]), peak_in_flight(schedule("1f1b", 4, 8)[0])
     (8, 4)
+    >>> peak_in_flight(schedule("interleaved", 4, 8, chunks=2)[0])  # 11 chunks of 1/2: 5.5 stages' worth
+    11
     """
     waiting = peak = 0
     for action in actions:
@@ -65,35 +128,48 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
 class Message:
     """One point-to-point operation of a stage: "send" to or "recv" from neighbour stage `peer` micro-batch
     `microbatch`'s "activation" (forward) or "gradient" (backward), or the "header" (the first activation's
-    dtype and shape, so that the receiver can size its buffers). `peer` is a stage: a rank of the pipeline's
-    group, not necessarily a global rank."""
+    dtype and shape, so that the receiver can size its buffers). `chunk` is the chunk whose forward takes the
+    activation as input (on the receiving stage; the last stage's chunk c hands on to the first stage's chunk
+    c + 1), and whose backward sends the gradient back. `peer` is a stage: a rank of the pipeline's group, not
+    necessarily a global rank."""
     op: str
     what: str
     microbatch: int
     peer: int
+    chunk: int = 0
 
     @property
     def tag(self) -> int:
-        """0 for the header, 2i+1 for activation i, 2i+2 for its gradient (gloo matches by tag; NCCL ignores
-        tags and matches each pair's operations in posting order, which communication_plan keeps equal)."""
-        return 0 if self.what == "header" else 2 * self.microbatch + (1 if self.what == "activation" else 2)
+        """0 for the header, 2i+1 for activation i, 2i+2 for its gradient, plus chunk * 2**20 (gloo matches by
+        tag; NCCL ignores tags and matches each pair's operations in posting order, which communication_plan
+        keeps equal)."""
+        kind = 0 if self.what == "header" else 2 * self.microbatch + (1 if self.what == "activation" else 2)
+        return self.chunk * TAG_CHUNK_STRIDE + kind
 
     def __str__(self) -> str:
-        return f"{self.op} {self.what[0]}{self.microbatch}"
+        return f"{self.op} {self.what[0]}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def communication_plan(kind: str, stages: int, microbatches: int) -> list[list[Action | tuple[Message, ...]]]:
+def communication_plan(kind: str, stages: int, microbatches: int,
+                       chunks: int = 1) -> list[list[Action | tuple[Message, ...]]]:
     """Each stage's schedule with its messages: actions, and between them groups of Messages posted together.
 
-    After each action comes one group: its output's send and the next action's input's receive (torch's
-    Schedule1F1B and Megatron's send_forward_recv_backward pair them the same way); the header, needed on
-    the host before the first activation's buffer exists, travels alone. Why groups: under NCCL each rank
-    runs its point-to-point operations in posting order on one stream (with `device_id`, eager init), and a
-    send waits for its receive; a stage that posted "receive gradient i" before "send activation i", with its
-    neighbour posting "receive activation i" first, would hang both. The operations of one group run
-    together (NCCL user guide, "Group calls"; dist.batch_isend_irecv), so any order inside it is safe. No
-    barrier sits between a posted receive and its send. tests/distributed/test_pipeline_parallel.py runs
-    every group, as posted on real ranks, through that single-stream model.
+    After each slot of actions comes one group: the slot's outputs' sends and the next slot's inputs'
+    receives. In GPipe and 1F1B a slot is one action (torch's Schedule1F1B and Megatron's
+    send_forward_recv_backward pair them the same way); interleaved, each steady-state forward and backward
+    make one slot, as in Megatron-LM's send_forward_backward_recv_forward_backward (after each action, some
+    stage pairs would post their sends and receives in orders that hang; its warm-up of 2 (p - r - 1)
+    forwards more than 1F1B's absorbs the later sends). A header, needed on the host before its chunk's
+    first activation buffer exists, travels alone, one per chunk that receives activations.
+
+    Why groups: under NCCL each rank runs its point-to-point operations in posting order on one stream (with
+    `device_id`, eager init), and a send waits for its receive; a stage that posted "receive gradient i"
+    before "send activation i", with its neighbour posting "receive activation i" first, would hang both. The
+    operations of one group run together (NCCL user guide, "Group calls"; dist.batch_isend_irecv), so any
+    order inside it is safe. No barrier sits between a posted receive and its send.
+    tests/distributed/test_pipeline_parallel.py runs every group, as posted on real ranks, through that
+    single-stream model. With one stage and several chunks, each chunk hands on to the next in place: no
+    messages.
 
     >>> def show(step):
     ...     return str(step) if isinstance(step, Action) else "[" + " ".join(map(str, step)) + "]"
@@ -101,24 +177,59 @@ def communication_plan(kind: str, stages: int, microbatches: int) -> list[list[A
     ['F0 [send h0] [send a0] F1 [send a1 recv g0] B0 [recv g1] B1', '[recv h0] [recv a0] F0 B0 [send g0 recv a1] F1 B1 \
 [send g1]']
     """
-    plan = []
-    for r, actions in enumerate(schedule(kind, stages, microbatches)):
-        steps: list = [(Message("recv", "header", 0, r - 1),)] if r > 0 else []
-        steps += [tuple(_messages(actions[0], "recv", r, stages))]
-        for k, action in enumerate(actions):
-            steps.append(action)
-            if action == Action("F", 0) and r < stages - 1:
-                steps.append((Message("send", "header", 0, r + 1),))
-            after = _messages(action, "send", r, stages)
-            steps.append(tuple(after + (_messages(actions[k + 1], "recv", r, stages) if k + 1 < len(actions) else [])))
-        plan.append([step for step in steps if step != ()])
-    return plan
+    kind, p, m, v = _checked(kind, stages, microbatches, chunks)
+    if 2 * m + 2 >= TAG_CHUNK_STRIDE:
+        raise ValueError(f"microbatches={m}: pass fewer than {TAG_CHUNK_STRIDE // 2 - 1} (the messages' tags).")
+    return [_stage_plan(_slots(kind, actions, _warmup(kind, r, p, m, v)), r, p, v)
+            for r, actions in enumerate(schedule(kind, p, m, v))]
 
 
-def _messages(action: Action, op: str, stage: int, stages: int) -> list[Message]:
-    """What `stage` must "recv" before `action` (its input), or "send" after it (its output): none at the ends."""
-    forward = action.kind == "F"
-    peer = stage + (1 if forward == (op == "send") else -1)
-    if not 0 <= peer < stages:
-        return []
-    return [Message(op, "activation" if forward else "gradient", action.microbatch, peer)]
+def _slots(kind: str, actions: list[Action], warmup: int) -> list[list[Action]]:
+    """A stage's actions cut where it posts messages: after each action, but interleaved steady-state forwards
+    and backwards go in pairs."""
+    if kind != "interleaved":
+        return [[action] for action in actions]
+    steady = len(actions) - 2 * warmup  # 2 actions per pair; warm-up forwards and cool-down backwards alike
+    pairs = [actions[k:k + 2] for k in range(warmup, warmup + steady, 2)]
+    return [[a] for a in actions[:warmup]] + pairs + [[a] for a in actions[warmup + steady:]]
+
+
+def _stage_plan(slots: list[list[Action]], r: int, p: int, v: int) -> list[Action | tuple[Message, ...]]:
+    """Stage r's actions with, after each slot, its sends and the next slot's receives (headers alone)."""
+    def receives(slot: list[Action]) -> list[Message]:
+        return [message for action in slot for message in _messages(action, "recv", r, p, v)]
+
+    steps: list = [*_header_before(slots[0], r, p), tuple(receives(slots[0]))]
+    for k, slot in enumerate(slots):
+        steps += slot
+        sends = [message for action in slot for message in _messages(action, "send", r, p, v)]
+        steps += [(message,) for message in sends if message.what == "header"]
+        group = [message for message in sends if message.what != "header"]
+        if k + 1 < len(slots):
+            steps += _header_before(slots[k + 1], r, p)
+            group += receives(slots[k + 1])
+        steps.append(tuple(group))
+    return [step for step in steps if step != ()]
+
+
+def _header_before(slot: list[Action], stage: int, stages: int) -> list[tuple[Message]]:
+    """The header's receive, alone, before the group that receives a chunk's first activation (micro-batch 0)."""
+    return [(Message("recv", "header", 0, (stage - 1) % stages, action.chunk),) for action in slot
+            if action.kind == "F" and action.microbatch == 0 and (stage, action.chunk) != (0, 0) and stages > 1]
+
+
+def _messages(action: Action, op: str, stage: int, stages: int, chunks: int) -> list[Message]:
+    """What `stage` must "recv" before `action` (its input), or "send" after it (its output; after a chunk's
+    first forward, the header first): none at the model's ends, nor between chunks of one stage."""
+    forward, c = action.kind == "F", action.chunk
+    if forward == (op == "send"):  # to or from the next piece of the model
+        if stage == stages - 1 and c == chunks - 1 or stages == 1:
+            return []
+        peer, chunk = (stage + 1) % stages, c + (stage == stages - 1)
+    else:  # to or from the previous piece
+        if stage == 0 and c == 0 or stages == 1:
+            return []
+        peer, chunk = (stage - 1) % stages, c
+    what = "activation" if forward else "gradient"
+    header = [Message(op, "header", 0, peer, chunk)] if forward and op == "send" and action.microbatch == 0 else []
+    return header + [Message(op, what, action.microbatch, peer, chunk)]
