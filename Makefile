@@ -23,7 +23,7 @@ CELL_TIMEOUT ?= 180
 ARTIFACTS := test-artifacts
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab copy refresh test test-fast lint unit notebooks browser bench gpu-test gpu-check clean
+.PHONY: help setup lab copy refresh test test-fast lint unit notebooks browser bench gpu-test gpu-wheels gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
@@ -89,6 +89,17 @@ GPU_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,python3)
 gpu-test: ## on a CUDA machine, its own torch: tests/gpu, then every notebook under NCCL, with what carried each
 	PYTHONPATH=. $(GPU_PYTHON) -m pytest tests/gpu -ra -p no:cacheprovider
 	PYTHONPATH=. $(GPU_PYTHON) tests/gpu/run_notebooks.py
+
+# What a CUDA machine with its own torch but no network lacks (Python 3.12, x86-64), as wheels to carry in .whl/:
+# labkit's and tests/gpu's packages and theirs, less what such a machine's image already holds (torch, numpy, ...).
+GPU_WHEELS = asttokens comm debugpy entrypoints executing fastjsonschema ipykernel ipython ipython_pygments_lexers \
+	ipywidgets jedi jsonschema jsonschema_specifications jupyter_client jupyter_core jupyterlab_widgets \
+	matplotlib_inline nbclient nbformat nest_asyncio2 papermill parso pexpect platformdirs plotly prompt_toolkit \
+	ptyprocess pure_eval pyzmq referencing rpds_py stack_data tenacity tornado traitlets wcwidth widgetsnbextension
+gpu-wheels: ## here, with PyPI: the wheels tests/gpu/device_run.sh installs on an offline CUDA machine, into .whl/
+	rm -rf .whl && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
 
 gpu-check: setup ## on a CUDA machine: devices, backend choice, labkit's kernels on GPUs vs torch's
 	$(BIN)/python -m labkit.commands.gpu_check
