@@ -3,20 +3,23 @@
     make_classification()   a synthetic classification set (Gaussian blobs), as (x, y) tensors
     mlp()                   an nn.Sequential MLP for it; Sequential, so a pipeline can cut it into stages
     lesson_text()           the lesson itself, the corpus of the character-level model
-    TinyGPT                 a pre-LN character transformer whose parameter count is
-                            labkit.plan.transformer_params(...) exactly
+    TinyGPT                 a pre-LN character GPT as an nn.Sequential of layers (Embeddings, Block x L, Head),
+                            so a pipeline can cut it; its parameter count is labkit.plan.transformer_params(...)
+    next_token_loss()       its training loss: cross-entropy of the logits against the next characters
     char_batches()          (inputs, targets) windows of the text for next-character prediction
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from importlib.resources import files
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "TinyGPT", "char_batches", "lesson_text", "make_classification", "mlp"]
+__all__ = ["Block", "Embeddings", "Head", "TinyGPT", "char_batches", "lesson_text", "make_classification", "mlp",
+           "next_token_loss"]
 
 
 def make_classification(examples: int = 512, features: int = 16, classes: int = 4, seed: int = 0,
@@ -43,8 +46,25 @@ def lesson_text() -> str:
     return files("labkit").joinpath("data/lesson.txt").read_text(encoding="utf-8")
 
 
+class Embeddings(nn.Module):
+    """The GPT's first layer: token ids (batch, length) in, token embedding + learned position embedding
+    (batch, length, d_model) out."""
+
+    def __init__(self, vocab: int, d_model: int, context: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(context, d_model)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if idx.shape[1] > self.pos.num_embeddings:
+            raise ValueError(f"TinyGPT: sequences of {idx.shape[1]} tokens, but its context is "
+                             f"{self.pos.num_embeddings}: pass at most that many.")
+        return self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+
+
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attention(LN(x)), then x + MLP(LN(x)) (GPT-2's layout)."""
+    """Pre-LN transformer block: x + attention(LN(x)), then x + MLP(LN(x)) (GPT-2's layout). The fused `qkv`
+    weight holds q, k and v one after the other, each head h in rows h*head_dim ... (h+1)*head_dim of its
+    third."""
 
     def __init__(self, d_model: int, heads: int, d_ff: int):
         super().__init__()
@@ -61,28 +81,95 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class TinyGPT(nn.Module):
-    """A character-level GPT: token and learned position embeddings, pre-LN blocks, final LayerNorm,
-    and an output head tied to the token embedding (Press & Wolf 2017), so it adds no parameters."""
+class Head(nn.Module):
+    """The GPT's last layer: final LayerNorm, then a linear map to the vocabulary's logits (no bias)."""
 
-    def __init__(self, vocab: int, d_model: int = 64, layers: int = 2, heads: int = 4, d_ff: int | None = None,
-                 context: int = 64):
+    def __init__(self, d_model: int, vocab: int):
         super().__init__()
+        self.ln_f, self.linear = nn.LayerNorm(d_model), nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.ln_f(x))
+
+
+class TinyGPT(nn.Sequential):
+    """A character-level GPT as a stack of layers, each taking one tensor and returning one, so that a pipeline
+    can cut it into stages: [Embeddings (token + position), Block x `layers`, Head (final LayerNorm + linear)];
+    token ids (batch, length <= context) in, logits (batch, length, vocab) out; `embeddings`, `blocks` and `head`
+    name the parts.
+
+    `tied=True`: the head's weight is the token embedding's (Press & Wolf 2017), so it adds no parameters (the
+    count is labkit.plan.transformer_params(...), tied_embeddings=tied). `tied=False` gives the head its own
+    weight, as a pipeline needs when the embedding and the head live on different stages: tying across stages
+    takes an extra all-reduce of the two copies' gradients between the first and the last stage every step
+    (Megatron-LM's embedding group; Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on
+    GPU Clusters Using Megatron-LM").
+
+    `seed`: the weights are drawn after torch.manual_seed(seed) in a torch.random.fork_rng block, so the same
+    seed gives the same model and the caller's random stream is left as it was; None draws them from that
+    stream as it stands. Embeddings (and an untied head) start at N(0, 0.02) as in GPT-2: N(0, 1) logits through
+    a tied head start far off. `.double()` gives a float64 model, for checks to 1e-10.
+
+    Example::
+
+        >>> from labkit.models import TinyGPT, char_batches, lesson_text, next_token_loss
+        >>> text = lesson_text()
+        >>> model = TinyGPT(len(set(text)))                   # d_model 32, 2 blocks of 4 heads, context 32
+        >>> [type(layer).__name__ for layer in model]
+        ['Embeddings', 'Block', 'Block', 'Head']
+        >>> inputs, targets = next(char_batches(text, batch=4, length=32, steps=1))
+        >>> logits = model(inputs)
+        >>> tuple(logits.shape), round(next_token_loss(logits, targets).item(), 2)   # chance: ln(82) = 4.41
+        ((4, 32, 82), 4.46)
+    """
+
+    def __init__(self, vocab: int, d_model: int = 32, layers: int = 2, heads: int = 4, d_ff: int | None = None,
+                 context: int = 32, tied: bool = True, seed: int | None = 0):
         if d_model % heads:
             raise ValueError(f"d_model={d_model} must be a multiple of heads={heads}.")
-        self.context = context
-        self.tok, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(context, d_model)
-        self.blocks = nn.Sequential(*[Block(d_model, heads, d_ff or 4 * d_model) for _ in range(layers)])
-        self.ln_f = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
-        self.head.weight = self.tok.weight
-        for embedding in (self.tok, self.pos):  # GPT-2's scale: N(0, 1) logits through a tied head start far off
-            nn.init.normal_(embedding.weight, std=0.02)
+        with torch.random.fork_rng(devices=[], enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            super().__init__(Embeddings(vocab, d_model, context),
+                             *[Block(d_model, heads, d_ff or 4 * d_model) for _ in range(layers)],
+                             Head(d_model, vocab))
+            self.context, self.tied = context, tied
+            self._initialise(tied)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits of the next character at every position of `idx` (batch, length <= context)."""
-        positions = torch.arange(idx.shape[1], device=idx.device)
-        return self.head(self.ln_f(self.blocks(self.tok(idx) + self.pos(positions))))
+    def _initialise(self, tied: bool) -> None:
+        """GPT-2's N(0, 0.02) for the embeddings (and an untied head); a tied head shares the token embedding."""
+        embedding, head = self[0], self[-1]
+        if tied:
+            head.linear.weight = embedding.tok.weight
+        for weight in (embedding.tok.weight, embedding.pos.weight, *([] if tied else [head.linear.weight])):
+            nn.init.normal_(weight, std=0.02)
+
+    def __getitem__(self, index):
+        """One layer, or a plain nn.Sequential of a slice of them that keeps their names (a pipeline stage)."""
+        if isinstance(index, slice):
+            return nn.Sequential(OrderedDict(list(self._modules.items())[index]))
+        return super().__getitem__(index)
+
+    @property
+    def embeddings(self) -> Embeddings:
+        """The first layer: token and position embeddings."""
+        return self[0]
+
+    @property
+    def blocks(self) -> nn.Sequential:
+        """The transformer blocks, between the embeddings and the head."""
+        return self[1:-1]
+
+    @property
+    def head(self) -> Head:
+        """The last layer: final LayerNorm and the projection to the vocabulary."""
+        return self[-1]
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean cross-entropy of logits (batch, length, vocab) against the next characters (batch, length): the
+    GPT's training loss, and a loss_fn run_pipeline can take."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def char_batches(text: str, batch: int, length: int, steps: int, seed: int = 0):

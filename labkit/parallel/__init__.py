@@ -2,7 +2,8 @@
 bucketed and overlapped with the backward as torch DDP does), sharded data parallelism (`zero`: the optimizer
 state, and gradients, sharded over the ranks, ZeRO-1 and -2, laid out by `zero_buckets`; `fsdp`: the parameters
 too, unit by unit, ZeRO-3 as torch's FSDP does it, its units in `fsdp_units`; both cut a flat vector of parameters
-over the ranks with `flat_shards`), tensor parallelism (`tensor`: Megatron's column- and row-parallel layers)
+over the ranks with `flat_shards`), tensor parallelism (`tensor`: Megatron's column- and row-parallel layers;
+`tensor_gpt`: a whole GPT split by heads and vocabulary; `sequence`: sequence parallelism's collectives)
 and pipeline parallelism (`pipeline`: GPipe and 1F1B schedules, an executor over point-to-point sends, and a
 simulator), combined on a mesh (`mesh`: the ranks on named axes dp, pp and tp, each axis's process groups from
 torch's DeviceMesh)."""
@@ -30,6 +31,13 @@ from labkit.parallel.pipeline import (
     simulate_pipeline,
     stage_layers,
 )
+from labkit.parallel.sequence import (
+    allreduce_sequence_parallel_grads,
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+    sequence_parallel_linear,
+    sequence_slice,
+)
 from labkit.parallel.tensor import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -38,6 +46,15 @@ from labkit.parallel.tensor import (
     gather_from_tensor_parallel,
     reduce_from_tensor_parallel,
     split_to_tensor_parallel,
+)
+from labkit.parallel.tensor_gpt import (
+    FullPlace,
+    ParallelAttention,
+    ParallelBlock,
+    ParallelHead,
+    VocabParallelEmbedding,
+    gather_full_parameters,
+    tensor_parallel_gpt,
 )
 from labkit.parallel.zero import ShardedOptimizer
 from labkit.plan.counts import shard_sizes  # notebook 05 shows the cut the tensor-parallel layers use
@@ -48,4 +65,7 @@ __all__ = ["AXES", "Action", "AllReduceCounter", "Bucket", "BucketedDDP", "Colle
            "copy_to_tensor_parallel", "count_allreduces", "count_collectives", "gather_from_tensor_parallel",
            "measured_bubble", "mesh_layout", "peak_in_flight", "record_collective", "reduce_from_tensor_parallel",
            "run_pipeline", "schedule", "shard_sizes", "simulate_pipeline", "split_to_tensor_parallel", "stage_layers",
-           "FullyShardedDP", "Traffic", "UnitEvent"]
+           "FullyShardedDP", "Traffic", "UnitEvent",
+           "FullPlace", "ParallelAttention", "ParallelBlock", "ParallelHead", "VocabParallelEmbedding",
+           "allreduce_sequence_parallel_grads", "gather_from_sequence_parallel", "gather_full_parameters",
+           "reduce_scatter_to_sequence_parallel", "sequence_parallel_linear", "sequence_slice", "tensor_parallel_gpt"]

@@ -6,6 +6,8 @@ rank computing its part of every example, with a collective to put the parts tog
     RowParallelLinear.from_linear(fc)      W split by input features, X too: partial sums X_r W_r, one
                                            all_reduce adds them; the bias is added once, after it
     ParallelMLP.from_mlp(fc1, fc2)         column then row: one all_reduce forward, one backward
+    sequence_parallel=True (all three)     the input (batch, sequence / t, ...) all-gathered in place of f, the
+                                           output reduce-scattered along the sequence in place of g (sequence.py)
     copy_to_tensor_parallel(x)             the paper's f: identity forward, all_reduce backward
     reduce_from_tensor_parallel(x)         the paper's g: all_reduce forward, identity backward
     split_to_tensor_parallel(x)            this rank's slice of the last dimension; all_gather backward
@@ -38,7 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import groups
+from labkit.checks import flag
 from labkit.parallel.counters import all_reduce_sum, record_collective
+from labkit.parallel.sequence import reduce_scatter_to_sequence_parallel, sequence_parallel_linear
 from labkit.plan.counts import shard_sizes
 
 __all__ = ["ColumnParallelLinear", "CopyToTensorParallel", "GatherFromTensorParallel", "ParallelMLP",
@@ -199,6 +203,8 @@ class ColumnParallelLinear(nn.Module):
     rank r holds `weight` (out_r, in) and `bias` (out_r) for the full layer's features `shard`. X enters
     through f (copy_to_tensor_parallel); with gather_output the parts are all-gathered into the whole Y, else
     each rank returns its (…, out_r) part. Shoeybi et al. 2019, section 3 (the first GEMM of the MLP).
+    With sequence_parallel the input is this rank's (batch, sequence / t, in) part, all-gathered along the
+    sequence in place of f (labkit.parallel.sequence_parallel_linear; Korthikanti et al. 2022, section 4.2.2).
 
     Example::
 
@@ -215,31 +221,37 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int, gather_output: bool,
-                 group=None):
+                 group=None, sequence_parallel: bool = False):
         super().__init__()
         groups.require_member("ColumnParallelLinear", group)
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.in_features, self.out_features, self.gather_output = weight.shape[1], out_features, gather_output
-        self.group = group
+        self.group, self.sequence_parallel = group, flag("sequence_parallel", sequence_parallel)
         self.shard = _my_slice(out_features, group)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, gather_output: bool = True, group=None) -> ColumnParallelLinear:
+    def from_linear(cls, linear: nn.Linear, gather_output: bool = True, group=None,
+                    sequence_parallel: bool = False) -> ColumnParallelLinear:
         """This rank's share of `linear` over `group` (None: the world), copied: the full layer is left as it
         is. Every rank of the group must pass the same layer."""
         _check_same_layer(linear, "ColumnParallelLinear.from_linear", group)
         part = _my_slice(linear.out_features, group)
         bias = linear.bias.detach()[part].clone() if linear.bias is not None else None
-        return cls(linear.weight.detach()[part].clone(), bias, linear.out_features, gather_output, group)
+        return cls(linear.weight.detach()[part].clone(), bias, linear.out_features, gather_output, group,
+                   sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.group)
+        else:
+            y = F.linear(copy_to_tensor_parallel(x, self.group), self.weight, self.bias)
         return gather_from_tensor_parallel(y, self.out_features, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (this rank: "
-                f"{self.shard.start}:{self.shard.stop}), gather_output={self.gather_output}")
+                f"{self.shard.start}:{self.shard.stop}), gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):
@@ -248,7 +260,10 @@ class RowParallelLinear(nn.Module):
     the same on every rank. Each rank computes X_r W_r^T, g (reduce_from_tensor_parallel) all-reduces the
     partial sums, then the bias is added, once. With input_is_parallel the input is already this rank's
     (…, in_r) part (a column layer's output); else it is the whole X and the layer takes its slice.
-    Shoeybi et al. 2019, section 3 (the second GEMM of the MLP).
+    Shoeybi et al. 2019, section 3 (the second GEMM of the MLP). With sequence_parallel (input_is_parallel
+    needed) the partial sums are reduce-scattered along the sequence in place of g: each rank gets its
+    (batch, sequence / t, out) part of Y, and the bias, added there, is listed by sequence_sharded_parameters()
+    (Korthikanti et al. 2022, section 4.2.2).
 
     Example::
 
@@ -265,23 +280,32 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, in_features: int, input_is_parallel: bool,
-                 group=None):
+                 group=None, sequence_parallel: bool = False):
         super().__init__()
         groups.require_member("RowParallelLinear", group)
+        if flag("sequence_parallel", sequence_parallel) and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs input_is_parallel=True (a column "
+                             "layer's output part), as in a ParallelMLP.")
         self.weight = nn.Parameter(weight)
         self.bias = nn.Parameter(bias) if bias is not None else None
         self.in_features, self.out_features, self.input_is_parallel = in_features, weight.shape[0], input_is_parallel
-        self.group = group
+        self.group, self.sequence_parallel = group, sequence_parallel
         self.shard = _my_slice(in_features, group)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = False, group=None) -> RowParallelLinear:
+    def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = False, group=None,
+                    sequence_parallel: bool = False) -> RowParallelLinear:
         """This rank's share of `linear` over `group` (None: the world), copied: the full layer is left as it
         is. Every rank of the group must pass the same layer."""
         _check_same_layer(linear, "RowParallelLinear.from_linear", group)
         weight = linear.weight.detach()[:, _my_slice(linear.in_features, group)].clone()
         bias = linear.bias.detach().clone() if linear.bias is not None else None
-        return cls(weight, bias, linear.in_features, input_is_parallel, group)
+        return cls(weight, bias, linear.in_features, input_is_parallel, group, sequence_parallel)
+
+    def sequence_sharded_parameters(self) -> list[nn.Parameter]:
+        """The bias under sequence parallelism, added on this rank's part of the sequence: its gradient needs
+        labkit.parallel.allreduce_sequence_parallel_grads."""
+        return [self.bias] if self.sequence_parallel and self.bias is not None else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -289,19 +313,23 @@ class RowParallelLinear(nn.Module):
         if x.shape[-1] != self.weight.shape[1]:
             raise ValueError(f"RowParallelLinear: this rank holds input features {self.shard.start}:"
                              f"{self.shard.stop} ({self.weight.shape[1]}) but got an input part of {x.shape[-1]}.")
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.group)
+        leave = reduce_scatter_to_sequence_parallel if self.sequence_parallel else reduce_from_tensor_parallel
+        y = leave(F.linear(x, self.weight), self.group)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (this rank: {self.shard.start}:{self.shard.stop}), "
-                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}")
+                f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class ParallelMLP(nn.Module):
     """fc2(activation(fc1(x))) with fc1 column-parallel (no gather) and fc2 row-parallel (input already
     split), both over one group: the hidden activations never leave their rank. Forward: f (nothing), g (one
     all_reduce); backward: g (nothing), f (one all_reduce): Shoeybi et al. 2019, figure 3a. The activation must
-    act elementwise.
+    act elementwise. With sequence_parallel (from_mlp) the input is this rank's part of the sequence: an
+    all-gather forward and a reduce-scatter backward in place of f, the reverse in place of g, as in a block of
+    Korthikanti et al. 2022, figure 6.
 
     Example, on a sub-group: ranks 1 and 3 of four split one MLP, while ranks 0 and 2 split it on theirs::
 
@@ -332,9 +360,9 @@ class ParallelMLP(nn.Module):
         super().__init__()
         if fc1.gather_output or not fc2.input_is_parallel:
             raise ValueError("ParallelMLP needs fc1 with gather_output=False and fc2 with input_is_parallel=True.")
-        if fc1.group is not fc2.group:
-            raise ValueError("ParallelMLP needs fc1 and fc2 split over the same group: build both with the same "
-                             "group= (ParallelMLP.from_mlp does).")
+        if fc1.group is not fc2.group or fc1.sequence_parallel != fc2.sequence_parallel:
+            raise ValueError("ParallelMLP needs fc1 and fc2 split over the same group, both sequence-parallel or "
+                             "neither: build both with the same group= and sequence_parallel= (from_mlp does).")
         self.fc1, self.activation, self.fc2 = fc1, activation if activation is not None else nn.GELU(), fc2
 
     @property
@@ -344,13 +372,13 @@ class ParallelMLP(nn.Module):
 
     @classmethod
     def from_mlp(cls, fc1: nn.Linear, fc2: nn.Linear, activation: nn.Module | None = None,
-                 group=None) -> ParallelMLP:
+                 group=None, sequence_parallel: bool = False) -> ParallelMLP:
         """This rank's share of fc2(activation(fc1(x))) over `group` (None: the world); the activation defaults
         to GELU, as in Megatron."""
         if fc1.out_features != fc2.in_features:
             raise ValueError(f"ParallelMLP: fc1 has {fc1.out_features} outputs but fc2 takes {fc2.in_features}.")
-        return cls(ColumnParallelLinear.from_linear(fc1, gather_output=False, group=group),
-                   RowParallelLinear.from_linear(fc2, input_is_parallel=True, group=group), activation)
+        return cls(ColumnParallelLinear.from_linear(fc1, False, group, sequence_parallel),
+                   RowParallelLinear.from_linear(fc2, True, group, sequence_parallel), activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.activation(self.fc1(x)))
