@@ -187,10 +187,13 @@ def megatron(sequence_parallel, t):
         return [({"all_reduce": n, "all_gather": 1}, {"all_reduce": n * activation, "all_gather": logits}),
                 ({"all_reduce": n}, {"all_reduce": n * activation}), ({}, {})]
     replicated = LAYERS * 6 * WIDTH + 32 * WIDTH + 2 * WIDTH  # LayerNorms, row biases; positions; final norm
-    return [({"all_gather": n + 1, "reduce_scatter": n}, {"all_gather": n * part + logits,
-                                                          "reduce_scatter": n * activation}),
-            ({"all_gather": 2 * n, "reduce_scatter": n}, {"all_gather": 2 * n * part, "reduce_scatter": n * activation}),
-            ({"all_reduce": 1}, {"all_reduce": replicated * 8})]
+    forward = ({"all_gather": n + 1, "reduce_scatter": n}, {"all_gather": n * part + logits,
+                                                            "reduce_scatter": n * activation})
+    # backward: each all-gather's reduce-scatter and each reduce-scatter's all-gather, and a column layer's input
+    # gathered again for its weight's gradient (blocks: 2 each; the head: 1)
+    backward = ({"all_gather": 2 * n, "reduce_scatter": n}, {"all_gather": 2 * n * part,
+                                                             "reduce_scatter": n * activation})
+    return [forward, backward, ({"all_reduce": 1}, {"all_reduce": replicated * 8})]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
