@@ -329,7 +329,7 @@ class ParallelMLP(nn.Module):
     all_reduce); backward: g (nothing), f (one all_reduce): Shoeybi et al. 2019, figure 3a. The activation must
     act elementwise. With sequence_parallel (from_mlp) the input is this rank's part of the sequence: an
     all-gather forward and a reduce-scatter backward in place of f, the reverse in place of g, as in a block of
-    Korthikanti et al. 2022, figure 6.
+    Korthikanti et al. 2022, section 4.2.2.
 
     Example, on a sub-group: ranks 1 and 3 of four split one MLP, while ranks 0 and 2 split it on theirs::
 

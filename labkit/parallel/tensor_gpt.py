@@ -11,7 +11,7 @@ labkit.models.TinyGPT split over the ranks of one group, with sequence paralleli
     gather_full_parameters(model, group, grads)   the unsplit model's parameters (or gradients), for checks
 
 The communication per micro-batch of b sequences of s tokens, width h, vocabulary V, t ranks, for each of L
-blocks (Megatron's count: Shoeybi et al. 2019, section 3, "2 all-reduces in the forward and 2 in the backward"):
+blocks (Megatron's count per layer, two all-reduces forward and two backward: Shoeybi et al. 2019, figure 4):
 
     plain TP   forward   block: 2 all-reduce (b, s, h)      embedding: 1 all-reduce (b, s, h)
                                                             head: 1 all-gather of the logits, (b, s, V / t) each
@@ -25,8 +25,9 @@ blocks (Megatron's count: Shoeybi et al. 2019, section 3, "2 all-reduces in the 
 
 The logits are gathered, not fed to a vocabulary-parallel cross-entropy (Megatron's, section 3, which moves b s
 numbers instead of b s V): the model then ends in ordinary logits, any loss function takes them, and for a
-character vocabulary (V of about 80, h = 32) the gather is as small as a block's all-reduce. A tied head shares the
-embedding's shard: both cut the vocabulary with shard_sizes, so rank r holds the same rows of the one matrix.
+character vocabulary (V of about 80, h = 32) the gather is about as small as a block's all-reduce. A tied head
+shares the embedding's shard: both cut the vocabulary with shard_sizes, so rank r holds the same rows of the one
+matrix.
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ def _prefixed(prefix: str, places: dict) -> dict:
 class VocabParallelEmbedding(nn.Module):
     """Token embedding split by vocabulary: group rank r holds the rows `shard` (shard_sizes of the vocabulary,
     contiguous); a token outside them embeds to zeros here, so the all-reduce of the group's outputs (g) gives
-    each token its one row (Shoeybi et al. 2019, section 3, "input embedding weight matrix ... parallelized along
-    the vocabulary dimension"). The position embedding is replicated and added after. Under sequence parallelism
+    each token its one row (Shoeybi et al. 2019, section 3: the input embedding matrix split along the
+    vocabulary). The position embedding is replicated and added after. Under sequence parallelism
     the all-reduce is a reduce-scatter along the sequence and each rank adds its positions' embeddings."""
 
     def __init__(self, embeddings: Embeddings, group=None, sequence_parallel: bool = False):
@@ -121,7 +122,7 @@ class VocabParallelEmbedding(nn.Module):
 def _head_rows(width: int, heads: int, parts: int, rank: int) -> torch.Tensor:
     """The rows of a fused [q; k; v] weight (3 x `width` rows, each third `heads` heads of width / heads rows) that
     group rank `rank` of `parts` needs for its heads: the same heads' rows of q, of k and of v. Not the rank's
-    contiguous third of the rows, which would hand rank 0 all of q and none of v."""
+    contiguous share of the rows, which would hand rank 0 of 2 all of q and half of k, and no v."""
     head_width, mine = width // heads, heads // parts
     heads_rows = torch.arange(rank * mine * head_width, (rank + 1) * mine * head_width)
     return torch.cat([third * width + heads_rows for third in range(3)])
@@ -167,7 +168,7 @@ class ParallelBlock(nn.Module):
     """A pre-LN block split over the group: x + ParallelAttention(LN(x)), then x + ParallelMLP(LN(x)), the
     LayerNorms replicated. Forward 2 all-reduces, backward 2 (Shoeybi et al. 2019, section 3); under sequence
     parallelism the LayerNorms and residuals act on this rank's part of the sequence and each all-reduce becomes an
-    all-gather before and a reduce-scatter after (Korthikanti et al. 2022, section 4.2.2 and figure 6)."""
+    all-gather before and a reduce-scatter after (Korthikanti et al. 2022, section 4.2.2)."""
 
     def __init__(self, block: Block, group=None, sequence_parallel: bool = False):
         super().__init__()
