@@ -33,12 +33,12 @@ labkit.parallel.counters: an all-gather as this rank's part, a reduce-scatter as
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from labkit import groups
 from labkit.parallel.counters import all_reduce_sum, record_collective
+from labkit.parallel.flat_shards import all_gather_single, reduce_scatter_single
 
 __all__ = ["allreduce_sequence_parallel_grads", "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
            "sequence_parallel_linear", "sequence_slice"]
@@ -66,7 +66,7 @@ def _all_gather_sequence(part: torch.Tensor, group) -> torch.Tensor:
     flat = part.contiguous().reshape(-1)
     record_collective("all_gather", flat, group)
     gathered = flat.new_empty(parts * flat.numel())
-    dist.all_gather_single(gathered, flat, group=group)
+    all_gather_single(gathered, flat, group=group)
     batch, length, *rest = part.shape
     return gathered.view(parts, batch, length, *rest).transpose(0, 1).reshape(batch, parts * length, *rest)
 
@@ -78,7 +78,7 @@ def _reduce_scatter_sequence(whole: torch.Tensor, group) -> torch.Tensor:
     chunks = whole.reshape(batch, parts, length // parts, *rest).transpose(0, 1).contiguous()
     record_collective("reduce_scatter", chunks, group)
     mine = chunks.new_empty(chunks.shape[1:])
-    dist.reduce_scatter_single(mine.view(-1), chunks.view(-1), group=group)
+    reduce_scatter_single(mine.view(-1), chunks.view(-1), group=group)
     return mine
 
 
