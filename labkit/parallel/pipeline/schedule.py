@@ -44,9 +44,8 @@ def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list
     Megatron-LM's forward_backward_pipelining_with_interleaving: stage r's forward number k runs chunk
     (k // p) mod v, its backward number k chunk v - 1 - (k // p) mod v, each on micro-batch (k // (v p)) p +
     k mod p; (v-1) p + 2 (p - r - 1) warm-up forwards (at most m v), then one forward and one backward in turn,
-    then the remaining backwards. Where m = p, every forward runs first, as Megatron-LM does; torch keeps the
-    warm-up above there, which communication_plan's groups (Megatron's) cannot post without hanging under NCCL:
-    a steady pair's gradient would depend on the pair's own forward.
+    then the remaining backwards. (Where m = p, Megatron-LM runs every forward first; torch, and this, keep the
+    warm-up above: fewer activations held, the same bubble.)
 
     >>> [" ".join(map(str, actions)) for actions in schedule("1f1b", 3, 4)]
     ['F0 F1 F2 B0 F3 B1 B2 B3', 'F0 F1 B0 F2 B1 F3 B2 B3', 'F0 B0 F1 B1 F2 B2 F3 B3']
@@ -79,7 +78,7 @@ def _warmup(kind: str, r: int, p: int, m: int, v: int) -> int:
         return m
     if kind == "1f1b":
         return min(p - r - 1, m)
-    return m * v if m == p else min((v - 1) * p + 2 * (p - r - 1), m * v)
+    return min((v - 1) * p + 2 * (p - r - 1), m * v)
 
 
 def _one_chunk(kind: str, r: int, p: int, m: int) -> list[Action]:
@@ -154,13 +153,15 @@ def communication_plan(kind: str, stages: int, microbatches: int,
                        chunks: int = 1) -> list[list[Action | tuple[Message, ...]]]:
     """Each stage's schedule with its messages: actions, and between them groups of Messages posted together.
 
-    After each slot of actions comes one group: the slot's outputs' sends and the next slot's inputs'
-    receives. In GPipe and 1F1B a slot is one action (torch's Schedule1F1B and Megatron's
-    send_forward_recv_backward pair them the same way); interleaved, each steady-state forward and backward
-    make one slot, as in Megatron-LM's send_forward_backward_recv_forward_backward (after each action, some
-    stage pairs would post their sends and receives in orders that hang; its warm-up of 2 (p - r - 1)
-    forwards more than 1F1B's absorbs the later sends). A header, needed on the host before its chunk's
-    first activation buffer exists, travels alone, one per chunk that receives activations.
+    After each action comes one group: its output's send, and an input's receive. In GPipe and 1F1B the
+    next action's (torch's Schedule1F1B and Megatron's send_forward_recv_backward pair them the same way).
+    Interleaved, the next action of the same direction's: a forward's group receives the next forward's
+    activation, a backward's the next backward's gradient (the first of each after the action before it).
+    With two stages both neighbours are one rank, and the 1F1B pairing posts, in a steady-state forward and
+    backward, sends and receives in orders that hang (tested); the forward and backward streams each keep
+    their own order. So no send waits for a later action either, and the simulator's timeline is the one
+    run. A header, needed on the host before its chunk's first activation buffer exists, travels alone,
+    one per chunk that receives activations.
 
     Why groups: under NCCL each rank runs its point-to-point operations in posting order on one stream (with
     `device_id`, eager init), and a send waits for its receive; a stage that posted "receive gradient i"
@@ -180,42 +181,32 @@ def communication_plan(kind: str, stages: int, microbatches: int,
     kind, p, m, v = _checked(kind, stages, microbatches, chunks)
     if 2 * m + 2 >= TAG_CHUNK_STRIDE:
         raise ValueError(f"microbatches={m}: pass fewer than {TAG_CHUNK_STRIDE // 2 - 1} (the messages' tags).")
-    return [_stage_plan(_slots(kind, actions, _warmup(kind, r, p, m, v)), r, p, v)
-            for r, actions in enumerate(schedule(kind, p, m, v))]
+    return [_stage_plan(kind, actions, r, p, v) for r, actions in enumerate(schedule(kind, p, m, v))]
 
 
-def _slots(kind: str, actions: list[Action], warmup: int) -> list[list[Action]]:
-    """A stage's actions cut where it posts messages: after each action, but interleaved steady-state forwards
-    and backwards go in pairs."""
-    if kind != "interleaved":
-        return [[action] for action in actions]
-    steady = len(actions) - 2 * warmup  # 2 actions per pair; warm-up forwards and cool-down backwards alike
-    pairs = [actions[k:k + 2] for k in range(warmup, warmup + steady, 2)]
-    return [[a] for a in actions[:warmup]] + pairs + [[a] for a in actions[warmup + steady:]]
-
-
-def _stage_plan(slots: list[list[Action]], r: int, p: int, v: int) -> list[Action | tuple[Message, ...]]:
-    """Stage r's actions with, after each slot, its sends and the next slot's receives (headers alone)."""
-    def receives(slot: list[Action]) -> list[Message]:
-        return [message for action in slot for message in _messages(action, "recv", r, p, v)]
-
-    steps: list = [*_header_before(slots[0], r, p), tuple(receives(slots[0]))]
-    for k, slot in enumerate(slots):
-        steps += slot
-        sends = [message for action in slot for message in _messages(action, "send", r, p, v)]
-        steps += [(message,) for message in sends if message.what == "header"]
-        group = [message for message in sends if message.what != "header"]
-        if k + 1 < len(slots):
-            steps += _header_before(slots[k + 1], r, p)
-            group += receives(slots[k + 1])
-        steps.append(tuple(group))
+def _stage_plan(kind: str, actions: list[Action], r: int, p: int, v: int) -> list[Action | tuple[Message, ...]]:
+    """Stage r's actions with, after each, its sends and the receives anchored there (headers alone before)."""
+    anchored: dict[int, list[Action]] = {}  # action index (-1: before the first) -> actions whose input it receives
+    last = {}  # kind -> index of the latest action of that kind
+    for k, action in enumerate(actions):
+        before = last.get(action.kind, k - 1) if kind == "interleaved" else k - 1
+        anchored.setdefault(before, []).append(action)
+        last[action.kind] = k
+    steps: list = []
+    for k in range(-1, len(actions)):
+        sends = _messages(actions[k], "send", r, p, v) if k >= 0 else []
+        steps += ([actions[k]] if k >= 0 else []) + [(m,) for m in sends if m.what == "header"]
+        steps += [header for action in anchored.get(k, []) for header in _header_before(action, r, p)]
+        steps.append(tuple([m for m in sends if m.what != "header"] +
+                           [m for action in anchored.get(k, []) for m in _messages(action, "recv", r, p, v)]))
     return [step for step in steps if step != ()]
 
 
-def _header_before(slot: list[Action], stage: int, stages: int) -> list[tuple[Message]]:
+def _header_before(action: Action, stage: int, stages: int) -> list[tuple[Message]]:
     """The header's receive, alone, before the group that receives a chunk's first activation (micro-batch 0)."""
-    return [(Message("recv", "header", 0, (stage - 1) % stages, action.chunk),) for action in slot
-            if action.kind == "F" and action.microbatch == 0 and (stage, action.chunk) != (0, 0) and stages > 1]
+    if action.kind != "F" or action.microbatch != 0 or (stage, action.chunk) == (0, 0) or stages == 1:
+        return []
+    return [(Message("recv", "header", 0, (stage - 1) % stages, action.chunk),)]
 
 
 def _messages(action: Action, op: str, stage: int, stages: int, chunks: int) -> list[Message]:

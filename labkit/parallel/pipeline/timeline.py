@@ -57,9 +57,8 @@ def simulate_pipeline(kind: str, stages: int, microbatches: int, forward_seconds
     action starts as soon as its stage is free, in the schedule's order, and its input is there: a forward
     after the previous piece of the model's forward (stage r - 1's, or for chunk c > 0 on stage 0, the last
     stage's chunk c - 1), a backward after the next piece's backward (and after its own forward, earlier in
-    the order). An output counts as sent when its action ends (interleaved, communication_plan posts a
-    steady-state forward's output after the backward paired with it; with equal costs that changes nothing,
-    as the extra warm-up forwards leave room). Events come by stage, then time.
+    the order). An output leaves when its action ends, as communication_plan posts it. Events come by stage,
+    then time.
 
     >>> events = simulate_pipeline("gpipe", 4, 8, 1.0, 1.0)
     >>> max(e.end for e in events), round(measured_bubble(events), 4)   # (m+p-1)(F+B); 3/11
