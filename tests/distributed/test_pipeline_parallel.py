@@ -427,12 +427,12 @@ def recorded_step(cases, batched):
     executor.StageLink, measure.synchronize = Recording, lambda device: synced.append(str(device))
     try:
         out = []
-        for kind, m in cases:
+        for kind, m, chunks in cases:
             posted.clear()
             synced.clear()
             x, y = make_classification(BATCH, dtype=torch.float64)
             model = mlp(layers=3, dtype=torch.float64)
-            result = run_pipeline(model, kind, m, x, y, F.cross_entropy, batched=batched)
+            result = run_pipeline(model, kind, m, x, y, F.cross_entropy, chunks, batched=batched)
             out.append((list(posted), result, {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
                         list(synced)))
         return out
@@ -445,13 +445,13 @@ def test_posted_groups_follow_the_plan_complete_on_one_stream_and_train_right(ba
     """On gloo ranks, both paths (one batch_isend_irecv per group, the path NCCL takes, and paired
     isend/irecv): the groups as posted, sizes included, are the plan's and pass the single-stream model; the
     step equals one process's; every clock reading follows labkit.measure.synchronize(labkit.device())."""
-    p, cases = 3, [("gpipe", 3), ("1f1b", 4), ("1f1b", 1)]
+    p, cases = 3, [("gpipe", 3, 1), ("1f1b", 4, 1), ("1f1b", 1, 1), ("interleaved", 6, 2)]
     per_rank = labkit.run(recorded_step, cases, batched, world_size=p)
     loss, grads = reference()
-    for c, (kind, m) in enumerate(cases):
+    for c, (kind, m, chunks) in enumerate(cases):
         posts = [[tuple(op[:5] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
                  for r in range(p)]
-        assert posts == plan_posts(kind, p, m), (kind, m)
+        assert posts == plan_posts(kind, p, m, chunks), (kind, m)
         sized = [[tuple(op[:6] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
                  for r in range(p)]
         assert stream_deadlock(sized) is None, (kind, m)  # the sizes of each send and its receive agree too
