@@ -12,9 +12,10 @@ def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
 
     With equal stage times, filling and draining the pipeline idles each device (p-1) stage-slots while its
     useful work is v m slots of 1/v the size: bubble/ideal = (p-1)/(v m) (Narayanan et al. 2021, "Efficient
-    Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2). As a share of the
-    total, x/(1+x) = (p-1)/(v m + p-1); v = 1 is GPipe's (p-1)/(m+p-1) (Huang et al. 2019), which 1F1B
-    shares. More micro-batches or chunks shrink it; one stage has none.
+    Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2.2, interleaved 1F1B).
+    As a share of the total, x/(1+x) = (p-1)/(v m + p-1); v = 1 is GPipe's (p-1)/(m+p-1) (Huang et al.
+    2019), which 1F1B shares. More micro-batches or chunks shrink it; one stage has none. The schedules of
+    labkit.parallel.pipeline reproduce it exactly in their simulator (simulate_pipeline) for all three.
 
     >>> bubble_fraction(4, 8)            # 3 / 11
     0.2727272727272727

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from labkit.checks import items
 from labkit.plan import bubble_fraction
 from labkit.viz.style import BLUE, ORANGE, WHITE
 
@@ -18,18 +19,21 @@ MARKERS = ({"symbol": "circle-open", "size": 16, "line": {"width": 2}}, {"symbol
 def pipeline_timeline(events, title: str = "Pipeline timeline", unit_seconds: float = 1e-3,
                       unit: str = "ms") -> go.Figure:
     """One row per stage, a bar per action (forward blue, backward orange, labelled with its micro-batch where
-    the bar is wide enough to read it); the white gaps are the bubble. `events` are PipelineEvents, measured
-    (run_pipeline) or simulated (simulate_pipeline, whose times are in cost units: pass unit_seconds=1,
-    unit="time units")."""
+    the bar is wide enough to read it, and its chunk after a dot when the schedule is interleaved: "3.1");
+    the white gaps are the bubble. `events` are PipelineEvents, measured (run_pipeline) or simulated
+    (simulate_pipeline, whose times are in cost units: pass unit_seconds=1, unit="time units")."""
     stages = sorted({e.stage for e in events})
+    chunked = any(e.chunk for e in events)
     figure = go.Figure()
     for kind, color, name in (("F", FORWARD, "forward"), ("B", BACKWARD, "backward")):
         chosen = [e for e in events if e.kind == kind]
         figure.add_bar(base=[e.start / unit_seconds for e in chosen], x=[e.seconds / unit_seconds for e in chosen],
                        y=[f"stage {e.stage}" for e in chosen], orientation="h", marker_color=color, name=name,
-                       text=[str(e.microbatch) for e in chosen], textposition="inside", insidetextanchor="middle",
+                       text=[f"{e.microbatch}.{e.chunk}" if chunked else str(e.microbatch) for e in chosen],
+                       textposition="inside", insidetextanchor="middle",
                        marker_line={"color": WHITE, "width": 1},
-                       hovertemplate="%{y}: " + name + " of micro-batch %{text}, %{x:.3g} " + unit + "<extra></extra>")
+                       hovertemplate="%{y}: " + name + " of micro-batch" + (".chunk" if chunked else "") +
+                       " %{text}, %{x:.3g} " + unit + "<extra></extra>")
     figure.update_layout(title=title, barmode="overlay", xaxis_title=f"time, {unit}", height=140 + 45 * len(stages),
                          uniformtext={"minsize": 10, "mode": "hide"},  # no label squeezed below 10 px: hidden
                          yaxis={"autorange": "reversed", "categoryorder": "array",
@@ -37,13 +41,17 @@ def pipeline_timeline(events, title: str = "Pipeline timeline", unit_seconds: fl
     return figure
 
 
-def bubble_chart(measured: dict[str, dict[int, float]], stages: int, most_microbatches: int = 32) -> go.Figure:
+def bubble_chart(measured: dict[str, dict[int, float]], stages: int, most_microbatches: int = 32,
+                 chunks: tuple[int, ...] = (1,)) -> go.Figure:
     """The bubble fraction (p-1)/(m+p-1) against micro-batches m, with measured points per schedule:
-    `measured[name] = {m: bubble}`, each schedule in its own marker so that coinciding points stay visible.
+    `measured[name] = {m: bubble}`, each schedule in its own marker so that coinciding points stay visible;
+    one curve per number of chunks v in `chunks` ((p-1)/(v m+p-1): interleaved 1F1B with v chunks per stage).
     The log axis is labelled at powers of two, the m one usually tries."""
     ms = list(range(1, most_microbatches + 1))
-    figure = go.Figure(go.Scatter(x=ms, y=[bubble_fraction(stages, m) for m in ms], mode="lines",
-                                  name=f"(p-1)/(m+p-1), p = {stages}"))
+    figure = go.Figure()
+    for v in items("chunks", chunks, "a tuple of chunk counts, as (1, 2)"):
+        figure.add_scatter(x=ms, y=[bubble_fraction(stages, m, v) for m in ms], mode="lines",
+                           name=f"(p-1)/(m+p-1), p = {stages}" if v == 1 else f"(p-1)/({v}m+p-1), {v} chunks")
     for i, (name, points) in enumerate(measured.items()):
         figure.add_scatter(x=list(points), y=list(points.values()), mode="markers", name=f"measured, {name}",
                            marker=MARKERS[i % len(MARKERS)])

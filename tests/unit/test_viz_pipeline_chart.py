@@ -37,3 +37,22 @@ def test_coinciding_schedules_stay_visible_and_the_log_axis_labels_powers_of_two
     assert gpipe.marker.symbol.endswith("-open")  # a ring: the smaller marker shows through it
     assert list(figure.layout.xaxis.tickvals) == [1, 2, 4, 8, 16, 32]
     assert figure.layout.yaxis.tickformat == ".0%"
+
+
+def test_an_interleaved_timeline_labels_each_bar_with_its_micro_batch_and_chunk():
+    figure = pipeline_timeline(simulate_pipeline("interleaved", 2, 2, 1.0, 2.0, chunks=2), unit_seconds=1,
+                               unit="time units")
+    forward, backward = figure.data
+    assert list(forward.text[:4]) == ["0.0", "1.0", "0.1", "1.1"]  # stage 0: both chunks' forwards of 0 and 1
+    assert list(forward.x) == [0.5] * 8 and list(backward.x) == [1.0] * 8  # each chunk: half the stage's cost
+    assert "micro-batch.chunk" in forward.hovertemplate
+    assert list(pipeline_timeline(simulate_pipeline("1f1b", 2, 2)).data[0].text) == ["0", "1"] * 2
+
+
+def test_bubble_chart_draws_one_curve_per_chunk_count():
+    figure = bubble_chart({"interleaved": {4: 0.16}}, stages=4, most_microbatches=8, chunks=(1, 2))
+    one, two, points = figure.data
+    assert one.y[7] == pytest.approx(3 / 11) and two.y[7] == pytest.approx(3 / 19)  # m = 8
+    assert two.name == "(p-1)/(2m+p-1), 2 chunks" and list(points.x) == [4]
+    with pytest.raises(TypeError, match="chunks=2: pass a tuple of chunk counts"):
+        bubble_chart({}, stages=4, chunks=2)
