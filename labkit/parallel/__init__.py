@@ -4,9 +4,9 @@ state, and gradients, sharded over the ranks, ZeRO-1 and -2, laid out by `zero_b
 too, unit by unit, ZeRO-3 as torch's FSDP does it, its units in `fsdp_units`; both cut a flat vector of parameters
 over the ranks with `flat_shards`), tensor parallelism (`tensor`: Megatron's column- and row-parallel layers;
 `tensor_gpt`: a whole GPT split by heads and vocabulary; `sequence`: sequence parallelism's collectives)
-and pipeline parallelism (`pipeline`: GPipe and 1F1B schedules, an executor over point-to-point sends, and a
-simulator), combined on a mesh (`mesh`: the ranks on named axes dp, pp and tp, each axis's process groups from
-torch's DeviceMesh)."""
+and pipeline parallelism (`pipeline`: GPipe, 1F1B and interleaved 1F1B schedules, an executor over
+point-to-point sends, and a simulator), combined on a mesh (`mesh`: the ranks on named axes dp, pp and tp,
+each axis's process groups from torch's DeviceMesh)."""
 
 from labkit.parallel.counters import (
     AllReduceCounter,
