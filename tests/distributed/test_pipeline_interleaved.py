@@ -300,6 +300,27 @@ def test_two_interleaved_pipelines_on_sub_groups_each_equal_the_unsplit_model():
         assert_equal_gradients(seen, grads, part)
 
 
+def token_model_step(m):
+    """Token ids (a LongTensor) into the first piece; (batch, 6, 8) activations at one boundary and (batch, 48) at
+    the next, each chunk's own shape announced by its own header."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.Tanh(), nn.Flatten(1), nn.Linear(48, 4)).double()
+    tokens, y = torch.randint(0, 10, (BATCH, 6), generator=torch.Generator().manual_seed(1)), torch.arange(BATCH) % 4
+    result = run_pipeline(model, "interleaved", m, tokens, y, F.cross_entropy, 2)
+    split = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    loss = F.cross_entropy(model(tokens), y)
+    loss.backward()
+    return result.loss, loss.item(), {n: (g - model.get_parameter(n).grad).abs().max().item() for n, g in split.items()}
+
+
+def test_token_ids_enter_the_first_piece_and_each_chunk_boundary_keeps_its_own_shape():
+    per_rank = labkit.run(token_model_step, 4, world_size=2)
+    assert per_rank[1][0] == pytest.approx(per_rank[1][1], rel=1e-12, abs=0) and per_rank[0][0] is None
+    errors = {name: error for *_, stage in per_rank for name, error in stage.items()}
+    assert set(errors) == {"0.weight", "1.weight", "1.bias", "4.weight", "4.bias"} and max(errors.values()) < 1e-12
+
+
 def tensor_parallel_stages():
     """pp = 2 x tp = 2 on 4 ranks: an interleaved pipeline over the pp axis whose pieces hold Megatron MLPs split
     over the tp axis (all-reduces there in the middle of the pipeline's sends), against the unsplit model."""
