@@ -79,14 +79,18 @@ class FlatLayout:
         """Each tensor's view of `flat` (the flat vector, or a buffer that starts with it), in its shape."""
         return [flat[at:at + shape.numel()].view(shape) for at, shape in zip(self.offsets, self.shapes, strict=False)]
 
-    def padded(self, parts: list[torch.Tensor]) -> torch.Tensor:
+    def padded(self, parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """One rank's slice, given as `parts` (at least one tensor; an empty one gives the dtype and device), end
         to end and followed by zeros up to `piece` numbers: what each rank sends to an all-gather. No copy when
-        the slice is one tensor of `piece` numbers already."""
-        missing = self.piece - sum(part.numel() for part in parts)
-        if len(parts) == 1 and not missing:
+        the slice is one tensor of `piece` numbers already and no `out` (`piece` numbers to write it into) is
+        given."""
+        numel = sum(part.numel() for part in parts)
+        if out is None and len(parts) == 1 and numel == self.piece:
             return parts[0].reshape(-1)
-        return torch.cat([*(part.reshape(-1) for part in parts), parts[0].new_zeros(missing)])
+        out = parts[0].new_empty(self.piece) if out is None else out
+        torch.cat([part.reshape(-1) for part in parts], out=out[:numel])
+        out[numel:] = 0
+        return out
 
     def compact(self, buffer: torch.Tensor) -> None:
         """Every rank's piece (the shorter slices padded) -> the flat vector at the front of `buffer`, in place."""
