@@ -91,6 +91,7 @@ def test_order_equals_torchs_interleaved_1f1b():
     (lambda: simulate_pipeline("interleaved", 3, 4, chunks=2), ValueError, "microbatches=4: interleaving"),
     (lambda: communication_plan("interleaved", 3, 3, chunks=1), ValueError, "chunks=1: 'interleaved' needs"),
     (lambda: communication_plan("1f1b", 2, 2**19), ValueError, "microbatches=524288: pass fewer than 524287"),
+    (lambda: communication_plan("interleaved", 1, 1, 2**12), ValueError, "chunks=4096: pass fewer than 4096"),
     (lambda: stage_layers(7, 2, chunks=4), ValueError, r"a model of 7 layer\(s\) cannot make 8 pieces \(2 stages "
                                                         r"x 4 chunks\): each needs a layer"),
 ])

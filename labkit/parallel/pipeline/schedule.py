@@ -20,7 +20,7 @@ from labkit.checks import choice, whole
 __all__ = ["KINDS", "Action", "Message", "communication_plan", "peak_in_flight", "schedule"]
 
 KINDS = ("gpipe", "1f1b", "interleaved")
-TAG_CHUNK_STRIDE = 2**20  # a Message's tag: chunk c's tags start at c * 2**20 (gloo's tags are 32-bit)
+_TAG_CHUNK_STRIDE = 2**20  # a Message's tag: chunk c's tags start at c * 2**20 (gloo's tags are 32-bit)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ def _checked(kind, stages, microbatches, chunks) -> tuple[str, int, int, int]:
 
 
 def _warmup(kind: str, r: int, p: int, m: int, v: int) -> int:
-    """How many forwards stage r runs before its first backward (its steady state's first pair aside)."""
+    """How many forwards stage r runs before its steady state (one forward, one backward in turn)."""
     if kind == "gpipe":
         return m
     if kind == "1f1b":
@@ -143,7 +143,7 @@ class Message:
         tag; NCCL ignores tags and matches each pair's operations in posting order, which communication_plan
         keeps equal)."""
         kind = 0 if self.what == "header" else 2 * self.microbatch + (1 if self.what == "activation" else 2)
-        return self.chunk * TAG_CHUNK_STRIDE + kind
+        return self.chunk * _TAG_CHUNK_STRIDE + kind
 
     def __str__(self) -> str:
         return f"{self.op} {self.what[0]}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
@@ -168,9 +168,9 @@ def communication_plan(kind: str, stages: int, microbatches: int,
     before "send activation i", with its neighbour posting "receive activation i" first, would hang both. The
     operations of one group run together (NCCL user guide, "Group calls"; dist.batch_isend_irecv), so any
     order inside it is safe. No barrier sits between a posted receive and its send.
-    tests/distributed/test_pipeline_parallel.py runs every group, as posted on real ranks, through that
-    single-stream model. With one stage and several chunks, each chunk hands on to the next in place: no
-    messages.
+    tests/distributed/test_pipeline_parallel.py and test_pipeline_interleaved.py run every plan (and groups
+    as posted on real ranks) through that single-stream model. With one stage and several chunks, each chunk
+    hands on to the next in place: no messages.
 
     >>> def show(step):
     ...     return str(step) if isinstance(step, Action) else "[" + " ".join(map(str, step)) + "]"
@@ -179,27 +179,40 @@ def communication_plan(kind: str, stages: int, microbatches: int,
 [send g1]']
     """
     kind, p, m, v = _checked(kind, stages, microbatches, chunks)
-    if 2 * m + 2 >= TAG_CHUNK_STRIDE:
-        raise ValueError(f"microbatches={m}: pass fewer than {TAG_CHUNK_STRIDE // 2 - 1} (the messages' tags).")
+    if 2 * m + 2 >= _TAG_CHUNK_STRIDE:
+        raise ValueError(f"microbatches={m}: pass fewer than {_TAG_CHUNK_STRIDE // 2 - 1} (the messages' tags).")
+    if v * _TAG_CHUNK_STRIDE >= 2**32:
+        raise ValueError(f"chunks={v}: pass fewer than {2**32 // _TAG_CHUNK_STRIDE} (the messages' tags).")
     return [_stage_plan(kind, actions, r, p, v) for r, actions in enumerate(schedule(kind, p, m, v))]
 
 
 def _stage_plan(kind: str, actions: list[Action], r: int, p: int, v: int) -> list[Action | tuple[Message, ...]]:
-    """Stage r's actions with, after each, its sends and the receives anchored there (headers alone before)."""
-    anchored: dict[int, list[Action]] = {}  # action index (-1: before the first) -> actions whose input it receives
-    last = {}  # kind -> index of the latest action of that kind
-    for k, action in enumerate(actions):
-        before = last.get(action.kind, k - 1) if kind == "interleaved" else k - 1
-        anchored.setdefault(before, []).append(action)
-        last[action.kind] = k
+    """Stage r's actions with, after each, the group of its sends and the receives posted there (before that
+    group, alone: the header it sends, the headers it receives)."""
+    receive_points = _receive_points(kind, actions)
     steps: list = []
     for k in range(-1, len(actions)):
-        sends = _messages(actions[k], "send", r, p, v) if k >= 0 else []
-        steps += ([actions[k]] if k >= 0 else []) + [(m,) for m in sends if m.what == "header"]
-        steps += [header for action in anchored.get(k, []) for header in _header_before(action, r, p)]
-        steps.append(tuple([m for m in sends if m.what != "header"] +
-                           [m for action in anchored.get(k, []) for m in _messages(action, "recv", r, p, v)]))
+        sends = []
+        if k >= 0:
+            sends = _messages(actions[k], "send", r, p, v)
+            steps += [actions[k]] + [(m,) for m in sends if m.what == "header"]
+        receiving = receive_points.get(k, [])
+        steps += [header for action in receiving for header in _header_before(action, r, p)]
+        receives = [m for action in receiving for m in _messages(action, "recv", r, p, v)]
+        steps.append(tuple([m for m in sends if m.what != "header"] + receives))
     return [step for step in steps if step != ()]
+
+
+def _receive_points(kind: str, actions: list[Action]) -> dict[int, list[Action]]:
+    """After which action (its index; -1: before the first) each action's input is received: the action before
+    it, or interleaved, the one before it of its kind (F or B; the first of each, the action before it)."""
+    points: dict[int, list[Action]] = {}
+    latest: dict[str, int] = {}  # kind -> index of the latest action of that kind
+    for k, action in enumerate(actions):
+        after = latest.get(action.kind, k - 1) if kind == "interleaved" else k - 1
+        points.setdefault(after, []).append(action)
+        latest[action.kind] = k
+    return points
 
 
 def _header_before(action: Action, stage: int, stages: int) -> list[tuple[Message]]:
