@@ -50,7 +50,7 @@ from labkit.parallel.tensor import ColumnParallelLinear, ParallelMLP, RowParalle
 from labkit.plan.counts import shard_sizes
 
 __all__ = ["FullPlace", "ParallelAttention", "ParallelBlock", "ParallelHead", "VocabParallelEmbedding",
-           "gather_full_parameters", "tensor_parallel_gpt"]
+           "gather_full_parameters", "model_description", "tensor_parallel_gpt"]
 
 
 @dataclass(frozen=True)
@@ -221,7 +221,7 @@ class ParallelHead(nn.Module):
 _SPLITS = {Embeddings: VocabParallelEmbedding, Block: ParallelBlock, Head: ParallelHead}
 
 
-def _model_description(model: nn.Sequential) -> str:
+def model_description(model: nn.Sequential) -> str:
     """The layers' kinds and a digest of every parameter: equal on two ranks only for the same model."""
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
@@ -236,7 +236,7 @@ def _check_model(model, group) -> None:
     if not isinstance(model, nn.Sequential) or not all(type(layer) in _SPLITS for layer in model):
         raise TypeError("tensor_parallel_gpt splits an nn.Sequential of labkit.models layers (Embeddings, Block, "
                         f"Head), such as a TinyGPT or a slice of one; got {type(model).__name__}.")
-    groups.check_same(_model_description(model), "tensor_parallel_gpt", "models",
+    groups.check_same(model_description(model), "tensor_parallel_gpt", "models",
                       "Build the full model from the same seed on every rank (TinyGPT(..., seed=0)).", group)
 
 

@@ -4,6 +4,15 @@ Bytes and seconds are plain floats, bandwidths bytes/s; GB = 1e9 bytes wherever 
 `print(worked_example())` recomputes the lesson's 7B example, Steps 1-6.
 """
 
+from labkit.plan.axis_traffic import (
+    GPTShape,
+    ParallelLayout,
+    axis_traffic,
+    axis_wire_bytes,
+    check_fit,
+    rank_layers,
+    rank_params,
+)
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
 from labkit.plan.bubble import bubble_fraction
 from labkit.plan.counts import format_count, parse_count
@@ -30,14 +39,19 @@ from labkit.plan.worked_example import WorkedExample, worked_example
 
 __all__ = [
     "GB",
+    "GPTShape",
+    "ParallelLayout",
     "YOUR_CHOICE",
     "ZERO_STAGES",
     "WorkedExample",
     "allreduce_seconds",
     "attention_lora_shapes",
+    "axis_traffic",
+    "axis_wire_bytes",
     "bandwidth_for_speedup",
     "bubble_fraction",
     "bus_bandwidth",
+    "check_fit",
     "data_parallel_speedup",
     "effective_batch",
     "fit_alpha_beta",
@@ -47,6 +61,8 @@ __all__ = [
     "naive_allreduce_bytes",
     "parallelism_for",
     "parse_count",
+    "rank_layers",
+    "rank_params",
     "ring_allreduce_bytes",
     "scale_lr",
     "step_seconds",

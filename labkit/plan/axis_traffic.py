@@ -1,0 +1,328 @@
+"""3D parallelism by the numbers: for a GPT on a dp x pp x tp layout, the layers and parameters each rank holds,
+and the bytes it hands to each axis's collectives in one training step.
+
+    GPTShape(vocab, d_model, layers, heads, context)        the model (labkit.models.TinyGPT's layers)
+    ParallelLayout(dp, pp, tp, microbatches, ...)           the layout, and a rank's place in it
+    check_fit(shape, layout, batch, sequence)               ValueError unless the layout fits the model and batch
+    rank_layers(shape, layout, rank)                        the layers (0: embeddings, 1..L: blocks, L+1: head)
+    rank_params(shape, layout, rank)                        the parameters the rank holds: its memory's basis
+    axis_traffic(shape, layout, batch, rank)                bytes it hands to each axis per step, by collective
+    axis_wire_bytes(traffic, layout)                        what ring collectives move for them, per axis
+
+The layers are split as labkit.parallel.ThreeDGPT splits them: the pipeline cuts [Embeddings, Block x L, Head]
+into pp x chunks pieces (balanced by layer count, as stage_layers cuts), and tensor parallelism splits each layer
+over tp (attention by heads, the Megatron MLP, embedding and head by vocabulary: labkit.parallel.tensor_gpt).
+
+The bytes follow labkit.parallel.counters' convention, so a prediction equals count_collectives().by_axis(mesh)
+to the byte: each collective counts the payload this rank hands it, an all-reduce its tensor, an all-gather its
+own part (padded to the largest), a reduce-scatter the whole tensor it sums, a send the tensor sent. Per
+micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h numbers):
+
+  tp, plain (Shoeybi et al. 2019, "Megatron-LM", section 3): the embedding 1 all-reduce (a) forward; each block
+      2 all-reduces (a) forward and 2 backward (the g and f around its attention and its MLP); the head 1
+      all-reduce (a) backward, and forward the logits all-gathered, ceil(V / t) b s numbers from each rank.
+  tp, sequence parallel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+      Models", section 4.2.2): each all-reduce becomes a reduce-scatter (a) and an all-gather (a / t). The
+      embedding 1 reduce-scatter forward, 1 all-gather backward; a block 2 all-gathers and 2 reduce-scatters
+      forward, 4 all-gathers (2 gather a stored shard again) and 2 reduce-scatters backward; the head 1 all-gather
+      forward, 1 all-gather and 1 reduce-scatter backward, and the logits. Once a step, 1 all-reduce of the
+      gradients of the parameters used on a sequence shard: 6 h per block (2 LayerNorms, 2 row-parallel biases),
+      the position embedding's context x h, the final LayerNorm's 2 h.
+  pp (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
+      section 2.2): every piece but the model's last sends its output forward (a; a / t under sequence
+      parallelism, which leaves each tp rank its part of the sequence), every piece but the first sends its
+      input's gradient back. Without sequence parallelism each tp rank sends the whole activation (Megatron's
+      scatter/gather optimisation, section 4.1 of that paper, would send a / t and all-gather it after).
+  dp (Li et al. 2020, "PyTorch Distributed", section 3.2): one all-reduce of every gradient the rank holds, once
+      per step after the last micro-batch, plus labkit's BucketedDDP's one number per parameter tensor (how many
+      ranks produced that gradient).
+
+A size-1 axis moves nothing: its entry is empty. `axis_wire_bytes` turns the payloads into the bytes a ring moves
+per rank (all-reduce 2(N-1)/N, reduce-scatter (N-1)/N of the whole, all-gather N-1 parts; Thakur et al. 2005), the
+number to put against a link's speed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from labkit.checks import flag, number, shown, whole
+from labkit.plan.counts import shard_sizes
+from labkit.plan.traffic import ring_allreduce_bytes, ring_reduce_scatter_bytes
+
+__all__ = ["GPTShape", "ParallelLayout", "axis_traffic", "axis_wire_bytes", "check_fit", "rank_layers",
+           "rank_params"]
+
+_AXES = ("dp", "pp", "tp")  # as labkit.parallel.mesh.AXES: outermost to innermost (plan imports no torch)
+
+
+@dataclass(frozen=True)
+class GPTShape:
+    """A GPT's sizes, as labkit.models.TinyGPT takes them: `vocab`, `d_model`, `layers` (blocks), `heads`,
+    `context` (positions), `d_ff` (the MLP's width; None: 4 d_model) and whether the head is `tied` to the token
+    embedding."""
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    context: int
+    d_ff: int | None = None
+    tied: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab", "d_model", "layers", "heads", "context"):
+            whole(name, getattr(self, name))
+        flag("tied", self.tied)
+        if self.d_model % self.heads:
+            raise ValueError(f"GPTShape: d_model={shown(self.d_model)} must be a multiple of "
+                             f"heads={shown(self.heads)}.")
+        object.__setattr__(self, "d_ff", 4 * self.d_model if self.d_ff is None else whole("d_ff", self.d_ff))
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """A dp x pp x tp layout (tp innermost: global rank (dp_i pp + pp_j) tp + tp_k, as labkit.parallel.Mesh lays
+    ranks out), with `microbatches` per step on each pipeline, `chunks` pieces per stage (interleaved 1F1B) and
+    sequence parallelism on the tp axis or not.
+
+    >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
+    >>> layout.world_size, layout.place(5)
+    (8, {'dp': 1, 'pp': 0, 'tp': 1})
+    """
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    microbatches: int = 1
+    chunks: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for name in ("dp", "pp", "tp", "microbatches", "chunks"):
+            whole(name, getattr(self, name))
+        flag("sequence_parallel", self.sequence_parallel)
+
+    @property
+    def world_size(self) -> int:
+        """dp x pp x tp ranks."""
+        return self.dp * self.pp * self.tp
+
+    def size(self, axis: str) -> int:
+        """How many ranks a group on `axis` ("dp", "pp" or "tp") holds."""
+        return getattr(self, axis)
+
+    def place(self, rank: int) -> dict[str, int]:
+        """Global rank `rank`'s coordinate on each axis."""
+        rank = whole("rank", rank, minimum=0)
+        if rank >= self.world_size:
+            raise ValueError(f"rank={shown(rank)}: this layout has {self.world_size} ranks; pass 0 to "
+                             f"{self.world_size - 1}.")
+        rest, tp_k = divmod(rank, self.tp)
+        dp_i, pp_j = divmod(rest, self.pp)
+        return {"dp": dp_i, "pp": pp_j, "tp": tp_k}
+
+
+def check_fit(shape: GPTShape, layout: ParallelLayout, batch: int | None = None, sequence: int | None = None) -> None:
+    """ValueError, saying what to change, unless `layout` can split `shape` (and a step's `batch` of sequences of
+    `sequence` tokens, when given): whole heads per tp rank (each computes whole heads), a vocabulary row per tp
+    rank, a layer per pipeline piece, an untied head when the embedding and the head sit in different pieces,
+    the batch cut evenly over dp replicas and micro-batches, the sequence within the context and, under sequence
+    parallelism, cut evenly over tp.
+
+    >>> check_fit(GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32), ParallelLayout(tp=3))
+    Traceback (most recent call last):
+    ...
+    ValueError: tp=3: 4 heads do not split over 3 tensor-parallel ranks (each computes whole heads); pass a tp ...
+    """
+    _check_model_fit(shape, layout)
+    if batch is not None:
+        _check_batch_fit(shape, layout, whole("batch", batch), _sequence(shape, sequence))
+
+
+def _check_model_fit(shape: GPTShape, layout: ParallelLayout) -> None:
+    t, pieces = layout.tp, layout.pp * layout.chunks
+    if shape.heads % t:
+        raise ValueError(f"tp={t}: {shape.heads} heads do not split over {t} tensor-parallel ranks (each computes "
+                         f"whole heads); pass a tp that divides heads={shape.heads}.")
+    if shape.vocab < t:
+        raise ValueError(f"tp={t}: a vocabulary of {shape.vocab} cannot give each of {t} ranks a row; pass tp <= "
+                         f"{shape.vocab}.")
+    if shape.layers + 2 < pieces:
+        raise ValueError(f"pp={layout.pp} x chunks={layout.chunks}: {pieces} pipeline pieces, but the model has "
+                         f"{shape.layers + 2} layers (embeddings, {shape.layers} blocks, head), one per piece at "
+                         "least; pass fewer stages or chunks, or a deeper model.")
+    if shape.tied and pieces > 1:
+        raise ValueError(f"pp={layout.pp} x chunks={layout.chunks}: a tied head shares the embedding's weight, but the "
+                         "embedding and the head sit in different pipeline pieces (tying them would take an all-reduce "
+                         "of the two copies' gradients between the first and last stage every step, on no axis of "
+                         "the mesh); use an untied model (TinyGPT(..., tied=False)).")
+
+
+def _check_batch_fit(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: int) -> None:
+    cut = layout.dp * layout.microbatches
+    if batch % cut:
+        raise ValueError(f"batch={batch}: the batch is cut over dp={layout.dp} replicas x microbatches="
+                         f"{layout.microbatches}, {cut} equal parts; pass a batch that is a multiple of {cut}.")
+    if layout.sequence_parallel and sequence % layout.tp:
+        raise ValueError(f"sequence={sequence}: sequence parallelism cuts each sequence over tp={layout.tp} ranks; "
+                         f"pass a length that is a multiple of {layout.tp}.")
+
+
+def _sequence(shape: GPTShape, sequence: int | None) -> int:
+    """The tokens per sequence: `sequence`, at most the context; None: the whole context."""
+    if sequence is None:
+        return shape.context
+    length = whole("sequence", sequence)
+    if length > shape.context:
+        raise ValueError(f"sequence={length}: the model has {shape.context} positions; pass at most that many.")
+    return length
+
+
+def rank_layers(shape: GPTShape, layout: ParallelLayout, rank: int) -> list[range]:
+    """The model's layers global rank `rank` holds, one range per chunk (0: the embeddings, 1 to L the blocks,
+    L + 1 the head): the layers + 2 cut into pp x chunks balanced pieces, stage j's chunk c being piece c pp + j
+    (labkit.parallel.stage_layers' cut; Narayanan et al. 2021, section 2.2.2).
+
+    >>> rank_layers(GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32), ParallelLayout(pp=2), rank=1)
+    [range(2, 4)]
+    """
+    check_fit(shape, layout)
+    sizes = shard_sizes(shape.layers + 2, layout.pp * layout.chunks)
+    pieces = [range(end - size, end) for size, end in zip(sizes, itertools.accumulate(sizes), strict=True)]
+    stage = layout.place(rank)["pp"]
+    return [pieces[c * layout.pp + stage] for c in range(layout.chunks)]
+
+
+def _kind(shape: GPTShape, layer: int) -> str:
+    return "embeddings" if layer == 0 else "head" if layer == shape.layers + 1 else "block"
+
+
+def _layer_params(shape: GPTShape, kind: str, t: int, k: int) -> tuple[int, int]:
+    """(numbers, tensors) of one layer's parameters on tp rank k of t: split as labkit.parallel.tensor_gpt does."""
+    h, vocab_rows, ff = shape.d_model, shard_sizes(shape.vocab, t)[k], shard_sizes(shape.d_ff, t)[k]
+    if kind == "embeddings":
+        return vocab_rows * h + shape.context * h, 2
+    if kind == "head":
+        return 2 * h + (0 if shape.tied else vocab_rows * h), 2 if shape.tied else 3
+    attention = (3 * h // t) * (h + 1) + h * (h // t) + h  # q, k, v of this rank's heads; its columns of proj
+    mlp = ff * (h + 1) + h * ff + h  # fc1's rows, fc2's columns, fc2's bias whole
+    return 4 * h + attention + mlp, 12
+
+
+def _rank_parts(shape: GPTShape, layout: ParallelLayout, rank: int) -> tuple[list[str], int, int]:
+    """The kinds of the layers rank `rank` holds, and their parameters' (numbers, tensors)."""
+    kinds = [_kind(shape, layer) for piece in rank_layers(shape, layout, rank) for layer in piece]
+    k = layout.place(rank)["tp"]
+    held = [_layer_params(shape, kind, layout.tp, k) for kind in kinds]
+    return kinds, sum(n for n, _ in held), sum(c for _, c in held)
+
+
+def rank_params(shape: GPTShape, layout: ParallelLayout, rank: int) -> int:
+    """Parameters global rank `rank` holds: its stage's layers (rank_layers), each 1/tp of the split matrices
+    (tp rank k's share of uneven ones, as shard_sizes cuts) and the whole replicated ones (LayerNorms, row-parallel
+    biases, the position embedding). labkit.plan.training_memory(rank_params(...), ...) is its training state; on
+    one rank, transformer_params(...) (with context) of the whole model.
+
+    >>> shape = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)
+    >>> rank_params(shape, ParallelLayout(), 0), [rank_params(shape, ParallelLayout(pp=2, tp=2), r) for r in range(4)]
+    (31744, [8784, 8784, 7824, 7824])
+    """
+    return _rank_parts(shape, layout, rank)[1]
+
+
+def _tp_per_microbatch(shape: GPTShape, kind: str, t: int, b: int, s: int, sequence_parallel: bool) -> Counter:
+    """Numbers one layer hands to tp collectives per micro-batch of b sequences of s tokens (module docstring)."""
+    whole_act = b * s * shape.d_model
+    part, logits = whole_act // t, b * s * math.ceil(shape.vocab / t)
+    if not sequence_parallel:
+        return Counter({"embeddings": {"all_reduce": whole_act}, "block": {"all_reduce": 4 * whole_act},
+                        "head": {"all_reduce": whole_act, "all_gather": logits}}[kind])
+    return Counter({"embeddings": {"reduce_scatter": whole_act, "all_gather": part},
+                    "block": {"reduce_scatter": 4 * whole_act, "all_gather": 6 * part},
+                    "head": {"reduce_scatter": whole_act, "all_gather": 2 * part + logits}}[kind])
+
+
+def _sequence_sharded_numbers(shape: GPTShape, kind: str) -> int:
+    """Parameters of a layer used on a sequence shard, whose gradients are all-reduced over tp once a step."""
+    h = shape.d_model
+    return {"embeddings": shape.context * h, "block": 6 * h, "head": 2 * h}[kind]
+
+
+def _tp_numbers(shape, layout, kinds, b, s) -> Counter:
+    """Numbers the rank hands to the tp axis's collectives in one step."""
+    if layout.tp == 1:
+        return Counter()
+    numbers = Counter()
+    for kind in kinds:
+        numbers.update(_tp_per_microbatch(shape, kind, layout.tp, b, s, layout.sequence_parallel))
+    numbers = Counter({collective: n * layout.microbatches for collective, n in numbers.items()})
+    if layout.sequence_parallel:
+        numbers["all_reduce"] += sum(_sequence_sharded_numbers(shape, kind) for kind in kinds)
+    return numbers
+
+
+def _pp_numbers(shape, layout, stage: int, b: int, s: int) -> Counter:
+    """Numbers the rank sends to its pipeline neighbours in one step: each piece's output forward but the last
+    piece's, each piece's input gradient back but the first's."""
+    p, v = layout.pp, layout.chunks
+    if p == 1:
+        return Counter()
+    activation = b * s * shape.d_model // (layout.tp if layout.sequence_parallel else 1)
+    pieces = [c * p + stage for c in range(v)]
+    messages = sum(piece != p * v - 1 for piece in pieces) + sum(piece != 0 for piece in pieces)
+    return Counter({"send": messages * layout.microbatches * activation})
+
+
+def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int, sequence: int | None = None,
+                 bytes_per_number: int = 4) -> dict[str, dict[str, int]]:
+    """Bytes global rank `rank` hands to each axis's collectives in one training step, by collective: {"dp":
+    {"all_reduce": ...}, "pp": {"send": ...}, "tp": {"all_reduce": ..., ...}} (a size-1 axis: {}), for a step of
+    `batch` sequences of `sequence` tokens (None: the context) cut over dp replicas and micro-batches, numbers of
+    `bytes_per_number` bytes (8: float64). The formulas, with their sources, are in the module's docstring; the
+    convention is count_collectives()'s, so a run's CollectiveCounter.by_axis(mesh) equals this exactly.
+
+    >>> shape = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)
+    >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
+    >>> axis_traffic(shape, layout, batch=16, rank=0, bytes_per_number=8)      # stage 0: embeddings, block 1
+    {'dp': {'all_reduce': 70384}, 'pp': {'send': 65536}, 'tp': {'all_reduce': 327680}}
+    >>> axis_traffic(shape, layout, batch=16, rank=3, bytes_per_number=8)      # stage 1: block 2, head
+    {'dp': {'all_reduce': 62712}, 'pp': {'send': 65536}, 'tp': {'all_gather': 83968, 'all_reduce': 327680}}
+    """
+    check_fit(shape, layout, batch, sequence)
+    s, nbytes = _sequence(shape, sequence), whole("bytes_per_number", bytes_per_number)
+    b = batch // (layout.dp * layout.microbatches)
+    kinds, params, tensors = _rank_parts(shape, layout, rank)
+    numbers = {"dp": Counter({"all_reduce": params + tensors}) if layout.dp > 1 else Counter(),
+               "pp": _pp_numbers(shape, layout, layout.place(rank)["pp"], b, s),
+               "tp": _tp_numbers(shape, layout, kinds, b, s)}
+    return {axis: {kind: n * nbytes for kind, n in sorted(counted.items()) if n} for axis, counted in numbers.items()}
+
+
+def _wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
+    """Bytes a rank sends in a ring `collective` to which it hands `nbytes` (counters' convention)."""
+    if collective == "all_reduce":
+        return ring_allreduce_bytes(nbytes, ranks)
+    if collective == "reduce_scatter":
+        return ring_reduce_scatter_bytes(nbytes, ranks)
+    if collective == "all_gather":  # its own part of ranks parts: (N-1)/N of the whole
+        return ring_reduce_scatter_bytes(nbytes * ranks, ranks)
+    if collective in ("send", "broadcast"):
+        return number("nbytes", nbytes)
+    raise ValueError(f"collective={shown(collective)}: pass all_reduce, reduce_scatter, all_gather, send or broadcast.")
+
+
+def axis_wire_bytes(traffic: dict[str, dict[str, float]], layout: ParallelLayout) -> dict[str, float]:
+    """Bytes a rank sends over the links of each axis in one step, for `traffic` (axis_traffic's) with ring
+    collectives of the axis's size (Thakur et al. 2005; labkit.plan.traffic): an all-reduce 2(N-1)/N of its
+    tensor, a reduce-scatter (N-1)/N of its tensor, an all-gather N-1 times its part, a send its tensor. Divided by
+    a link's bandwidth (bytes/s), the seconds each axis's traffic takes there.
+
+    >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
+    >>> axis_wire_bytes({"dp": {"all_reduce": 1000}, "pp": {"send": 500}, "tp": {"all_gather": 300}}, layout)
+    {'dp': 1000.0, 'pp': 500.0, 'tp': 300.0}
+    """
+    return {axis: float(sum(_wire_bytes(collective, nbytes, layout.size(axis))
+                            for collective, nbytes in traffic.get(axis, {}).items())) for axis in _AXES}
+
