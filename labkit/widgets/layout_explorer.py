@@ -1,0 +1,259 @@
+"""The layout explorer: choose how a world of ranks trains a GPT (dp x pp x tp, micro-batches, chunks per stage,
+sequence parallelism) and see what labkit.plan predicts for that layout: each axis's traffic per rank per step, the
+pipeline's bubble and the training state each rank holds. Every number is plan's, for every rank, so a run of
+labkit.parallel.ThreeDGPT with the same layout can be checked against what the explorer shows.
+
+    suggested_layout(world_size)                 (dp, pp, tp): tp = 2 and pp = 2 where the world allows
+    plan_layout(shape, layout, batch, ...)       LayoutPlan: plan's traffic, memory and bubble, rank by rank
+    LayoutExplorer(shape, world_size, batch)     the widget; .set_layout(dp=.., pp=.., tp=..) moves its controls
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+import ipywidgets as widgets
+
+from labkit.checks import rank_count, whole
+from labkit.plan import (
+    GPTShape,
+    ParallelLayout,
+    axis_traffic,
+    axis_wire_bytes,
+    bubble_fraction,
+    check_fit,
+    rank_params,
+    training_memory,
+)
+from labkit.viz.axis_chart import axis_traffic_bars, byte_unit
+from labkit.viz.plan import memory_bars
+from labkit.viz.style import RED
+from labkit.widgets.figure_slot import FigureSlot
+
+__all__ = ["AXIS_WHEN", "LayoutExplorer", "LayoutPlan", "plan_layout", "suggested_layout"]
+
+AXES = ("dp", "pp", "tp")  # outermost to innermost, as labkit.parallel.mesh.AXES
+AXIS_WHEN = {  # when each axis's traffic moves in a step, and what waits for it (Narayanan et al. 2021, section 3)
+    "tp": "inside every layer, every micro-batch: the next layer waits for it",
+    "pp": "at each stage boundary, every micro-batch: point to point, one neighbour",
+    "dp": "once per step, after the last micro-batch: can overlap the backward",
+}
+LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "170px", "330px", 500  # two figures side by side in a 1280 px window
+_LABEL_STYLE = {"description_width": LABEL_WIDTH}
+
+
+def suggested_layout(world_size: int) -> tuple[int, int, int]:
+    """(dp, pp, tp) for `world_size` ranks: tp = 2 when the world is even, pp = 2 when 4 divides it, dp the rest,
+    so that 8 ranks get every axis at 2 (tp innermost, Narayanan et al. 2021's order), 4 ranks 1 x 2 x 2 and 2 ranks
+    1 x 1 x 2.
+
+    >>> [suggested_layout(n) for n in (1, 2, 4, 6, 8, 16)]
+    [(1, 1, 1), (1, 1, 2), (1, 2, 2), (3, 1, 2), (2, 2, 2), (4, 2, 2)]
+    """
+    world = rank_count(world_size)
+    tp = 2 if world % 2 == 0 else 1
+    pp = 2 if world % 4 == 0 else 1
+    return world // (pp * tp), pp, tp
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """What labkit.plan predicts for one layout, entry r for global rank r: `traffic[r]` the bytes it hands to each
+    axis's collectives per step, by collective (plan.axis_traffic: what count_collectives().by_axis counts),
+    `wire[r]` what ring collectives then send per axis (plan.axis_wire_bytes), `memory[r]` its training state
+    (plan.training_memory of plan.rank_params: weights, gradients and AdamW's two moments, a number each), and
+    `bubble` the pipeline's idle share, (p-1)/(v m + p-1) (plan.bubble_fraction)."""
+
+    layout: ParallelLayout
+    traffic: list[dict[str, dict[str, int]]]
+    wire: list[dict[str, float]]
+    memory: list[dict[str, float]]
+    bubble: float
+
+    def axis_nbytes(self, rank: int) -> dict[str, int]:
+        """Bytes rank `rank` hands to each axis per step, its collectives added up."""
+        return {axis: sum(self.traffic[rank].get(axis, {}).values()) for axis in AXES}
+
+
+def plan_layout(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: int | None = None,
+                bytes_per_number: int = 4) -> LayoutPlan:
+    """plan's prediction for every rank of `layout` training `shape` on steps of `batch` sequences of `sequence`
+    tokens (None: the context), numbers of `bytes_per_number` bytes (8: float64), with AdamW (as
+    labkit.parallel.ThreeDGPT trains); ValueError (plan.check_fit's) when the layout cannot split that model and
+    batch.
+
+    >>> shape = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)
+    >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
+    >>> planned = plan_layout(shape, layout, batch=16, bytes_per_number=8)
+    >>> len(planned.traffic), planned.traffic[5] == axis_traffic(shape, layout, 16, 5, bytes_per_number=8)
+    (8, True)
+    >>> planned.memory[5]["total"] == 4 * 8 * rank_params(shape, layout, 5), round(planned.bubble, 3)
+    (True, 0.333)
+    """
+    check_fit(shape, layout, whole("batch", batch), sequence)
+    nbytes = whole("bytes_per_number", bytes_per_number)
+    ranks = range(layout.world_size)
+    traffic = [axis_traffic(shape, layout, batch, rank, sequence, nbytes) for rank in ranks]
+    memory = [training_memory(rank_params(shape, layout, rank), nbytes, nbytes, 2 * nbytes) for rank in ranks]
+    return LayoutPlan(layout, traffic, [axis_wire_bytes(t, layout) for t in traffic], memory,
+                      bubble_fraction(layout.pp, layout.microbatches, layout.chunks))
+
+
+def _amount(nbytes: float, unit: tuple[str, float]) -> str:
+    name, size = unit
+    return f"{nbytes / size:.3g} {name}"
+
+
+class LayoutExplorer(widgets.VBox):
+    """Controls for dp, pp and tp (each a divisor of `world_size`; their product must be the world, or the summary
+    says what to change), the micro-batches per step, the chunks per stage (interleaved 1F1B when >= 2) and
+    sequence parallelism; beside them a summary of plan's prediction for `shape` trained on steps of `batch`
+    sequences (`sequence` tokens each, numbers of `bytes_per_number` bytes): each axis's bytes per rank per step,
+    handed to collectives and sent by ring collectives, and when they move; the bubble; the training state per
+    rank. Below, the bytes per axis and the training state of each rank of replica 0 (every replica's equal).
+
+    `controls` names the controls (dp, pp, tp, microbatches, chunks, sequence_parallel), `summary` is the HTML
+    beside them, `traffic_chart` and `memory_chart` the figures' FigureSlots, `planned` the LayoutPlan shown and
+    `problem` why the controls' layout is not shown (None when it is). A layout that is refused leaves the last
+    good one shown. `set_layout(dp=1, pp=2, tp=4)` sets several controls and redraws once.
+
+    >>> explorer = LayoutExplorer(GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32), 8, batch=16)
+    >>> explorer.set_layout(tp=4)
+    >>> explorer.problem
+    'dp=2 x pp=2 x tp=4 = 16 ranks, but the world has 8: pick sizes whose product is 8 (pp=2 x tp=4 leaves dp=1).'
+    >>> explorer.set_layout(dp=1)
+    >>> explorer.problem, explorer.planned.layout.tp, round(explorer.planned.bubble, 3)
+    (None, 4, 0.333)
+    """
+
+    def __init__(self, shape: GPTShape, world_size: int, batch: int, sequence: int | None = None,
+                 bytes_per_number: int = 4, microbatches: int = 2):
+        if not isinstance(shape, GPTShape):
+            raise TypeError(f"shape: a {type(shape).__name__}; pass a labkit.plan.GPTShape (for a TinyGPT: "
+                            "labkit.parallel.gpt_shape(model)).")
+        self.world_size = rank_count(world_size)
+        self._model = {"shape": shape, "batch": whole("batch", batch), "sequence": sequence,
+                       "bytes_per_number": whole("bytes_per_number", bytes_per_number)}
+        self.controls = _controls(self.world_size, whole("microbatches", microbatches))
+        self.summary = widgets.HTML(layout=widgets.Layout(flex="1 1 420px", min_width="420px"))
+        self.traffic_chart, self.memory_chart = FigureSlot(), FigureSlot()
+        self.planned: LayoutPlan | None = None
+        self.problem: str | None = None
+        self._holding = False
+        for control in self.controls.values():
+            control.observe(self._redraw, "value")
+        self._redraw()
+        if self.planned is None:
+            raise ValueError(f"LayoutExplorer: {self.problem} Pass a model and batch that "
+                             f"dp, pp, tp = {suggested_layout(self.world_size)} can train.")
+        wrap = widgets.Layout(flex_flow="row wrap", align_items="flex-start", width="100%")
+        left = widgets.VBox(list(self.controls.values()), layout=widgets.Layout(flex="0 0 auto"))
+        super().__init__([widgets.HBox([left, self.summary], layout=wrap),
+                          widgets.HBox([self.traffic_chart, self.memory_chart], layout=wrap)])
+
+    def set_layout(self, **values) -> None:
+        """Set the named controls (dp, pp, tp, microbatches, chunks, sequence_parallel) at once, then redraw."""
+        unknown = sorted(set(values) - set(self.controls))
+        if unknown:
+            raise ValueError(f"set_layout: {unknown} are no controls; pass some of {list(self.controls)}.")
+        self._holding = True
+        try:
+            for name, value in values.items():
+                self.controls[name].value = value
+        finally:
+            self._holding = False
+        self._redraw()
+
+    def _chosen(self) -> ParallelLayout:
+        values = {name: control.value for name, control in self.controls.items()}
+        return ParallelLayout(**values)
+
+    def _redraw(self, _=None) -> None:
+        """Plan the controls' layout and show it, or say why not and keep the last good one."""
+        if self._holding:
+            return
+        layout = self._chosen()
+        try:
+            self.problem = _world_problem(layout, self.world_size)
+            if self.problem is None:
+                self.planned = plan_layout(layout=layout, **self._model)
+        except ValueError as error:
+            self.problem = str(error)
+        if self.problem is None:
+            self._draw_charts()
+            self.summary.value = _summary(self.planned)
+        elif self.planned is not None:  # before the first good layout, __init__ raises with the problem
+            self.summary.value = _refusal(self.problem, self.planned)
+
+    def _draw_charts(self) -> None:
+        planned, layout = self.planned, self.planned.layout
+        replica = range(layout.pp * layout.tp)  # replica 0's ranks: every replica holds and sends the same
+        labels = {rank: f"rank {rank}<br>pp{layout.place(rank)['pp']} tp{layout.place(rank)['tp']}" for rank in replica}
+        title = (f"{_shape(layout)}, {layout.microbatches} micro-batches: bubble {planned.bubble:.1%}<br>"
+                 "<sup>bytes each rank hands to each axis's collectives per step</sup>")
+        self.traffic_chart.draw(axis_traffic_bars({labels[r]: planned.axis_nbytes(r) for r in replica}, title)
+                                .update_layout(width=FIGURE_WIDTH))
+        memory = {labels[r]: planned.memory[r] for r in replica}
+        unit = "GB" if max(m["total"] for m in memory.values()) >= 1e9 else "MB"
+        self.memory_chart.draw(memory_bars(memory, title=f"Training state per rank, {_shape(layout)}<br><sup>"
+                                           "weights, gradients, AdamW's m and v</sup>", unit=unit)
+                               .update_layout(width=FIGURE_WIDTH, margin={"t": 60}))
+
+
+def _controls(world_size: int, microbatches: int) -> dict[str, widgets.Widget]:
+    """The explorer's controls, named as ParallelLayout's fields, starting at suggested_layout(world_size)."""
+    divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
+    start = dict(zip(AXES, suggested_layout(world_size), strict=True))
+    common = {"style": _LABEL_STYLE, "layout": widgets.Layout(width=CONTROL_WIDTH)}
+    controls = {axis: widgets.Dropdown(options=divisors, value=start[axis], description=f"{axis} ({what})",
+                                       **common)
+                for axis, what in (("dp", "replicas"), ("pp", "stages"), ("tp", "split of each layer"))}
+    controls["microbatches"] = widgets.IntSlider(value=microbatches, min=1, max=16, description="micro-batches m",
+                                                 continuous_update=False, **common)
+    controls["chunks"] = widgets.IntSlider(value=1, min=1, max=4, description="chunks per stage v",
+                                           continuous_update=False, **common)
+    controls["sequence_parallel"] = widgets.Checkbox(value=False, description="sequence parallelism (tp)",
+                                                     indent=False, layout=widgets.Layout(width=CONTROL_WIDTH))
+    return controls
+
+
+def _shape(layout: ParallelLayout) -> str:
+    return f"dp={layout.dp} x pp={layout.pp} x tp={layout.tp}"
+
+
+def _world_problem(layout: ParallelLayout, world_size: int) -> str | None:
+    """Why `layout` cannot run on `world_size` ranks (its product is another number), or None."""
+    if layout.world_size == world_size:
+        return None
+    rest = layout.pp * layout.tp
+    fix = (f"pp={layout.pp} x tp={layout.tp} leaves dp={world_size // rest}" if world_size % rest == 0 else
+           f"pp={layout.pp} x tp={layout.tp} = {rest} does not divide {world_size}: lower pp or tp")
+    return (f"{_shape(layout)} = {layout.world_size} ranks, but the world has {world_size}: pick sizes whose "
+            f"product is {world_size} ({fix}).")
+
+
+def _refusal(problem: str, planned: LayoutPlan) -> str:
+    return (f"<div style='color:{RED}'>{html.escape(problem)}</div><div>Still showing {_shape(planned.layout)}, "
+            f"{planned.layout.microbatches} micro-batches, below.</div>")
+
+
+def _summary(planned: LayoutPlan) -> str:
+    """The summary as HTML: the layout, a row per axis (bytes handed, bytes on the wire, when), the bubble, memory."""
+    layout, ranks = planned.layout, range(planned.layout.world_size)
+    handed = {axis: max(planned.axis_nbytes(r)[axis] for r in ranks) for axis in AXES}
+    wire = {axis: max(planned.wire[r][axis] for r in ranks) for axis in AXES}
+    unit = byte_unit(max(wire.values()))
+    rows = [f"<tr><td><b>{axis}</b></td><td>{layout.size(axis)}</td><td>{_amount(handed[axis], unit)}</td>"
+            f"<td>{_amount(wire[axis], unit)}</td><td>{AXIS_WHEN[axis] if layout.size(axis) > 1 else 'nothing'}"
+            "</td></tr>" for axis in ("tp", "pp", "dp")]
+    totals = [m["total"] for m in planned.memory]
+    memory_unit = byte_unit(max(totals))
+    p, m, v = layout.pp, layout.microbatches, layout.chunks
+    return (f"<div><b>{_shape(layout)} = {layout.world_size} ranks</b>, {m} micro-batches, {v} chunk(s) per stage"
+            f"{', sequence parallel' if layout.sequence_parallel and layout.tp > 1 else ''}</div>"
+            "<table style='line-height:1.3'><tr><th>axis</th><th>ranks</th><th>handed</th><th>on the wire</th>"
+            f"<th style='text-align:left'>when (per rank per step, the busiest rank)</th></tr>{''.join(rows)}</table>"
+            f"<div>bubble (p-1)/(vm+p-1) = {p - 1}/{v * m + p - 1} = <b>{planned.bubble:.1%}</b> of the step idle</div>"
+            f"<div>training state per rank: <b>{_amount(min(totals), memory_unit)} to "
+            f"{_amount(max(totals), memory_unit)}</b> (weights, gradients, AdamW's m and v)</div>")

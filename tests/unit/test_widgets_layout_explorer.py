@@ -1,0 +1,104 @@
+"""The layout explorer shows labkit.plan's numbers for the layout its controls hold, rank by rank; a layout whose
+product is not the world, or that the model cannot split, is explained and leaves the last good one shown."""
+
+import pytest
+
+from labkit.plan import GPTShape, ParallelLayout, axis_traffic, axis_wire_bytes, rank_params, training_memory
+from labkit.widgets import LayoutExplorer, suggested_layout
+from labkit.widgets.layout_explorer import plan_layout
+
+SHAPE = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)  # TinyGPT(82, tied=False)'s sizes
+BATCH, NUMBER_NBYTES = 16, 8  # float64, as notebook 12 trains
+
+
+def explorer(world_size=8):
+    return LayoutExplorer(SHAPE, world_size, BATCH, bytes_per_number=NUMBER_NBYTES)
+
+
+def test_it_starts_at_the_suggested_layout_with_plans_numbers_for_every_rank():
+    app = explorer()
+    layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
+    assert app.problem is None and app.planned.layout == layout
+    for rank in range(8):
+        traffic = axis_traffic(SHAPE, layout, BATCH, rank, bytes_per_number=NUMBER_NBYTES)
+        assert app.planned.traffic[rank] == traffic
+        assert app.planned.wire[rank] == axis_wire_bytes(traffic, layout)
+        n = NUMBER_NBYTES
+        assert app.planned.memory[rank] == training_memory(rank_params(SHAPE, layout, rank), n, n, 2 * n)
+    assert "dp=2 x pp=2 x tp=2 = 8 ranks" in app.summary.value and "33.3%" in app.summary.value
+
+
+def test_the_charts_show_replica_0s_ranks_bytes_per_axis_and_memory():
+    app = explorer()
+    bars = {bar.name: bar for bar in app.traffic_chart.figure.data}
+    assert list(bars) == ["dp", "pp", "tp"] and len(bars["tp"].x) == 4          # ranks 0-3: pp x tp
+    unit = {"kB": 1e3, "MB": 1e6}[app.traffic_chart.figure.layout.yaxis.title.text.split(", ")[-1]]
+    for axis, bar in bars.items():
+        assert list(bar.y) == [app.planned.axis_nbytes(rank)[axis] / unit for rank in range(4)]
+    memory = {bar.name: list(bar.y) for bar in app.memory_chart.figure.data}
+    assert memory["weights"] == [app.planned.memory[rank]["weights"] / 1e6 for rank in range(4)]
+
+
+def test_a_product_other_than_the_world_is_explained_and_the_last_layout_stays():
+    app = explorer()
+    shown, figure = app.planned, app.traffic_chart.figure
+    app.controls["tp"].value = 4
+    assert app.problem == ("dp=2 x pp=2 x tp=4 = 16 ranks, but the world has 8: pick sizes whose product is 8 "
+                           "(pp=2 x tp=4 leaves dp=1).")
+    assert "Still showing dp=2 x pp=2 x tp=2" in app.summary.value
+    assert app.planned is shown and app.traffic_chart.figure is figure
+    app.set_layout(pp=1, tp=1, dp=8)
+    assert app.problem is None and (app.planned.layout.dp, app.planned.layout.pp, app.planned.layout.tp) == (8, 1, 1)
+    app.set_layout(dp=8, pp=2, tp=2)
+    assert "pp=2 x tp=2 leaves dp=2" in app.problem
+
+
+@pytest.mark.parametrize("values, reason", [
+    ({"dp": 1, "pp": 1, "tp": 8}, "tp=8: 4 heads do not split over 8 tensor-parallel ranks"),
+    ({"microbatches": 3}, "batch=16: the batch is cut over dp=2 replicas x microbatches=3"),
+])
+def test_a_layout_the_model_or_batch_cannot_take_is_refused_with_plans_reason(values, reason):
+    app = explorer()
+    app.set_layout(**values)
+    assert app.problem.startswith(reason) and reason in app.summary.value
+    assert app.planned.layout == ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
+
+
+def test_micro_batches_and_chunks_change_the_bubble_not_the_bytes_per_step():
+    app = explorer()
+    before = [app.planned.axis_nbytes(rank) for rank in range(8)]
+    title = app.traffic_chart.figure.layout.title.text
+    app.controls["microbatches"].value = 4
+    assert [app.planned.axis_nbytes(rank) for rank in range(8)] == before
+    assert "1/5 = <b>20.0%</b>" in app.summary.value and app.traffic_chart.figure.layout.title.text != title
+    app.controls["chunks"].value = 2                                   # interleaved: (p-1)/(v m + p-1) = 1/9
+    assert "1/9 = <b>11.1%</b>" in app.summary.value and app.planned.layout.chunks == 2
+
+
+def test_sequence_parallelism_turns_tps_all_reduces_into_reduce_scatters_and_all_gathers():
+    app = explorer()
+    app.controls["sequence_parallel"].value = True
+    assert app.planned.layout.sequence_parallel and "sequence parallel" in app.summary.value
+    assert {"reduce_scatter", "all_gather"} <= set(app.planned.traffic[0]["tp"])
+
+
+def test_plan_layout_refuses_what_check_fit_refuses():
+    with pytest.raises(ValueError, match="tp=3: 4 heads"):
+        plan_layout(SHAPE, ParallelLayout(tp=3), BATCH)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="pass a labkit.plan.GPTShape"):
+        LayoutExplorer("TinyGPT", 8, BATCH)
+    with pytest.raises(ValueError, match="world_size=17"):
+        LayoutExplorer(SHAPE, 17, BATCH)
+    with pytest.raises(ValueError, match=r"set_layout: \['pipeline'\] are no controls"):
+        explorer().set_layout(pipeline=2)
+    with pytest.raises(ValueError, match="LayoutExplorer: batch=15"):
+        LayoutExplorer(SHAPE, 8, 15)
+
+
+@pytest.mark.parametrize("world_size", range(1, 17))
+def test_the_suggested_layout_fills_the_world_with_tp_innermost(world_size):
+    dp, pp, tp = suggested_layout(world_size)
+    assert dp * pp * tp == world_size and tp == (2 if world_size % 2 == 0 else 1) and pp <= tp
