@@ -47,16 +47,18 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from labkit.checks import flag, number, shown, whole
+from labkit.checks import choice, finite_result, flag, number, shown, whole
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes, ring_reduce_scatter_bytes
 
-__all__ = ["GPTShape", "ParallelLayout", "axis_traffic", "axis_wire_bytes", "check_fit", "rank_layers",
+__all__ = ["COLLECTIVES", "GPTShape", "ParallelLayout", "axis_traffic", "axis_wire_bytes", "check_fit", "rank_layers",
            "rank_params"]
 
 _AXES = ("dp", "pp", "tp")  # as labkit.parallel.mesh.AXES: outermost to innermost (plan imports no torch)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "broadcast")  # labkit.parallel.counters' kinds
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ class GPTShape:
         if self.d_model % self.heads:
             raise ValueError(f"GPTShape: d_model={shown(self.d_model)} must be a multiple of "
                              f"heads={shown(self.heads)}.")
-        object.__setattr__(self, "d_ff", 4 * self.d_model if self.d_ff is None else whole("d_ff", self.d_ff))
+        d_ff = 4 * self.d_model if self.d_ff is None else whole("d_ff", self.d_ff)
+        object.__setattr__(self, "d_ff", finite_result("GPTShape", d_ff, d_model=self.d_model, d_ff=self.d_ff))
 
 
 @dataclass(frozen=True)
@@ -111,7 +114,7 @@ class ParallelLayout:
 
     def size(self, axis: str) -> int:
         """How many ranks a group on `axis` ("dp", "pp" or "tp") holds."""
-        return getattr(self, axis)
+        return getattr(self, choice("axis", axis, _AXES))
 
     def place(self, rank: int) -> dict[str, int]:
         """Global rank `rank`'s coordinate on each axis."""
@@ -136,6 +139,10 @@ def check_fit(shape: GPTShape, layout: ParallelLayout, batch: int | None = None,
     ...
     ValueError: tp=3: 4 heads do not split over 3 tensor-parallel ranks (each computes whole heads); pass a tp ...
     """
+    if not isinstance(shape, GPTShape):
+        raise TypeError(f"shape={shown(shape)}: pass a labkit.plan.GPTShape(vocab, d_model, layers, heads, context).")
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(f"layout={shown(layout)}: pass a labkit.plan.ParallelLayout(dp, pp, tp, microbatches).")
     _check_model_fit(shape, layout)
     if batch is not None:
         _check_batch_fit(shape, layout, whole("batch", batch), _sequence(shape, sequence))
@@ -290,14 +297,16 @@ def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int,
     >>> axis_traffic(shape, layout, batch=16, rank=3, bytes_per_number=8)      # stage 1: block 2, head
     {'dp': {'all_reduce': 62712}, 'pp': {'send': 65536}, 'tp': {'all_gather': 83968, 'all_reduce': 327680}}
     """
-    check_fit(shape, layout, batch, sequence)
+    check_fit(shape, layout, whole("batch", batch), sequence)
     s, nbytes = _sequence(shape, sequence), whole("bytes_per_number", bytes_per_number)
     b = batch // (layout.dp * layout.microbatches)
     kinds, params, tensors = _rank_parts(shape, layout, rank)
     numbers = {"dp": Counter({"all_reduce": params + tensors}) if layout.dp > 1 else Counter(),
                "pp": _pp_numbers(shape, layout, layout.place(rank)["pp"], b, s),
                "tp": _tp_numbers(shape, layout, kinds, b, s)}
-    return {axis: {kind: n * nbytes for kind, n in sorted(counted.items()) if n} for axis, counted in numbers.items()}
+    traffic = {axis: {kind: n * nbytes for kind, n in sorted(counted.items()) if n}
+               for axis, counted in numbers.items()}
+    return finite_result("axis_traffic", traffic, batch=batch, sequence=sequence, bytes_per_number=bytes_per_number)
 
 
 def _wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
@@ -308,9 +317,7 @@ def _wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
         return ring_reduce_scatter_bytes(nbytes, ranks)
     if collective == "all_gather":  # its own part of ranks parts: (N-1)/N of the whole
         return ring_reduce_scatter_bytes(nbytes * ranks, ranks)
-    if collective in ("send", "broadcast"):
-        return number("nbytes", nbytes)
-    raise ValueError(f"collective={shown(collective)}: pass all_reduce, reduce_scatter, all_gather, send or broadcast.")
+    return nbytes  # a send or a broadcast: the tensor, once
 
 
 def axis_wire_bytes(traffic: dict[str, dict[str, float]], layout: ParallelLayout) -> dict[str, float]:
@@ -323,6 +330,24 @@ def axis_wire_bytes(traffic: dict[str, dict[str, float]], layout: ParallelLayout
     >>> axis_wire_bytes({"dp": {"all_reduce": 1000}, "pp": {"send": 500}, "tp": {"all_gather": 300}}, layout)
     {'dp': 1000.0, 'pp': 500.0, 'tp': 300.0}
     """
-    return {axis: float(sum(_wire_bytes(collective, nbytes, layout.size(axis))
-                            for collective, nbytes in traffic.get(axis, {}).items())) for axis in _AXES}
+    checked = _checked_traffic(traffic)
+    if not isinstance(layout, ParallelLayout):
+        raise TypeError(f"layout={shown(layout)}: pass a labkit.plan.ParallelLayout(dp, pp, tp, microbatches).")
+    wire = {axis: float(sum(_wire_bytes(collective, nbytes, layout.size(axis))
+                            for collective, nbytes in checked.get(axis, {}).items())) for axis in _AXES}
+    return finite_result("axis_wire_bytes", wire, traffic=traffic)
+
+
+def _checked_traffic(traffic) -> dict[str, dict[str, float]]:
+    """`traffic` as {axis: {collective: nbytes}}, once its axes, collectives and byte counts are ones it can hold."""
+    wanted = "axis_traffic's dict, {axis: {collective: nbytes}}"
+    if not isinstance(traffic, Mapping):
+        raise TypeError(f"traffic={shown(traffic)}: pass {wanted}.")
+    checked = {}
+    for axis, kinds in traffic.items():
+        if axis not in _AXES or not isinstance(kinds, Mapping):
+            raise ValueError(f"traffic={shown(traffic)}: pass {wanted}, its axes among {', '.join(_AXES)}.")
+        checked[axis] = {choice(f"traffic[{axis!r}] collective", collective, COLLECTIVES):
+                         number(f"traffic[{axis!r}][{collective!r}]", nbytes) for collective, nbytes in kinds.items()}
+    return checked
 

@@ -27,6 +27,8 @@ KNOWN_GAPS: set[str] = set()
 EXAMPLE = {"params": 7e9, "per_device_batch": 8, "accumulation_steps": 2, "step_compute_seconds": 1.0,
            "examples": 40_000, "devices": 8, "gradient_bytes_per_param": 2, "bytes_per_param": 16,
            "bandwidth": 14.7e9, "overlap": 0.5}
+SHAPE = {"vocab": 82, "d_model": 32, "layers": 2, "heads": 4, "context": 32, "d_ff": None, "tied": False}
+LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "chunks": 1, "sequence_parallel": False}
 # Arguments that work, per function (a list where one set cannot reach every branch); each hostile value
 # replaces one of them at a time.
 VALID = {
@@ -64,6 +66,18 @@ VALID = {
                                         for stage in (0, 3)],
     "zero_memory_table": [{"params": 7.5e9, "dp": 64, "weight_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}],
     "zero_traffic_bytes": [{"params": 7e9, "world_size": 8, "zero_stage": 3, "weight_bytes": 2, "grad_bytes": 2}],
+    "GPTShape": [dict(SHAPE)],
+    "ParallelLayout": [dict(LAYOUT, sequence_parallel=sequence_parallel) for sequence_parallel in (False, True)],
+    "check_fit": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
+                   "batch": 16, "sequence": 32}],
+    "rank_layers": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
+                     "rank": 3}],
+    "rank_params": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
+                     "rank": 3}],
+    "axis_traffic": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
+                      "batch": 16, "rank": 3, "sequence": 32, "bytes_per_number": 8}],
+    "axis_wire_bytes": [{"traffic": {"dp": {"all_reduce": 1000}, "pp": {"send": 500}, "tp": {"all_gather": 300}},
+                         "layout": labkit.plan.ParallelLayout(**LAYOUT)}],
     # public in labkit.plan.traffic, though not exported by labkit.plan
     "ring_reduce_scatter_bytes": [{"nbytes": 1.4e10, "world_size": 8}],
     "busbw_factor": [{"collective": "allreduce", "world_size": 8}],
@@ -120,6 +134,10 @@ def finite(value) -> bool:
         derived = [getattr(value, name) for name, member in inspect.getmembers(type(value))
                    if isinstance(member, property)]
         return finite(derived) and isinstance(value.table(), str)
+    if isinstance(value, range):  # rank_layers' pieces
+        return finite([value.start, value.stop])
+    if dataclasses.is_dataclass(value):  # GPTShape, ParallelLayout
+        return finite(dataclasses.asdict(value))
     raise AssertionError(f"unexpected result type {type(value).__name__}")
 
 
