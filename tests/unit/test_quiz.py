@@ -16,7 +16,16 @@ import pytest
 import labkit
 import labkit.exercises.quiz
 from labkit.exercises import Feedback, load_distractor_families, load_flashcards, load_questions
-from labkit.plan import ring_allreduce_bytes, worked_example, zero_memory_table, zero_traffic_bytes
+from labkit.plan import (
+    GPTShape,
+    ParallelLayout,
+    axis_traffic,
+    axis_wire_bytes,
+    ring_allreduce_bytes,
+    worked_example,
+    zero_memory_table,
+    zero_traffic_bytes,
+)
 from labkit.plan.traffic import ring_reduce_scatter_bytes
 
 ROOT = Path(labkit.__file__).parent
@@ -219,6 +228,28 @@ def test_the_sharding_questions_ask_what_plan_computes():
     stages = questions["zero-stages-what-is-sharded"]
     assert stages.options[stages.answer].text.startswith("The optimizer state and the gradients")
     assert sum(o.distractor == "zero-stages" for o in stages.options) == 2
+
+
+def test_the_3d_questions_quote_what_plan_computes():
+    """Notebook 12's GPT-3 175B as dp=8 x pp=8 x tp=8 on 512 GPUs: the busiest rank's tensor-parallel bytes on the
+    wire, and their seconds over NVLink (450 GB/s each way) and InfiniBand NDR (400 Gb/s = 50 GB/s), are what the
+    question and its options say; each link-speed slip gives one wrong option."""
+    questions = {q.id: q for q in load_questions()}
+    assert len([q for q in questions.values() if q.topic == "3d-parallelism"]) == 4
+    shape = GPTShape(vocab=50257, d_model=12288, layers=96, heads=96, context=2048)
+    layout = ParallelLayout(dp=8, pp=8, tp=8, microbatches=192)
+    tp_wire = max(axis_wire_bytes(axis_traffic(shape, layout, 1536, rank, bytes_per_number=2), layout)["tp"]
+                  for rank in range(64))                                       # replica 0; the others send the same
+    question = questions["3d-tp-seconds-on-links"]
+    assert f"about {round(tp_wire / 1e9, -1):.0f} GB per step" in question.question
+    texts = {o.text for o in question.options}
+    assert question.options[question.answer].text == \
+        f"About {tp_wire / 450e9:.0f} s over NVLink, about {tp_wire / 50e9:.0f} s over InfiniBand"
+    assert f"About {tp_wire / 450e9:.0f} s over NVLink, about {tp_wire / 400e9:.1f} s over InfiniBand" in texts  # Gb
+    assert f"About {tp_wire / 900e9:.0f} s over NVLink, about {tp_wire / 100e9:.0f} s over InfiniBand" in texts  # both
+    placement = questions["3d-axes-on-links"]
+    assert placement.options[placement.answer].text.startswith("Tensor parallelism inside each node, pipeline stages "
+                                                               "across nodes, data parallelism outermost")
 
 
 def every_text() -> list[tuple[str, str]]:
