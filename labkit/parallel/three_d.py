@@ -169,10 +169,12 @@ class ThreeDGPT:
         self.optimizer = torch.optim.AdamW(self.stages.parameters(), lr=lr, weight_decay=weight_decay)
         self.last_pipeline: PipelineResult | None = None
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
+                   emulate_compute_seconds: float | tuple[float, float] = 0.0) -> float:
         """One training step on the batch (token ids and next tokens, (batch, length), the same on every rank):
         this rank's replica takes its 1/dp of the rows, the pipeline its micro-batches of those. Returns the
-        whole batch's mean next-token loss, on every rank."""
+        whole batch's mean next-token loss, on every rank. `emulate_compute_seconds`: run_pipeline's EMULATION of
+        a stage's forward (and backward) time per micro-batch, for a bubble that shows on a busy CPU."""
         self._check_batch(inputs, targets)
         share = len(inputs) // self.layout.dp
         rows = slice(self.mesh.rank_in("dp") * share, (self.mesh.rank_in("dp") + 1) * share)
@@ -180,6 +182,7 @@ class ThreeDGPT:
         with self.ddp.no_sync() if self.ddp else contextlib.nullcontext():
             self.last_pipeline = run_pipeline(self.stages, self.schedule, self.layout.microbatches, inputs[rows],
                                               targets[rows], next_token_loss, chunks=self.layout.chunks,
+                                              emulate_compute_seconds=emulate_compute_seconds,
                                               group=self.mesh.group("pp"))
         if self.layout.sequence_parallel and self.layout.tp > 1:
             allreduce_sequence_parallel_grads(self.stages, self.mesh.group("tp"))

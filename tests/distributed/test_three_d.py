@@ -1,9 +1,10 @@
 """labkit.parallel.ThreeDGPT on real gloo processes: the small GPT trained with data, pipeline and tensor parallelism
 on one Mesh equals one process (float64, 20 AdamW steps on the lesson text, losses and every parameter within
 1e-10) for dp=2 x pp=2 x tp=2 on 8 ranks, every 2-axis layout on 4 ranks, 1 x 1 x 1, sequence parallelism and
-interleaved 1F1B; every rank's traffic, counted per axis, equals labkit.plan.axis_traffic to the byte; its training
-state equals plan's memory; layouts that do not fit are refused on every rank alike. Each layout group is one
-labkit.run."""
+interleaved 1F1B, and so does torch's own 2D parallelism (DeviceMesh, parallelize_module, fully_shard); every
+rank's traffic, counted per axis, equals labkit.plan.axis_traffic to the byte; its training state equals plan's
+memory; the pipeline idles as plan.bubble_fraction says; layouts that do not fit are refused on every rank alike.
+Each layout group is one labkit.run."""
 
 import copy
 import logging
@@ -18,6 +19,7 @@ from torch import nn
 import labkit
 from labkit.models import TinyGPT, char_batches, lesson_text, next_token_loss
 from labkit.parallel import AXES, Mesh, ThreeDGPT, count_collectives
+from labkit.plan import bubble_fraction
 
 VOCAB = len(set(lesson_text()))  # 82 characters
 STEPS, BATCH, LENGTH, LR = 20, 16, 32, 1e-2
@@ -138,21 +140,32 @@ def torch_2d():
     return {"losses": losses, "state": params if labkit.rank() == 0 else None}
 
 
+def emulated_bubble():
+    """pp=2 x tp=2, 4 micro-batches, each stage's forward emulated to last 20 ms and its backward 40 ms: the idle
+    share of the last of 3 steps, measured."""
+    run = ThreeDGPT(model(), Mesh(dp=1, pp=2, tp=2), microbatches=4, lr=LR)
+    for inputs, targets in batches(3):
+        run.train_step(inputs, targets, emulate_compute_seconds=(0.02, 0.04))
+    return run.pipeline_bubble()
+
+
 def four_ranks():
-    return [train(**layout) for layout in FOUR], torch_2d()
+    return [train(**layout) for layout in FOUR], torch_2d(), emulated_bubble()
 
 
-def test_every_2_axis_layout_on_4_ranks_trains_as_one_process_and_as_torchs_2d(expected):
+def test_2_axis_layouts_on_4_ranks_train_as_one_process_and_as_torch_2d_and_idle_as_planned(expected):
     per_rank = labkit.run(four_ranks, world_size=4, timeout=240)
     for i, layout in enumerate(FOUR):
-        check_run([ours[i] for ours, _ in per_rank], expected, layout)
+        check_run([ours[i] for ours, _, _ in per_rank], expected, layout)
     losses, params = expected
-    for rank, (_, theirs) in enumerate(per_rank):  # torch's DeviceMesh + parallelize_module + fully_shard
+    for rank, (_, theirs, _) in enumerate(per_rank):  # torch's DeviceMesh + parallelize_module + fully_shard
         worst = max(abs(a - b) for a, b in zip(theirs["losses"], losses, strict=True))
         assert worst <= TOLERANCE, (rank, worst)
     state = per_rank[0][1]["state"]
     assert sorted(state) == sorted(params)
     assert max((state[name] - p).abs().max().item() for name, p in params.items()) <= TOLERANCE
+    for rank, (_, _, bubble) in enumerate(per_rank):  # the pipeline's idle share, against (p-1)/(m+p-1) = 1/5
+        assert abs(bubble - bubble_fraction(2, 4)) <= 0.1, (rank, bubble)
 
 
 def test_one_by_one_by_one_trains_as_one_process(expected):
