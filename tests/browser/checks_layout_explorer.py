@@ -1,0 +1,82 @@
+"""Notebook 12's layout explorer as a student sees it at 1280 px, with the file browser open and collapsed: every
+control's label and value whole, both charts inside the output area; and layouts picked in its dropdowns: a
+product other than the world is explained in the summary, a good one redraws both charts for that layout."""
+
+from playwright.sync_api import Page
+
+NOTEBOOK = "12_3d_parallelism.ipynb"
+
+MEASURE = """area => {
+  const outer = area.getBoundingClientRect();
+  const cut = e => e.scrollWidth > e.clientWidth + 1;
+  const past = e => { const r = e.getBoundingClientRect();
+                      return r.width === 0 || r.left < outer.left - 1 || r.right > outer.right + 1; };
+  const canvas = document.createElement('canvas').getContext('2d');
+  const textWidth = (element, text) => { const s = getComputedStyle(element);
+                                         canvas.font = `${s.fontWeight} ${s.fontSize} ${s.fontFamily}`;
+                                         return canvas.measureText(text).width; };
+  return {
+    texts: [...area.querySelectorAll('.widget-label, .widget-readout, .widget-checkbox label')]
+      .filter(e => e.textContent).map(e => ({text: e.textContent, cut: cut(e), past: past(e)})),
+    dropdowns: [...area.querySelectorAll('.widget-dropdown select')].map(e => {
+      const s = getComputedStyle(e), text = e.options[e.selectedIndex].text;
+      return {text, width: textWidth(e, text), room: e.clientWidth - parseFloat(s.paddingLeft)
+                                                    - parseFloat(s.paddingRight)}; }),
+    charts: [...area.querySelectorAll('.js-plotly-plot')].map(e => {
+      const r = e.getBoundingClientRect();
+      return {left: r.left, right: r.right, title: e.querySelector('.gtitle')?.textContent ?? ''}; }),
+    area: {left: outer.left, right: outer.right},
+  };
+}"""
+
+
+def check(page: Page, cells: list[dict]) -> None:
+    explorer = page.locator(".jp-OutputArea-output").filter(has=page.locator(".widget-dropdown")).filter(
+        has=page.locator(".widget-checkbox"))
+    assert explorer.count() == 1, "notebook 12 shows one layout explorer (dropdowns for dp, pp, tp and a checkbox)"
+    explorer = explorer.first
+    for where, command in (("file browser open", "activateById('filebrowser')"),
+                           ("file browser collapsed", "collapseLeft()")):
+        page.evaluate(f"() => window.jupyterapp.shell.{command}")
+        page.wait_for_timeout(1500)
+        explorer.scroll_into_view_if_needed()
+        check_layout(explorer.evaluate(MEASURE), where)
+    check_picked_layouts(page, explorer)
+
+
+def check_layout(found: dict, where: str) -> None:
+    """Labels, slider values and the checkbox's text whole and inside the output; dropdown values whole; both
+    charts inside the output area."""
+    assert len(found["texts"]) >= 6, f"{where}: the explorer shows too few labels ({found['texts']})"
+    bad = [item["text"] for item in found["texts"] if item["cut"] or item["past"]]
+    assert not bad, f"{where}: labels or values cut off or outside the explorer: {bad}"
+    assert len(found["dropdowns"]) == 3, f"{where}: dp, pp and tp are three dropdowns ({found['dropdowns']})"
+    for dropdown in found["dropdowns"]:
+        assert dropdown["width"] <= dropdown["room"] + 1, f"{where}: the dropdown value {dropdown['text']!r} is cut"
+    area = found["area"]
+    assert len(found["charts"]) == 2, f"{where}: the explorer draws two charts, found {len(found['charts'])}"
+    for chart in found["charts"]:
+        assert area["left"] - 1 <= chart["left"] and chart["right"] <= area["right"] + 1, \
+            f"{where}: the chart {chart['title']!r} sticks out of the output area"
+
+
+def pick(page: Page, explorer, axis: str, size: int, summary_says: str) -> dict:
+    """Choose `size` in the dropdown of `axis`, wait until the summary says `summary_says`; the explorer now."""
+    explorer.locator(".widget-dropdown").filter(has_text=f"{axis} (").locator("select").select_option(label=str(size))
+    page.wait_for_function("([area, text]) => area.textContent.includes(text)",
+                           arg=[explorer.element_handle(), summary_says], timeout=15_000)
+    return explorer.evaluate(MEASURE)
+
+
+def check_picked_layouts(page: Page, explorer) -> None:
+    """tp = 4 beside dp = 2, pp = 2 is 16 ranks on a world of 8: explained, the charts stay; dp = 1 then makes
+    1 x 2 x 4, which both charts draw; back to 2 x 2 x 2 for the slider check that follows."""
+    before = explorer.evaluate(MEASURE)
+    refused = pick(page, explorer, "tp", 4, "but the world has 8")
+    assert [c["title"] for c in refused["charts"]] == [c["title"] for c in before["charts"]], \
+        "a refused layout redrew the charts"
+    chosen = pick(page, explorer, "dp", 1, "dp=1 x pp=2 x tp=4 = 8 ranks")
+    assert all("dp=1 x pp=2 x tp=4" in chart["title"] for chart in chosen["charts"]), \
+        f"the charts do not show the layout picked: {[c['title'] for c in chosen['charts']]}"
+    pick(page, explorer, "tp", 2, "dp=1 x pp=2 x tp=2 = 4 ranks")
+    pick(page, explorer, "dp", 2, "dp=2 x pp=2 x tp=2 = 8 ranks")
