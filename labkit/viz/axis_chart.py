@@ -8,9 +8,11 @@ traffic would take on each kind of link.
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 
-from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, PURPLE, RED, log_axis
+from labkit.viz.style import BLUE, DARK_GREY, GREEN, GREY, ORANGE, PURPLE, RED, WHITE, log_axis
 
 __all__ = ["AXIS_COLORS", "axis_link_seconds", "axis_traffic_bars", "byte_unit"]
 
@@ -70,8 +72,12 @@ def axis_link_seconds(seconds: dict[str, dict[str, float]], compute_seconds: flo
                         for i, link in enumerate(links)])
     shown = [seconds[axis][link] for axis in axes for link in links]
     if compute_seconds:
-        figure.add_hline(y=compute_seconds, line={"dash": "dash", "color": GREY},
-                         annotation_text=f"compute per step: {compute_seconds:.3g} s", annotation_position="top left")
+        figure.add_hline(y=compute_seconds, line={"dash": "dash", "color": GREY})
+        # on a log axis an annotation's y is the exponent (plotly.js); add_hline's own annotation would put it at
+        # 10^compute_seconds, off the chart
+        figure.add_annotation(x=0, xref="paper", y=math.log10(compute_seconds), yref="y", xanchor="left",
+                              yanchor="bottom", showarrow=False, text=f"compute per step: {compute_seconds:.3g} s",
+                              font={"color": DARK_GREY}, bgcolor=WHITE)
         shown.append(compute_seconds)
     figure.update_yaxes(**log_axis("seconds per step (log scale)", shown))
     figure.update_layout(barmode="group", title=title, height=400, margin={"t": 60}, legend_title_text="link",

@@ -17,7 +17,8 @@ MEASURE = """area => {
                                          return canvas.measureText(text).width; };
   return {
     texts: [...area.querySelectorAll('.widget-label, .widget-readout, .widget-checkbox label')]
-      .filter(e => e.textContent).map(e => ({text: e.textContent, cut: cut(e), past: past(e)})),
+      .filter(e => e.textContent.replace(/\\u200b/g, '').trim())  // ipywidgets' empty labels hold a zero-width space
+      .map(e => ({text: e.textContent, cut: cut(e), past: past(e)})),
     dropdowns: [...area.querySelectorAll('.widget-dropdown select')].map(e => {
       const s = getComputedStyle(e), text = e.options[e.selectedIndex].text;
       return {text, width: textWidth(e, text), room: e.clientWidth - parseFloat(s.paddingLeft)

@@ -1,6 +1,8 @@
 """axis_traffic_bars and axis_link_seconds draw what they are given, an axis in its mesh_grid colour, in a readable
 unit."""
 
+import math
+
 import pytest
 
 from labkit.viz.axis_chart import AXIS_COLORS, axis_link_seconds, axis_traffic_bars, byte_unit
@@ -32,5 +34,6 @@ def test_link_seconds_bars_per_axis_on_a_log_axis_with_the_compute_line():
         ("NVLink", ["tp", "pp"], [1.8, 0.04]), ("network", ["tp", "pp"], [16.2, 0.4])]
     assert figure.layout.yaxis.type == "log"
     assert [shape.y0 for shape in figure.layout.shapes] == [16.0]
-    assert "16 s" in figure.layout.annotations[0].text
+    note, = figure.layout.annotations
+    assert "16 s" in note.text and note.y == math.log10(16.0)               # a log axis places annotations by exponent
     assert not axis_link_seconds(seconds).layout.shapes
