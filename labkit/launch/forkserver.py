@@ -193,6 +193,7 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
     sock = socket.socket(fileno=fd)
     connection = Connection(os.dup(fd))
     if method == "fork":  # the point of this process: import once, fork many
+        import torch._dynamo  # noqa: F401  every torch optimizer's constructor imports it: 1.4-2.7 s per rank
         import torch.distributed  # noqa: F401
 
         import labkit.launch.serialize  # noqa: F401
