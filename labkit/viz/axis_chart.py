@@ -75,7 +75,7 @@ def axis_link_seconds(seconds: dict[str, dict[str, float]], compute_seconds: flo
         figure.add_hline(y=compute_seconds, line={"dash": "dash", "color": GREY})
         # on a log axis an annotation's y is the exponent (plotly.js); add_hline's own annotation would put it at
         # 10^compute_seconds, off the chart
-        figure.add_annotation(x=0, xref="paper", y=math.log10(compute_seconds), yref="y", xanchor="left",
+        figure.add_annotation(x=1, xref="paper", y=math.log10(compute_seconds), yref="y", xanchor="right",
                               yanchor="bottom", showarrow=False, text=f"compute per step: {compute_seconds:.3g} s",
                               font={"color": DARK_GREY}, bgcolor=WHITE)
         shown.append(compute_seconds)
