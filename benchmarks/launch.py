@@ -5,7 +5,9 @@ own round trip: the owner pickles the call, every rank runs it and replies. The 
 adds one small collective, which alone takes milliseconds over gloo on a busy laptop. The baselines run the
 same job per call: start 4 processes (forked from this one, or spawned as fresh interpreters), join a
 gloo group, run the job, meet at a barrier, leave. Then the pool's own start: cold (the fork server imports torch, then
-forks 4 ranks) and with the fork server already warm (3 ranks). Each per-call time is the median of single
+forks 4 ranks) and with the fork server already warm (3 ranks, 5 s later: at its first idle moment the server
+imports torch._dynamo, which every optimizer's constructor needs, and a start asked for during those 2-3 s waits
+for it). Each per-call time is the median of single
 calls timed by labkit.measure.median_seconds; the table is labkit.tables.text_table. Targets: the launcher's warm
 round trip under 1 ms (issue 16), the cold start under 3 s (issue 2).
 
@@ -72,6 +74,7 @@ COLD_START = """
     import time, torch, labkit
     from benchmarks.launch import all_reduce_four_floats
     start = time.perf_counter(); labkit.run(all_reduce_four_floats, world_size=4); cold = time.perf_counter() - start
+    time.sleep(5)  # the server's first idle moments: it imports what optimizers import (forkserver.py)
     start = time.perf_counter(); labkit.run(all_reduce_four_floats, world_size=3); warm = time.perf_counter() - start
     print(cold, warm)
 """

@@ -193,12 +193,12 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
     sock = socket.socket(fileno=fd)
     connection = Connection(os.dup(fd))
     if method == "fork":  # the point of this process: import once, fork many
-        import torch._dynamo  # noqa: F401  every torch optimizer's constructor imports it: 1.4-2.7 s per rank
         import torch.distributed  # noqa: F401
 
         import labkit.launch.serialize  # noqa: F401
         import labkit.launch.worker  # noqa: F401
     children: dict[int, object] = {}
+    optimizers_imported = method != "fork"
     try:
         while True:
             if connection.poll(0.02):
@@ -207,11 +207,21 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
                 except (EOFError, OSError):
                     return  # the owner is gone
                 _answer(request, children, method, sock, connection)
+            elif not optimizers_imported:
+                optimizers_imported = _import_what_optimizers_import()
             _reap(children, connection)
     finally:
         for pid in children:
             _signal_group(pid, signal.SIGKILL)
         _reap_all(children, seconds=1.0)
+
+
+def _import_what_optimizers_import() -> bool:
+    """Import torch._dynamo, which every torch optimizer's constructor imports: 1.4-2.7 s of CPU in each rank that
+    builds one, paid here once for the ranks forked after it. Done at the first idle moment, after the first ranks
+    are forked, so that a pool's cold start does not wait for it."""
+    import torch._dynamo  # noqa: F401
+    return True
 
 
 def _answer(request: ForkRank | SignalRanks, children: dict, method: str, sock: socket.socket,
