@@ -16,8 +16,8 @@ its g (all-reduce forward) the reduce-scatter (the paper's g-bar). An all-reduce
 all-gather, so the bytes moved stay those of tensor parallelism alone. `sequence_parallel_linear` stores only the
 sequence shard of its input, as Megatron-LM does (megatron/core/tensor_parallel/layers.py,
 LinearWithGradAccumulationAndAsyncCommunication): that is what makes every activation of a layer 1/t (the
-paper's eq. 4, sbh(34/t + 5as/(ht)) bytes, against eq. 2's sbh(10 + 24/t + 5as/(ht))), at the price of one more
-all-gather in the backward per column-parallel layer.
+paper's section 4.2.2, sbh(34/t + 5as/(ht)) bytes, against section 4.2.1's sbh(10 + 24/t + 5as/(ht))), at the
+price of one more all-gather in the backward per column-parallel layer.
 
 A replicated parameter used on a sequence shard (a LayerNorm's weight and bias, a row-parallel layer's bias, the
 position embedding) gets on each rank only its shard's part of the gradient: `allreduce_sequence_parallel_grads`

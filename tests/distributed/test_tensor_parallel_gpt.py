@@ -204,7 +204,7 @@ def test_collectives_are_megatrons(world_size, sequence_parallel):
         assert measured == expected, (rank, measured, expected)
 
 
-# --- Sequence parallelism's activation memory: Korthikanti et al. 2022, eq. 2 against eq. 4 ---
+# --- Sequence parallelism's activation memory: Korthikanti et al. 2022, sections 4.2.1 and 4.2.2 ---
 
 def block_activation_nbytes(sequence_parallel):
     """The bytes autograd saves for the blocks: the embedding and the blocks, less the embedding alone."""
@@ -219,7 +219,8 @@ def activation_savings():
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_sequence_parallelism_saves_what_korthikanti_predicts(world_size):
-    """Per layer, eq. 2 has sbh(10 + 24/t + 5as/(ht)) bytes, eq. 4 sbh(34/t + 5as/(ht)) (2-byte activations,
+    """Per layer, tensor parallelism keeps sbh(10 + 24/t + 5as/(ht)) bytes, sequence parallelism
+    sbh(34/t + 5as/(ht)) (2-byte activations,
     1-byte dropout masks): sequence parallelism divides by t the 10sbh that tensor parallelism replicates, the
     inputs of the two LayerNorms (4sbh), of the QKV projection and of the MLP's first layer (4sbh), and two
     dropout masks (2sbh). This model has no dropout: 4 sbh numbers go to 4 sbh / t, 8 bytes each here. The
