@@ -19,21 +19,23 @@ slowest_rank_median). Target (issue 17): labkit <= 1.2 x torch for each.
 
     python benchmarks/zero.py
 
-One run (commit 4ac242e, torch 2.13.0+cpu, 2 cores shared with other jobs: load average 4.8):
+One run (commit cf6b278, torch 2.13.0+cpu, 2 cores, an otherwise idle machine: load average 2.3):
 
-    stage   labkit                                     ms  torch                             ms  ratio  target
-    ------  --------------------------------------  -----  -----------------------------  -----  -----  ------  -------
-    ZeRO-1  ShardedOptimizer                        106.4  DDP + ZeroRedundancyOptimizer   79.2   1.34  <= 1.2  NOT met
-    ZeRO-2  ShardedOptimizer(shard_gradients=True)  104.7  DDP + ZeroRedundancyOptimizer   79.2   1.32  <= 1.2  NOT met
-    ZeRO-3  FullyShardedDP                          116.0  fully_shard (FSDP2)            165.3   0.70  <= 1.2      met
-    ratio = labkit's step time / torch's; local (the same step, no communication, whole model on one rank): 66.9 ms
+    stage   labkit                                    ms  torch                            ms  ratio  target  met
+    ------  --------------------------------------  ----  -----------------------------  ----  -----  ------  ---
+    ZeRO-1  ShardedOptimizer                        42.9  DDP + ZeroRedundancyOptimizer  41.5   1.03  <= 1.2  met
+    ZeRO-2  ShardedOptimizer(shard_gradients=True)  43.1  DDP + ZeroRedundancyOptimizer  41.5   1.04  <= 1.2  met
+    ZeRO-3  FullyShardedDP                          59.4  fully_shard (FSDP2)            91.0   0.65  <= 1.2  met
+    ratio = labkit's step time / torch's; local (the same step, no communication, whole model on one rank): 26.0 ms
 
-Why ZeRO-1 and -2 lose on gloo: torch 2.13's ProcessGroupGloo has no reduce-scatter of its own.
-reduce_scatter_single clones its input, all-reduces the clone and copies this rank's chunk out
-(ProcessGroupGloo::reduce_scatter_tensor_coalesced), so it sends all_reduce's bytes (counted on the loopback
-interface: 200 MB for a 100 MB tensor on 2 ranks, as all_reduce; all_gather_single 100 MB) plus two copies;
-torch's baseline does DDP's one all_reduce, overlapped with the backward, then cheap broadcasts. The ratio swings
-by +-0.15 from run to run on a loaded machine.
+Four more runs on the same idle machine: ZeRO-1 1.04-1.12, ZeRO-2 1.00-1.08, ZeRO-3 0.63-0.69. With other
+jobs on the 2 cores (load 4 to 8) the ratios swing by +-0.15 and ZeRO-1 has read up to 1.25: measure on a quiet
+machine. What closed the gap (it was 1.18-1.34): ZeRO-1 reduce-scatters during the backward, as DDP all-reduces
+(it waited for step() before), and ShardedOptimizer keeps its collective buffers from step to step (a fresh 15 MB
+buffer cost 10 ms of page faults per step, as much as the copy into it). torch 2.13's ProcessGroupGloo still has
+no reduce-scatter of its own: reduce_scatter_single clones its input, all-reduces the clone and copies this
+rank's chunk out (ProcessGroupGloo::reduce_scatter_tensor_coalesced), so labkit all-reduces the bucket in place
+on gloo (flat_shards.post_reduce_scatter) and sends what DDP sends.
 """
 
 import torch
