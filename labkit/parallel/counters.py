@@ -58,6 +58,7 @@ class Traffic:
     nbytes: Counter = field(default_factory=Counter)
 
     def add(self, kind: str, nbytes: int) -> None:
+        """One more call of collective `kind`, to which this rank handed `nbytes`."""
         self.calls[kind] += 1
         self.nbytes[kind] += nbytes
 

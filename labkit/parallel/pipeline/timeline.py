@@ -31,6 +31,7 @@ class PipelineEvent:
 
     @property
     def seconds(self) -> float:
+        """How long the action ran: end - start."""
         return self.end - self.start
 
 
