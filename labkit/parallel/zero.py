@@ -26,6 +26,13 @@ communication overlaps the rest of the backward. What they keep differs:
   averaged gradient slice is held by the inner optimizer's pieces. Its peak holds 1/N of the gradients plus the
   bucket being filled.
 
+Gradient accumulation without a reduce per micro-batch: backwards inside `no_sync()` only accumulate into p.grad
+(as inside torch DDP's no_sync); the first backward outside it reduces each bucket as it fills, or, if none comes,
+step() reduces every bucket, in bucket order. Either way each bucket is reduce-scattered once per step, whatever
+the number of micro-batches. ZeRO-2 holds the whole gradient inside no_sync(), as torch's FSDP does in its
+no_sync ("FSDP will accumulate the full model gradients (instead of gradient shards) until the eventual sync",
+torch.distributed.fsdp.FullyShardedDataParallel.no_sync's note).
+
 The collectives, reduce_scatter_single and all_gather_single (gloo runs both, CPU included, in torch 2.13), are
 flat_shards.py's post_reduce_scatter and post_all_gather, which ZeRO-3 uses too: each slice travels padded to the
 largest, and each is counted by labkit.parallel.counters ("reduce_scatter": the padded bucket this rank puts in,
@@ -33,6 +40,8 @@ of which a ring sends (N-1)/N; "all_gather": its padded slice, of which a ring s
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -77,7 +86,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     - A trainable parameter with no gradient on a rank counts as a zero gradient there, and is stepped (a torch
       optimizer would skip a parameter that has no gradient anywhere): freeze what you do not train.
     - Gradients must come from backward() (the hooks reduce them as it makes them). Several backwards
-      (gradient accumulation) before a step work when every parameter gets a gradient in each.
+      (gradient accumulation) before a step work when every parameter gets a gradient in each; inside
+      `no_sync()` they only accumulate, and the last backward (outside it) or step() reduces the sum once.
+      ZeRO-2 holds the whole gradient until then. A backward inside no_sync() after one outside it, before
+      step(), is refused: the buckets already reduced would never send its gradients.
     - After a backward, ZeRO-1's p.grad holds zeros except the slice this rank owns, which holds the sum of the
       group's gradients (N x their average: step() divides it for the update and restores it, so a backward
       before the next zero_grad() accumulates as in one process). ZeRO-2's p.grad stays None.
@@ -126,6 +138,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for piece in (pc for b in self.buckets for pc in b.pieces):
             self.state[piece.tensor]  # an entry per piece, so that labkit.measure finds the gradient shard
         self._next = 0  # the next bucket to reduce, in bucket order on every rank
+        self._sync, self._since_step = True, False  # hooks reduce (outside no_sync); a gradient came since step()
         self._buffers: dict[tuple, torch.Tensor] = {}  # (dtype, bucket parity) -> a reused collective buffer
         self._hook_params()
         self._broadcast_from_first()
@@ -136,6 +149,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("ShardedOptimizer: add_param_group after construction would change every rank's "
                                "slice; pass all param groups to the constructor.")
         super().add_param_group(param_group)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside only accumulate into p.grad (ZeRO-2 too: the whole gradient); the first backward after
+        it, or step(), reduces the sum, one reduce-scatter per bucket."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
 
     def _pieces(self, group_index: int) -> list[Piece]:
         return [pc for b in self.buckets if b.group_index == group_index for pc in b.pieces]
@@ -161,16 +184,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # --- The step ---
 
     def step(self, closure=None):
-        """Reduce-scatter what the backward left (buckets a missing gradient kept from filling), update this rank's
-        slice with the inner optimizer, all-gather every rank's slice into the parameters. Returns the closure's
-        loss, if any."""
+        """Reduce-scatter what the backwards left (buckets a missing gradient kept from filling, or all of them
+        after backwards inside no_sync()), update this rank's slice with the inner optimizer, all-gather every
+        rank's slice into the parameters. Returns the closure's loss, if any."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         with torch.no_grad():
-            while self._next or any(any(b.ready) for b in self.buckets):
-                self._launch_next()  # zeros for the missing gradients
+            self._reduce_the_rest()
             for inner, group in zip(self.inner.param_groups, self.param_groups, strict=True):
                 inner.update(_hyperparameters(group))
             self._scale_owned_sums(1 / self.size)
@@ -178,6 +200,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._scale_owned_sums(self.size)
             _pipelined(self.buckets, self._post_all_gather, self._place_gathered)
         return loss
+
+    def _reduce_the_rest(self) -> None:
+        """Reduce, in bucket order, what the backwards since the last step left: the buckets after one a missing
+        gradient kept from filling (zeros for it), or every bucket after backwards inside no_sync() only. A step
+        with no backward since the last one reduces nothing (it steps with the gradients as they are, as torch's
+        optimizers do). Then every bucket waits for the next step's backwards."""
+        while self._next or (self._since_step and not all(b.reduced for b in self.buckets)):
+            self._launch_next()
+        for bucket in self.buckets:
+            bucket.reduced = False
+        self._since_step = False
 
     def _scale_owned_sums(self, factor: float) -> None:
         """ZeRO-1: multiply the owned slices of the gradients (the group's sums, viewed by the pieces) by `factor`:
@@ -195,7 +228,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _grad_ready(self, bucket: ShardBucket, i: int) -> None:
         """p.grad of `bucket`'s i-th parameter is accumulated; reduce every bucket that is now full, in
-        bucket order (the same collectives in the same order on every rank)."""
+        bucket order (the same collectives in the same order on every rank). Inside no_sync(): nothing to do."""
+        self._since_step = True
+        if not self._sync:
+            if bucket.reduced:
+                raise RuntimeError("ShardedOptimizer: a backward inside no_sync() after a backward outside it, before "
+                                   "step(): the buckets that backward reduced would never send these gradients. Run "
+                                   "the backwards inside no_sync() first and the last one outside it (or call step() "
+                                   "in between).")
+            return
         if bucket.index < self._next:
             raise RuntimeError("ShardedOptimizer: a second backward before step(), while the first left a bucket "
                                "waiting for a gradient that never came (a parameter unused in it): call step() "
@@ -215,7 +256,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        bucket.ready = [False] * len(bucket.params)
+        bucket.ready, bucket.reduced = [False] * len(bucket.params), True
         if self._next:
             self._settle(self.buckets[self._next - 1])
         self._next += 1

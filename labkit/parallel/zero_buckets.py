@@ -41,7 +41,8 @@ class Piece:
 class ShardBucket:
     """Parameters (of one param group and dtype) whose gradients are reduce-scattered together. `layout`: the
     bucket's flat vector cut over the group's ranks; `pieces`: this rank's slice, by parameter; `grad`: ZeRO-2's
-    averaged gradient slice, kept until zero_grad()."""
+    averaged gradient slice, kept until zero_grad(); `reduced`: whether the bucket was reduced since the last
+    step."""
     index: int
     group_index: int
     params: list[nn.Parameter] = field(repr=False)
@@ -49,6 +50,7 @@ class ShardBucket:
     pieces: list[Piece] = field(repr=False)
     ready: list[bool] = field(default_factory=list, repr=False)
     grad: torch.Tensor | None = field(default=None, repr=False)
+    reduced: bool = field(default=False, repr=False)
     pending: tuple | None = field(default=None, repr=False)  # (work, output, input) of a collective in flight
 
     @property

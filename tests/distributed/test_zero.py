@@ -348,6 +348,57 @@ def test_accumulated_backwards_a_closure_and_a_replaced_optimizer_train_as_one_p
             torch.testing.assert_close(result, alone, rtol=1e-9, atol=1e-12)
 
 
+MICROBATCHES = 3  # a rank's 12 or 8 examples in 3 micro-batches: 4, 4, 4 or 3, 3, 2
+
+
+def accumulated_inside_no_sync():
+    """Each step as MICROBATCHES backwards (each loss weighted by its share of the rank's examples), for both stages:
+    all inside no_sync() (step() reduces), or all but the last (its backward reduces). The parameters, the
+    collectives counted over the steps, and whether each parameter held a whole gradient inside no_sync() and
+    after the last backward."""
+    tokens, targets = batches()
+    results = {}
+    for stage in (1, 2):
+        for last_outside in (False, True):
+            model, optimizer = sharded("adamw", stage, SMALL_MB)
+            with count_collectives() as counted:
+                held = [accumulation_step(model, optimizer, tokens[step], targets[step], last_outside,
+                                          lr_halved=step == STEPS // 2) for step in range(STEPS)]
+            results[stage, last_outside] = flat(model), dict(counted.calls), len(optimizer.buckets), held[-1]
+    return results
+
+
+def accumulation_step(model, optimizer, tokens, targets, last_outside: bool, lr_halved: bool):
+    """One step of accumulation; whether every trainable parameter held a whole gradient inside no_sync(), and
+    after the last backward."""
+    optimizer.param_groups[0]["lr"] /= 2 if lr_halved else 1
+    optimizer.zero_grad()
+    mine = [t.tensor_split(labkit.world_size())[labkit.rank()] for t in (tokens, targets)]
+    micro = list(zip(mine[0].tensor_split(MICROBATCHES), mine[1].tensor_split(MICROBATCHES), strict=True))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    with optimizer.no_sync():
+        for micro_tokens, micro_targets in micro[:-1] if last_outside else micro:
+            F.cross_entropy(model(micro_tokens), micro_targets, reduction="sum").div(len(mine[0])).backward()
+        inside = all(p.grad is not None and p.grad.shape == p.shape for p in trainable)
+    if last_outside:
+        F.cross_entropy(model(micro[-1][0]), micro[-1][1], reduction="sum").div(len(mine[0])).backward()
+    after = all(p.grad is not None for p in trainable)
+    optimizer.step()
+    return inside, after
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_accumulation_inside_no_sync_trains_as_one_process_with_one_reduce_scatter_per_bucket_per_step(world_size):
+    """Without no_sync each micro-batch's backward would reduce-scatter every bucket: MICROBATCHES x as many."""
+    alone = one_process("adamw")
+    for results in labkit.run(accumulated_inside_no_sync, world_size=world_size):
+        for (stage, last_outside), (trained, calls, buckets, (inside, after)) in results.items():
+            torch.testing.assert_close(trained, alone, rtol=1e-9, atol=1e-12, msg=f"ZeRO-{stage}, {last_outside}")
+            assert buckets > 3 and calls == {"reduce_scatter": STEPS * buckets, "all_gather": STEPS * buckets}
+            assert inside, stage  # ZeRO-2 too holds the whole gradient inside no_sync(), as FSDP's no_sync does
+            assert after == (stage == 1 or not last_outside), (stage, last_outside)  # ZeRO-2's reduce drops it
+
+
 def reduced_during_backward_and_kept_without_zero_grad():
     """What each stage sends during the backward and during step(); and training that never calls zero_grad, so
     that every backward adds to the gradients of all the earlier ones (as in one process)."""
@@ -437,6 +488,11 @@ def misuse():
     with pytest.raises(RuntimeError) as raised:
         F.cross_entropy(model(tokens[0]), targets[0]).backward()
     said["second backward"] = str(raised.value)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.SGD, bucket_mb=SMALL_MB, lr=0.1)
+    F.cross_entropy(model(tokens[0]), targets[0]).backward()  # reduces every bucket
+    with optimizer.no_sync(), pytest.raises(RuntimeError) as raised:
+        F.cross_entropy(model(tokens[0]), targets[0]).backward()
+    said["no_sync after"] = str(raised.value)
     return said
 
 
@@ -447,5 +503,6 @@ def test_misuse_gets_a_clear_error_on_every_rank_not_a_hang():
         assert "the ranks passed different (bucket_mb, parameters)" in said["another model"]
         assert "pass all param groups to the constructor" in said["add_param_group"]
         assert "call step() after each backward" in said["second backward"]
+        assert "a backward inside no_sync() after a backward outside it" in said["no_sync after"]
     with pytest.raises(RuntimeError, match="call it inside a rank"):
         ShardedOptimizer(TiedNet().parameters(), torch.optim.SGD, lr=0.1)
