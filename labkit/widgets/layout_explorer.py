@@ -5,6 +5,7 @@ labkit.parallel.ThreeDGPT with the same layout can be checked against what the e
 
     suggested_layout(world_size)                 (dp, pp, tp): tp = 2 and pp = 2 where the world allows
     plan_layout(shape, layout, batch, ...)       LayoutPlan: plan's traffic, memory and bubble, rank by rank
+    .network_nbytes(rank, ranks_per_node)        the bytes a rank sends over links between nodes, per axis
     LayoutExplorer(shape, world_size, batch)     the widget; .set_layout(dp=.., pp=.., tp=..) moves its controls
 """
 
@@ -37,7 +38,7 @@ AXES = ("dp", "pp", "tp")  # outermost to innermost, as labkit.parallel.mesh.AXE
 AXIS_WHEN = {  # when each axis's traffic moves in a step, and what waits for it (Narayanan et al. 2021, section 3)
     "tp": "inside every layer, every micro-batch: the next layer waits for it",
     "pp": "at each stage boundary, every micro-batch: point to point, one neighbour",
-    "dp": "once per step, after the last micro-batch: can overlap the backward",
+    "dp": "once per step, after the last micro-batch's backward: only that backward can overlap it",
 }
 LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "170px", "330px", 500  # two figures side by side in a 1280 px window
 _LABEL_STYLE = {"description_width": LABEL_WIDTH}
@@ -75,6 +76,21 @@ class LayoutPlan:
         """Bytes rank `rank` hands to each axis per step, its collectives added up."""
         return {axis: sum(self.traffic[rank].get(axis, {}).values()) for axis in AXES}
 
+    def network_nbytes(self, rank: int, ranks_per_node: int) -> dict[str, float]:
+        """Bytes rank `rank` sends per step over the links between nodes, per axis, when each node holds
+        `ranks_per_node` consecutive ranks (a launcher numbers one node's GPUs consecutively, torchrun's local
+        ranks): an axis whose group spans two nodes or more counts its wire bytes whole, since a ring's steps run
+        in lockstep at its slowest link's pace; an axis kept inside a node counts 0.
+
+        >>> shape = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)
+        >>> planned = plan_layout(shape, ParallelLayout(dp=2, pp=2, tp=2, microbatches=2), 16, bytes_per_number=8)
+        >>> planned.network_nbytes(5, ranks_per_node=2)   # tp partner 4 shares the node; pp's 7 and dp's 1 do not
+        {'dp': 70384.0, 'pp': 65536.0, 'tp': 0.0}
+        """
+        node = whole("ranks_per_node", ranks_per_node)
+        return {axis: self.wire[rank][axis] if len({r // node for r in _group(self.layout, rank, axis)}) > 1 else 0.0
+                for axis in AXES}
+
 
 def plan_layout(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: int | None = None,
                 bytes_per_number: int = 4) -> LayoutPlan:
@@ -98,6 +114,17 @@ def plan_layout(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: i
     memory = [training_memory(rank_params(shape, layout, rank), nbytes, nbytes, 2 * nbytes) for rank in ranks]
     return LayoutPlan(layout, traffic, [axis_wire_bytes(t, layout) for t in traffic], memory,
                       bubble_fraction(layout.pp, layout.microbatches, layout.chunks))
+
+
+def _group(layout: ParallelLayout, rank: int, axis: str) -> list[int]:
+    """The global ranks of `rank`'s group on `axis`: the ranks that differ from it on that axis alone."""
+    place = layout.place(rank)
+
+    def global_rank(i: int) -> int:
+        at = {**place, axis: i}
+        return (at["dp"] * layout.pp + at["pp"]) * layout.tp + at["tp"]
+
+    return [global_rank(i) for i in range(layout.size(axis))]
 
 
 def _amount(nbytes: float, unit: tuple[str, float]) -> str:

@@ -5,7 +5,7 @@ import pytest
 
 from labkit.plan import GPTShape, ParallelLayout, axis_traffic, axis_wire_bytes, rank_params, training_memory
 from labkit.widgets import LayoutExplorer, suggested_layout
-from labkit.widgets.layout_explorer import plan_layout
+from labkit.widgets.layout_explorer import AXIS_WHEN, plan_layout
 
 SHAPE = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)  # TinyGPT(82, tied=False)'s sizes
 BATCH, NUMBER_NBYTES = 16, 8  # float64, as notebook 12 trains
@@ -102,3 +102,26 @@ def test_bad_arguments_are_named():
 def test_the_suggested_layout_fills_the_world_with_tp_innermost(world_size):
     dp, pp, tp = suggested_layout(world_size)
     assert dp * pp * tp == world_size and tp == (2 if world_size % 2 == 0 else 1) and pp <= tp
+
+
+def test_the_bytes_between_nodes_are_the_wire_bytes_of_the_axes_whose_groups_span_nodes():
+    planned = plan_layout(SHAPE, ParallelLayout(dp=2, pp=2, tp=2, microbatches=2), BATCH,
+                          bytes_per_number=NUMBER_NBYTES)
+    for rank in range(8):
+        wire = planned.wire[rank]
+        assert planned.network_nbytes(rank, 1) == wire                     # a rank per node: everything crosses
+        assert planned.network_nbytes(rank, 2) == {"dp": wire["dp"], "pp": wire["pp"], "tp": 0.0}  # tp pairs
+        assert planned.network_nbytes(rank, 4) == {"dp": wire["dp"], "pp": 0.0, "tp": 0.0}        # a replica
+        assert planned.network_nbytes(rank, 8) == {"dp": 0.0, "pp": 0.0, "tp": 0.0}               # one node
+    wide = plan_layout(SHAPE, ParallelLayout(dp=2, pp=1, tp=4, microbatches=2), BATCH, bytes_per_number=NUMBER_NBYTES)
+    assert wide.network_nbytes(0, 2)["tp"] == wide.wire[0]["tp"] > 0      # tp over 4 ranks spans two nodes of 2
+    assert wide.network_nbytes(0, 4)["tp"] == 0.0
+    with pytest.raises(ValueError, match="ranks_per_node=0"):
+        planned.network_nbytes(0, 0)
+    with pytest.raises(ValueError, match="rank=8"):
+        planned.network_nbytes(8, 2)
+
+
+def test_the_summary_says_dp_waits_for_the_last_micro_batch_and_does_not_hide_behind_the_backward():
+    assert "last micro-batch's backward" in AXIS_WHEN["dp"] and "overlap the backward" not in AXIS_WHEN["dp"]
+    assert AXIS_WHEN["dp"] in explorer().summary.value
