@@ -238,8 +238,9 @@ def test_the_3d_questions_quote_what_plan_computes():
     assert len([q for q in questions.values() if q.topic == "3d-parallelism"]) == 4
     shape = GPTShape(vocab=50257, d_model=12288, layers=96, heads=96, context=2048)
     layout = ParallelLayout(dp=8, pp=8, tp=8, microbatches=192)
-    tp_wire = max(axis_wire_bytes(axis_traffic(shape, layout, 1536, rank, bytes_per_number=2), layout)["tp"]
-                  for rank in range(64))                                       # replica 0; the others send the same
+    wires = [axis_wire_bytes(axis_traffic(shape, layout, 1536, rank, bytes_per_number=2), layout)
+             for rank in range(64)]                                            # replica 0; the others send the same
+    tp_wire, dp_wire = (max(wire[axis] for wire in wires) for axis in ("tp", "dp"))
     question = questions["3d-tp-seconds-on-links"]
     assert f"about {round(tp_wire / 1e9, -1):.0f} GB per step" in question.question
     texts = {o.text for o in question.options}
@@ -250,6 +251,21 @@ def test_the_3d_questions_quote_what_plan_computes():
     placement = questions["3d-axes-on-links"]
     assert placement.options[placement.answer].text.startswith("Tensor parallelism inside each node, pipeline stages "
                                                                "across nodes, data parallelism outermost")
+    assert f"about {dp_wire / 50e9:.1f} s of a 13 s step over InfiniBand" in placement.explanation
+
+
+def test_no_3d_text_says_the_gradient_all_reduce_hides_behind_the_backward():
+    """With m micro-batches a rank's gradients are complete only after the last micro-batch's backward, so at most
+    that backward overlaps data parallelism's all-reduce: the 3D items and their distractor family say so, and none
+    says the all-reduce overlaps "the backward", hides behind it, or that the gradients overlap the compute."""
+    texts = [(where, text) for where, text in every_text() if where.startswith(("3d-", "family 3d-"))]
+    assert len(texts) > 20
+    for where, text in texts:
+        assert not re.search(r"overlap(pable|s)? (with )?the backward|hides? behind|as the gradients do", text), where
+    family = load_distractor_families()["3d-axis-placement"]
+    placement = next(q for q in load_questions() if q.id == "3d-axes-on-links")
+    for text in (family, placement.explanation):
+        assert "only the last micro-batch's backward" in text or "at most that backward" in text
 
 
 def every_text() -> list[tuple[str, str]]:
