@@ -33,9 +33,14 @@ micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h
       parallelism, which leaves each tp rank its part of the sequence), every piece but the first sends its
       input's gradient back. Without sequence parallelism each tp rank sends the whole activation (Megatron's
       scatter/gather optimisation, section 4.1 of that paper, would send a / t and all-gather it after).
-  dp (Li et al. 2020, "PyTorch Distributed", section 3.2): one all-reduce of every gradient the rank holds, once
-      per step after the last micro-batch, plus labkit's BucketedDDP's one number per parameter tensor (how many
-      ranks produced that gradient).
+  dp, zero_stage 0 (Li et al. 2020, "PyTorch Distributed", section 3.2): one all-reduce of every gradient the
+      rank holds, once per step after the last micro-batch, plus labkit's BucketedDDP's one number per parameter
+      tensor (how many ranks produced that gradient).
+  dp, zero_stage 1 or 2 (Rajbhandari et al. 2020, "ZeRO", section 7.2.1): labkit.parallel.ShardedOptimizer over
+      the rank's P parameters in one bucket (as ThreeDGPT builds it), once per step after the last micro-batch:
+      one reduce-scatter of the gradients, padded to dp x ceil(P / dp) numbers (each rank's slice travels at the
+      largest slice's size), and one all-gather of the rank's updated slice, ceil(P / dp) numbers. On the wire
+      2 (dp - 1) ceil(P / dp): the all-reduce's 2 (dp - 1) / dp x P, up to the padding and without the flags.
 
 A size-1 axis moves nothing: its entry is empty. `axis_wire_bytes` turns the payloads into the bytes a ring moves
 per rank (all-reduce 2(N-1)/N, reduce-scatter (N-1)/N of the whole, all-gather N-1 parts; Thakur et al. 2005), the
@@ -88,8 +93,11 @@ class GPTShape:
 @dataclass(frozen=True)
 class ParallelLayout:
     """A dp x pp x tp layout (tp innermost: global rank (dp_i pp + pp_j) tp + tp_k, as labkit.parallel.Mesh lays
-    ranks out), with `microbatches` per step on each pipeline, `chunks` pieces per stage (interleaved 1F1B) and
-    sequence parallelism on the tp axis or not.
+    ranks out), with `microbatches` per step on each pipeline, `chunks` pieces per stage (interleaved 1F1B),
+    sequence parallelism on the tp axis or not, and the dp axis's `zero_stage`: 0 replicates the optimizer state
+    (BucketedDDP's all-reduce of the gradients), 1 shards it over the dp group and 2 the gradients too
+    (labkit.parallel.ShardedOptimizer: a reduce-scatter and an all-gather). ZeRO-3, which shards the weights and
+    gathers them in every forward and backward, is not an option of this layout.
 
     >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
     >>> layout.world_size, layout.place(5)
@@ -101,11 +109,15 @@ class ParallelLayout:
     microbatches: int = 1
     chunks: int = 1
     sequence_parallel: bool = False
+    zero_stage: int = 0
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp", "microbatches", "chunks"):
             whole(name, getattr(self, name))
         flag("sequence_parallel", self.sequence_parallel)
+        if whole("zero_stage", self.zero_stage, minimum=0) > 2:
+            raise ValueError(f"zero_stage={shown(self.zero_stage)}: pass 0 (the optimizer state replicated), 1 (it "
+                             "sharded over dp) or 2 (the gradients too); ZeRO-3 is not an option of this layout.")
 
     @property
     def world_size(self) -> int:
@@ -270,6 +282,18 @@ def _tp_numbers(shape, layout, kinds, b, s) -> Counter:
     return numbers
 
 
+def _dp_numbers(layout: ParallelLayout, params: int, tensors: int) -> Counter:
+    """Numbers the rank hands to the dp axis's collectives in one step, for its `params` numbers in `tensors`
+    tensors: BucketedDDP's all-reduce (with a flag per tensor), or ShardedOptimizer's one bucket, its
+    reduce-scatter padded to dp equal slices and the all-gather of its own slice."""
+    if layout.dp == 1:
+        return Counter()
+    if layout.zero_stage == 0:
+        return Counter({"all_reduce": params + tensors})
+    piece = -(-params // layout.dp)  # ceil(P / dp), exact for any whole number
+    return Counter({"reduce_scatter": layout.dp * piece, "all_gather": piece})
+
+
 def _pp_numbers(shape, layout, stage: int, b: int, s: int) -> Counter:
     """Numbers the rank sends to its pipeline neighbours in one step: each piece's output forward but the last
     piece's, each piece's input gradient back but the first's."""
@@ -285,10 +309,11 @@ def _pp_numbers(shape, layout, stage: int, b: int, s: int) -> Counter:
 def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int, sequence: int | None = None,
                  bytes_per_number: int = 4) -> dict[str, dict[str, int]]:
     """Bytes global rank `rank` hands to each axis's collectives in one training step, by collective: {"dp":
-    {"all_reduce": ...}, "pp": {"send": ...}, "tp": {"all_reduce": ..., ...}} (a size-1 axis: {}), for a step of
-    `batch` sequences of `sequence` tokens (None: the context) cut over dp replicas and micro-batches, numbers of
-    `bytes_per_number` bytes (8: float64). The formulas, with their sources, are in the module's docstring; the
-    convention is count_collectives()'s, so a run's CollectiveCounter.by_axis(mesh) equals this exactly.
+    {"all_reduce": ...} (ZeRO: "reduce_scatter" and "all_gather"), "pp": {"send": ...}, "tp": {"all_reduce": ...,
+    ...}} (a size-1 axis: {}), for a step of `batch` sequences of `sequence` tokens (None: the context) cut over
+    dp replicas and micro-batches, numbers of `bytes_per_number` bytes (8: float64). The formulas, with their
+    sources, are in the module's docstring; the convention is count_collectives()'s, so a run's
+    CollectiveCounter.by_axis(mesh) equals this exactly.
 
     >>> shape = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)
     >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
@@ -296,12 +321,15 @@ def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int,
     {'dp': {'all_reduce': 70384}, 'pp': {'send': 65536}, 'tp': {'all_reduce': 327680}}
     >>> axis_traffic(shape, layout, batch=16, rank=3, bytes_per_number=8)      # stage 1: block 2, head
     {'dp': {'all_reduce': 62712}, 'pp': {'send': 65536}, 'tp': {'all_gather': 83968, 'all_reduce': 327680}}
+    >>> zero = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2, zero_stage=1)     # 8784 numbers: 4392 each
+    >>> axis_traffic(shape, zero, batch=16, rank=0, bytes_per_number=8)["dp"]
+    {'all_gather': 35136, 'reduce_scatter': 70272}
     """
     check_fit(shape, layout, whole("batch", batch), sequence)
     s, nbytes = _sequence(shape, sequence), whole("bytes_per_number", bytes_per_number)
     b = batch // (layout.dp * layout.microbatches)
     kinds, params, tensors = _rank_parts(shape, layout, rank)
-    numbers = {"dp": Counter({"all_reduce": params + tensors}) if layout.dp > 1 else Counter(),
+    numbers = {"dp": _dp_numbers(layout, params, tensors),
                "pp": _pp_numbers(shape, layout, layout.place(rank)["pp"], b, s),
                "tp": _tp_numbers(shape, layout, kinds, b, s)}
     traffic = {axis: {kind: n * nbytes for kind, n in sorted(counted.items()) if n}

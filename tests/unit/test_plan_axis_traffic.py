@@ -82,6 +82,40 @@ def test_plain_tensor_parallelism_by_hand():
     assert last["dp"] == {"all_reduce": (rank_params(SMALL, layout, 3) + 12 + 3) * 4}
 
 
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_zero_on_the_dp_axis_by_hand(zero_stage):
+    """ShardedOptimizer's one bucket of the stage's P numbers: a reduce-scatter of dp x ceil(P / dp), padded so that
+    each slice travels at the largest's size, and an all-gather of ceil(P / dp); no flags. The other axes as
+    without ZeRO, and a size-1 dp axis moves nothing."""
+    for dp in (2, 4):  # SMALL's stages hold 186 and 162 numbers: 4 ranks get 47, 47, 46, 46 and 41, 41, 40, 40
+        plain = ParallelLayout(dp=dp, pp=2, tp=2, microbatches=2)
+        zero = ParallelLayout(dp=dp, pp=2, tp=2, microbatches=2, zero_stage=zero_stage)
+        for rank in (0, 3):
+            params = rank_params(SMALL, zero, rank)
+            piece = math.ceil(params / dp)
+            traffic = axis_traffic(SMALL, zero, batch=dp * 4, rank=rank)
+            assert traffic["dp"] == {"reduce_scatter": dp * piece * 4, "all_gather": piece * 4}, (dp, rank)
+            assert {axis: traffic[axis] for axis in ("pp", "tp")} == \
+                {axis: axis_traffic(SMALL, plain, batch=dp * 4, rank=rank)[axis] for axis in ("pp", "tp")}
+    assert params % 4 and piece * 4 > params  # the uneven case pads
+    one = ParallelLayout(pp=2, tp=2, microbatches=2, zero_stage=zero_stage)
+    assert axis_traffic(SMALL, one, batch=4, rank=0)["dp"] == {}
+
+
+def test_zero_sends_what_the_all_reduce_sends_up_to_the_padding_and_flags():
+    """On the wire a reduce-scatter and an all-gather are an all-reduce (Rajbhandari et al. 2020, section 7.2.1):
+    ZeRO's dp bytes are BucketedDDP's less its flags, plus at most dp - 1 padding numbers per collective."""
+    for dp in (2, 4):
+        plain = ParallelLayout(dp=dp, pp=2, tp=2, microbatches=2)
+        zero = ParallelLayout(dp=dp, pp=2, tp=2, microbatches=2, zero_stage=1)
+        for rank in range(0, dp * 4, 3):
+            params, tensors = rank_params(TINY_GPT, zero, rank), 14 if rank % 4 < 2 else 15
+            ddp = axis_wire_bytes(axis_traffic(TINY_GPT, plain, 16, rank), plain)["dp"]
+            ours = axis_wire_bytes(axis_traffic(TINY_GPT, zero, 16, rank), zero)["dp"]
+            flags = 2 * (dp - 1) / dp * tensors * 4
+            assert ddp - flags <= ours <= ddp - flags + 2 * (dp - 1) * 4, (dp, rank, params)
+
+
 def test_sequence_parallelism_by_hand():
     """The same with sequence parallelism: a / t = 32 numbers per rank's part of the sequence."""
     layout, a = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True), 2 * 8 * 4
@@ -163,6 +197,10 @@ def test_a_tied_head_needs_the_embeddings_piece_and_vocabulary_rows_need_ranks()
 
 
 def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="zero_stage=3: pass 0 .*, 1 .* or 2"):
+        ParallelLayout(dp=2, zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=True"):
+        ParallelLayout(dp=2, zero_stage=True)
     with pytest.raises(ValueError, match="d_model=30 must be a multiple of heads=4"):
         GPTShape(vocab=82, d_model=30, layers=2, heads=4, context=32)
     with pytest.raises(ValueError, match="rank=8: this layout has 8 ranks"):
