@@ -22,6 +22,13 @@ MLP, embedding and head by vocabulary), and replica i's share of every batch. On
        inside no_sync(), reduced once, as torch DDP accumulates; Li et al. 2020, section 3.2.4);
     4. AdamW on the rank's own parameters: elementwise, so updating shards updates the whole model.
 
+With `zero_stage` 1 or 2, steps 3 and 4 are ShardedOptimizer(AdamW)'s on the dp group (ZeRO-1, ZeRO-2;
+Rajbhandari et al. 2020, section 5): the micro-batches' backwards inside its no_sync(), then in step() one
+reduce-scatter of the stage's gradients, AdamW on the rank's 1/dp slice of them, one all-gather of the updated
+slices. The stage's parameters are one bucket: the reduce comes after the last micro-batch either way, so smaller
+buckets would overlap it with nothing, and one bucket makes labkit.plan's formula exact (dp x ceil(P / dp) and
+ceil(P / dp) numbers).
+
 labkit.plan.axis_traffic predicts every axis's bytes of this step; count_collectives() counts them. The loss is
 then summed over the world in one all-reduce of one number that is not counted: it reports the step, it does
 not train it.
@@ -46,11 +53,12 @@ import labkit
 from labkit import groups
 from labkit.measure import training_state_nbytes
 from labkit.models import TinyGPT, next_token_loss
-from labkit.parallel.data import BucketedDDP
+from labkit.parallel.data import BucketedDDP, MiB
 from labkit.parallel.mesh import Mesh
 from labkit.parallel.pipeline import PipelineResult, measured_bubble, run_pipeline, schedule, stage_layers
 from labkit.parallel.sequence import allreduce_sequence_parallel_grads
 from labkit.parallel.tensor_gpt import gather_full_parameters, model_description, tensor_parallel_gpt
+from labkit.parallel.zero import ShardedOptimizer
 from labkit.plan.axis_traffic import GPTShape, ParallelLayout, axis_traffic, check_fit, rank_params
 from labkit.plan.memory import training_memory
 
@@ -117,12 +125,16 @@ class ThreeDGPT:
     parallel over mesh.group("dp"), pipelined over mesh.group("pp") with `microbatches` per step and `schedule`
     ("gpipe", "1f1b", or "interleaved" with `chunks` >= 2 per stage), tensor parallel over mesh.group("tp"), with
     `sequence_parallel` (an option of the tp axis: with tp = 1 it changes nothing); AdamW with `lr` and
-    `weight_decay` on each rank's own parameters. Build it on every rank with the same model (same seed) and
-    arguments: a layout that does not fit the model (labkit.plan.check_fit) is refused on every rank alike, before
-    any collective but the one that checks the ranks agree.
+    `weight_decay` on each rank's own parameters, replicated over dp and its gradients all-reduced by BucketedDDP
+    (`zero_stage=0`), or sharded over dp by ShardedOptimizer: its state (`zero_stage=1`, ZeRO-1) or its state and
+    the gradients (`zero_stage=2`, ZeRO-2), with one reduce-scatter and one all-gather of the stage's parameters
+    per step (with dp = 1 there is nothing to shard: plain AdamW). Build it on every rank with the same model
+    (same seed) and arguments: a layout that does not fit the model (labkit.plan.check_fit) is refused on every
+    rank alike, before any collective but the one that checks the ranks agree.
 
-    `stages` is this rank's nn.Sequential (its layers split, the others OtherStage), `optimizer` its AdamW,
-    `shape` and `layout` what labkit.plan takes, `last_pipeline` the last step's PipelineResult.
+    `stages` is this rank's nn.Sequential (its layers split, the others OtherStage), `optimizer` its AdamW (or
+    ShardedOptimizer), `ddp` its BucketedDDP (None under ZeRO or with dp = 1), `shape` and `layout` what
+    labkit.plan takes, `last_pipeline` the last step's PipelineResult.
 
     Example: dp=2 x tp=2 on 4 ranks trains as one process does::
 
@@ -152,22 +164,42 @@ class ThreeDGPT:
     """
 
     def __init__(self, model: TinyGPT, mesh: Mesh, microbatches: int = 1, schedule: str = "1f1b", chunks: int = 1,
-                 sequence_parallel: bool = False, lr: float = 1e-3, weight_decay: float = 0.01):
+                 sequence_parallel: bool = False, zero_stage: int = 0, lr: float = 1e-3, weight_decay: float = 0.01):
         groups.require_group("ThreeDGPT")
         described = model_description(model) if isinstance(model, TinyGPT) else type(model).__name__
-        groups.check_same((described, microbatches, schedule, chunks, sequence_parallel, lr, weight_decay),
-                          "ThreeDGPT", "(model, microbatches, schedule, chunks, sequence_parallel, lr, weight_decay)",
+        arguments = (described, microbatches, schedule, chunks, sequence_parallel, zero_stage, lr, weight_decay)
+        groups.check_same(arguments, "ThreeDGPT", "(model, microbatches, schedule, chunks, sequence_parallel, "
+                          "zero_stage, lr, weight_decay)",
                           "Build the same model (same seed) and pass the same arguments on every rank.")
         self.shape = gpt_shape(model)
         self.layout = ParallelLayout(mesh.size("dp"), mesh.size("pp"), mesh.size("tp"), microbatches, chunks,
-                                     sequence_parallel)
+                                     sequence_parallel, zero_stage)
         check_fit(self.shape, self.layout)
         self.schedule = _checked_schedule(schedule, self.layout)
         self.mesh, self._names = mesh, [name for name, _ in model.named_parameters()]
         self.stages = _stage_modules(model, mesh, self.layout)
-        self.ddp = BucketedDDP(self.stages, group=mesh.group("dp")) if self.layout.dp > 1 else None
-        self.optimizer = torch.optim.AdamW(self.stages.parameters(), lr=lr, weight_decay=weight_decay)
+        self.ddp, self.optimizer = self._data_parallel(lr, weight_decay)
         self.last_pipeline: PipelineResult | None = None
+
+    def _data_parallel(self, lr: float, weight_decay: float) -> tuple[BucketedDDP | None, torch.optim.Optimizer]:
+        """The dp axis's BucketedDDP (or None) and the optimizer: AdamW, or ShardedOptimizer(AdamW) over the dp
+        group with the stage's parameters in one bucket (its bytes in MiB: a power of two, so exact)."""
+        params, dp_group = list(self.stages.parameters()), self.mesh.group("dp")
+        if self.layout.dp == 1 or self.layout.zero_stage == 0:
+            ddp = BucketedDDP(self.stages, group=dp_group) if self.layout.dp > 1 else None
+            return ddp, torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        bucket_mb = sum(p.numel() * p.element_size() for p in params) / MiB
+        return None, ShardedOptimizer(params, torch.optim.AdamW, group=dp_group, bucket_mb=bucket_mb,
+                                      shard_gradients=self.layout.zero_stage == 2, lr=lr, weight_decay=weight_decay)
+
+    def _accumulating(self):
+        """The context the micro-batches' backwards run in: the dp axis's no_sync(), so that the gradients are
+        reduced once a step, after the last one (nothing to hold back with dp = 1)."""
+        if self.ddp is not None:
+            return self.ddp.no_sync()
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.no_sync()
+        return contextlib.nullcontext()
 
     def train_step(self, inputs: torch.Tensor, targets: torch.Tensor,
                    emulate_compute_seconds: float | tuple[float, float] = 0.0) -> float:
@@ -179,7 +211,7 @@ class ThreeDGPT:
         share = len(inputs) // self.layout.dp
         rows = slice(self.mesh.rank_in("dp") * share, (self.mesh.rank_in("dp") + 1) * share)
         self.optimizer.zero_grad()
-        with self.ddp.no_sync() if self.ddp else contextlib.nullcontext():
+        with self._accumulating():
             self.last_pipeline = run_pipeline(self.stages, self.schedule, self.layout.microbatches, inputs[rows],
                                               targets[rows], next_token_loss, chunks=self.layout.chunks,
                                               emulate_compute_seconds=emulate_compute_seconds,
@@ -188,7 +220,7 @@ class ThreeDGPT:
             allreduce_sequence_parallel_grads(self.stages, self.mesh.group("tp"))
         if self.ddp:
             self.ddp.finish()
-        self.optimizer.step()
+        self.optimizer.step()  # ShardedOptimizer: the reduce-scatter, AdamW on the slice, the all-gather
         return self._batch_loss(self.last_pipeline.loss)
 
     def _check_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
@@ -233,10 +265,12 @@ class ThreeDGPT:
 
     def planned_memory(self) -> dict[str, float]:
         """labkit.plan.training_memory of this rank's parameters (rank_params): weights, gradients and AdamW's two
-        moments, each a number of the parameters' dtype."""
+        moments, each a number of the parameters' dtype, the moments (and under ZeRO-2 the gradients) 1/dp of them
+        under ZeRO."""
         n = self._number_bytes()
         return training_memory(rank_params(self.shape, self.layout, groups.group_rank()), weight_bytes=n,
-                               grad_bytes=n, optimizer_bytes=2 * n)
+                               grad_bytes=n, optimizer_bytes=2 * n, zero_stage=self.layout.zero_stage,
+                               dp=self.layout.dp)
 
     def measured_memory(self) -> dict[str, int]:
         """What this rank holds now in weights, gradients and optimizer state (labkit.measure.training_state_nbytes;

@@ -1,10 +1,11 @@
 """labkit.parallel.ThreeDGPT on real gloo processes: the small GPT trained with data, pipeline and tensor parallelism
 on one Mesh equals one process (float64, 20 AdamW steps on the lesson text, losses and every parameter within
-1e-10) for dp=2 x pp=2 x tp=2 on 8 ranks, every 2-axis layout on 4 ranks, 1 x 1 x 1, sequence parallelism and
-interleaved 1F1B, and so does torch's own 2D parallelism (DeviceMesh, parallelize_module, fully_shard); every
-rank's traffic, counted per axis, equals labkit.plan.axis_traffic to the byte; its training state equals plan's
-memory; the pipeline idles as plan.bubble_fraction says; layouts that do not fit are refused on every rank alike.
-Each layout group is one labkit.run."""
+1e-10) for dp=2 x pp=2 x tp=2 on 8 ranks (with BucketedDDP, ZeRO-1 and ZeRO-2 on the dp axis), every 2-axis
+layout on 4 ranks, 1 x 1 x 1, sequence parallelism and interleaved 1F1B, and so does torch's own 2D parallelism
+(DeviceMesh, parallelize_module, fully_shard); every rank's traffic, counted per axis, equals
+labkit.plan.axis_traffic to the byte; its training state equals plan's memory; the pipeline idles as
+plan.bubble_fraction says, within 15%; layouts that do not fit are refused on every rank alike. Each layout group
+is one labkit.run."""
 
 import copy
 import logging
@@ -48,17 +49,16 @@ def one_process(steps=STEPS):
     return losses, {name: p.detach().clone() for name, p in full.named_parameters()}
 
 
-def train(dp, pp, tp, sequence_parallel=False, microbatches=2, schedule="1f1b", chunks=1):
+def train(dp, pp, tp, sequence_parallel=False, microbatches=2, schedule="1f1b", chunks=1, zero_stage=0):
     """STEPS steps of ThreeDGPT: the losses, the full parameters (rank 0 only), the traffic counted per axis over
     the steps and the plan's for one step, and the training state held against the plan's."""
-    run = ThreeDGPT(model(), Mesh(dp, pp, tp), microbatches, schedule, chunks, sequence_parallel, lr=LR)
+    run = ThreeDGPT(model(), Mesh(dp, pp, tp), microbatches, schedule, chunks, sequence_parallel, zero_stage, lr=LR)
     with count_collectives() as counted:
         losses = [run.train_step(inputs, targets) for inputs, targets in batches()]
     state = run.full_state_dict()
     per_axis = {axis: dict(traffic.nbytes) for axis, traffic in counted.by_axis(run.mesh).items()}
     return {"losses": losses, "state": state if labkit.rank() == 0 else None, "counted": per_axis,
-            "planned": run.planned_traffic(BATCH), "memory": (run.measured_memory(), run.planned_memory()),
-            "bubble": run.pipeline_bubble()}
+            "planned": run.planned_traffic(BATCH), "memory": (run.measured_memory(), run.planned_memory())}
 
 
 def check_run(results, expected, layout):
@@ -74,7 +74,6 @@ def check_run(results, expected, layout):
             assert counted == {kind: STEPS * n for kind, n in result["planned"][axis].items()}, (layout, rank, axis)
         measured, planned = result["memory"]
         assert {part: measured[part] for part in planned} == planned, (layout, rank, measured, planned)
-        assert 0 <= result["bubble"] < 1, (layout, rank, result["bubble"])
     state = results[0]["state"]
     assert list(state) == list(params), layout
     errors = {name: (state[name] - p).abs().max().item() for name, p in params.items()}
@@ -87,7 +86,8 @@ def expected():
     return one_process()
 
 
-EIGHT = [dict(dp=2, pp=2, tp=2), dict(dp=2, pp=2, tp=2, sequence_parallel=True)]
+EIGHT = [dict(dp=2, pp=2, tp=2), dict(dp=2, pp=2, tp=2, zero_stage=1),
+         dict(dp=2, pp=2, tp=2, sequence_parallel=True, zero_stage=2)]  # sequence parallelism with DDP: on 4 ranks
 
 
 def eight_ranks():
@@ -140,13 +140,15 @@ def torch_2d():
     return {"losses": losses, "state": params if labkit.rank() == 0 else None}
 
 
-def emulated_bubble():
+def emulated_bubble(steps=8):
     """pp=2 x tp=2, 4 micro-batches, each stage's forward emulated to last 20 ms and its backward 40 ms: the idle
-    share of the last of 3 steps, measured."""
+    share of a step, measured, the best of `steps` steps (load on a shared machine only adds idle time)."""
     run = ThreeDGPT(model(), Mesh(dp=1, pp=2, tp=2), microbatches=4, lr=LR)
-    for inputs, targets in batches(3):
+    bubbles = []
+    for inputs, targets in batches(steps):
         run.train_step(inputs, targets, emulate_compute_seconds=(0.02, 0.04))
-    return run.pipeline_bubble()
+        bubbles.append(run.pipeline_bubble())
+    return min(bubbles)
 
 
 def four_ranks():
@@ -164,8 +166,9 @@ def test_2_axis_layouts_on_4_ranks_train_as_one_process_and_as_torch_2d_and_idle
     state = per_rank[0][1]["state"]
     assert sorted(state) == sorted(params)
     assert max((state[name] - p).abs().max().item() for name, p in params.items()) <= TOLERANCE
-    for rank, (_, _, bubble) in enumerate(per_rank):  # the pipeline's idle share, against (p-1)/(m+p-1) = 1/5
-        assert abs(bubble - bubble_fraction(2, 4)) <= 0.1, (rank, bubble)
+    formula = bubble_fraction(2, 4)  # (p-1)/(m+p-1) = 1/5
+    for rank, (_, _, bubble) in enumerate(per_rank):  # the pipeline's idle share, within 15% of the formula
+        assert abs(bubble - formula) <= 0.15 * formula, (rank, bubble, formula)
 
 
 def test_one_by_one_by_one_trains_as_one_process(expected):
