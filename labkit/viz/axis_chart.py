@@ -58,7 +58,9 @@ def axis_link_seconds(seconds: dict[str, dict[str, float]], compute_seconds: flo
                       title: str = "Seconds per step each axis's traffic takes, by link") -> go.Figure:
     """Grouped bars on a log axis: for each axis (`seconds`' keys) a bar per link (`seconds[axis][link]`, the
     seconds one step's traffic of that axis takes on that link), the links in the order of the first axis's dict;
-    `compute_seconds`, if given, a dashed line: the step's compute, what overlappable traffic can hide behind.
+    `compute_seconds`, if given, a dashed line: the step's compute, the scale against which each axis's seconds
+    are large or small (only traffic that can run beside the compute, such as dp's reduce during the last
+    micro-batch's backward, hides behind it).
 
     >>> figure = axis_link_seconds({"tp": {"NVLink": 1.0, "network": 9.0}, "dp": {"NVLink": 0.1, "network": 0.9}})
     >>> [(bar.name, bar.x, bar.y) for bar in figure.data]
