@@ -7,6 +7,7 @@ its measured bubble within 15% of the formula."""
 import pytest
 import torch
 import torch.nn.functional as F
+from least_bubble import least_bubble
 from nccl_stream_model import plan_posts, stream_deadlock
 from torch import nn
 
@@ -367,18 +368,10 @@ def test_interleaved_stages_may_hold_tensor_parallel_layers_talking_on_another_a
 EMULATED = (0.08, 0.08)  # a stage's forward and backward of a micro-batch: 40 ms per chunk at v = 2
 
 
-def timed(m, v, attempts=5, tolerance=0.15):
-    """The measured bubble, the best of a few runs (load on a shared machine only adds idle time)."""
-    formula, best = bubble_fraction(labkit.world_size(), m, v), None
-    for _ in range(attempts):
-        result, _, _ = steps([("interleaved", m, v)], EMULATED)[0]
-        gathered = [None] * labkit.world_size()
-        torch.distributed.all_gather_object(gathered, result.events)
-        bubble = measured_bubble([e for events in gathered for e in events])
-        best = bubble if best is None else min(best, bubble)
-        if abs(best - formula) <= tolerance * formula:
-            break
-    return best
+def timed(m, v):
+    """The measured bubble of interleaved 1F1B (least_bubble: the best of a few runs)."""
+    return least_bubble(lambda: steps([("interleaved", m, v)], EMULATED)[0][0],
+                        bubble_fraction(labkit.world_size(), m, v))
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

@@ -6,6 +6,7 @@ within 15% of (p-1)/(m+p-1) on real ranks with emulated compute."""
 import pytest
 import torch
 import torch.nn.functional as F
+from least_bubble import least_bubble
 from nccl_stream_model import plan_posts, stream_deadlock
 from torch import nn
 
@@ -321,20 +322,9 @@ def test_activations_that_lose_the_batch_dimension_get_a_clear_error():
 EMULATED = (0.04, 0.04)  # seconds per forward and per backward: ~1 ms of real overhead per action is small
 
 
-def timed(kind, m, attempts=5, tolerance=0.15):
-    """The measured bubble, retried: load on a shared machine only adds idle time, so the best of a few
-    runs is the one that measures the schedule."""
-    formula = bubble_fraction(labkit.world_size(), m)
-    best = None
-    for _ in range(attempts):
-        result, _, _ = train_step(kind, m, EMULATED)
-        gathered = [None] * labkit.world_size()
-        torch.distributed.all_gather_object(gathered, result.events)
-        bubble = measured_bubble([e for events in gathered for e in events])
-        best = bubble if best is None else min(best, bubble)
-        if abs(best - formula) <= tolerance * formula:
-            break
-    return best
+def timed(kind, m):
+    """The measured bubble of `kind` with m micro-batches (least_bubble: the best of a few runs)."""
+    return least_bubble(lambda: train_step(kind, m, EMULATED)[0], bubble_fraction(labkit.world_size(), m))
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])
