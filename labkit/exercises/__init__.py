@@ -2,9 +2,13 @@
 
     allreduce   check_naive_allreduce, check_ring_allreduce (notebooks 02 and 03): the student's AllReduce on
                 2, 3 and 4 real ranks, against torch's answer and the algorithm's traffic
+    average     check_average_gradients (notebook 01): the student's gradient average after backward() on 2, 3
+                and 4 real ranks, against one process trained on the whole batch (average_guard: on each rank)
     guard       on each rank while a grader runs: collectives switched off, messages counted
     diagnosis   what is wrong with a wrong answer: its values, its traffic (`ring_nbytes_per_rank`)
     verdict     Verdict, the grade every grader returns
+    schedule_order  check_1f1b_order (notebook 06): the student's 1F1B action order for stage r of p with m
+                    micro-batches, against labkit.parallel.pipeline's schedule for many (p, m, r), no processes
     quiz        the review's questions and flashcards (notebooks 06 and 10), from quiz.json beside it
     stack_map   STACK_MAP and check_stack_map (notebook 10)
     sharded_step  check_sharded_step (notebook 11): the student's ZeRO-1 step (reduce-scatter, update one slice,
@@ -17,6 +21,7 @@ The widgets that show the quiz, the flashcards and the stack map are in `labkit.
 """
 
 from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, check_ring_allreduce
+from labkit.exercises.average import check_average_gradients
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import ForbiddenCall, rank_input
 from labkit.exercises.quiz import (
@@ -28,12 +33,13 @@ from labkit.exercises.quiz import (
     load_flashcards,
     load_questions,
 )
+from labkit.exercises.schedule_order import check_1f1b_order
 from labkit.exercises.sharded_step import check_sharded_step
 from labkit.exercises.stack_map import STACK_MAP, check_stack_map
 from labkit.exercises.step_guard import step_inputs
 from labkit.exercises.verdict import Verdict
 
 __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",
-           "check_naive_allreduce", "check_ring_allreduce", "check_sharded_step", "check_stack_map",
+           "check_1f1b_order", "check_naive_allreduce", "check_ring_allreduce", "check_sharded_step", "check_stack_map",
            "load_distractor_families", "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank",
-           "step_inputs"]
+           "step_inputs", "check_average_gradients"]

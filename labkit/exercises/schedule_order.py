@@ -1,0 +1,223 @@
+"""The 1F1B grader of notebook 06: the student's action order for one pipeline stage, checked with no processes.
+
+The student writes `fn(stage, stages, microbatches)`: the actions stage r of p runs, in order, for m micro-batches.
+The format is a list of pairs, ("F", i) for micro-batch i's forward and ("B", i) for its backward, i from 0 to
+m - 1. Two other spellings are accepted, since the notebook shows both: labkit.parallel.pipeline's `Action("F", i)`
+(chunk 0) and the string "F3" (what str(Action) prints). Anything else is refused with a message that shows what
+came back.
+
+`check_1f1b_order(fn)` compares the order with `schedule("1f1b", p, m)[r]` for every stage of p = 1 to 6 stages and
+m = 1 to 9 micro-batches (m < p included), and checks that a stage never holds more than min(p - r, m)
+micro-batches' activations (`peak_in_flight`). 1F1B (PipeDream-Flush; Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2): stage r runs
+min(p - r - 1, m) warm-up forwards, then one forward and one backward in turn, then the remaining backwards
+(the cool-down), every kind in micro-batch order. The first case that goes wrong is reported, with the
+mistake named where the grader recognises it: GPipe's order, a warm-up one too long or short, a warm-up counted
+from the last stage, backwards in reverse order, a missing cool-down, duplicated or missing micro-batches,
+m < p, a backward before its forward, and exceptions.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+
+from labkit.exercises.verdict import Verdict
+from labkit.parallel.pipeline import Action, peak_in_flight, schedule
+
+__all__ = ["CASES", "REFERENCE_SOLUTION", "check_1f1b_order"]
+
+# (p, m): a typical pipeline first (its messages read best), then every other p and m, m < p last.
+CASES = [(4, 8)] + sorted(((p, m) for p in range(1, 7) for m in range(1, 10) if (p, m) != (4, 8)),
+                          key=lambda case: (case[1] < case[0], case))
+
+REFERENCE_SOLUTION = '''
+def one_f_one_b(stage, stages, microbatches):
+    """Stage `stage` of `stages`: warm-up forwards, then one forward and one backward in turn, then the
+    remaining backwards (the cool-down)."""
+    warmup = min(stages - stage - 1, microbatches)  # the later stages send the first gradients back sooner
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):  # steady state: one forward, one backward
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]  # cool-down
+'''
+
+_ACTION_TEXT = re.compile(r"([FB])(\d+)")
+_FORMAT = 'write each action as ("F", i) or ("B", i) (an Action("F", i) or the string "F3" also work)'
+
+
+def check_1f1b_order(fn) -> Verdict:
+    """Grade `fn(stage, stages, microbatches)`: stage r's 1F1B actions, for every r of p = 1-6 and m = 1-9.
+
+    >>> namespace = {}
+    >>> exec(REFERENCE_SOLUTION, namespace)
+    >>> check_1f1b_order(namespace["one_f_one_b"])
+    Correct! ...
+    >>> check_1f1b_order(lambda stage, stages, microbatches: [("F", i) for i in range(microbatches)]
+    ...                  + [("B", i) for i in range(microbatches)])
+    Not yet. Stage 0 of 4 with 8 micro-batches: it runs all 8 forwards before any backward: GPipe's order...
+    """
+    if not callable(fn):
+        return Verdict(False, f"pass your function itself, e.g. check_1f1b_order(one_f_one_b), "
+                              f"not {type(fn).__name__}.")
+    for p, m in CASES:
+        for r in range(p):
+            problem = _case_problem(fn, r, p, m)
+            if problem:
+                return Verdict(False, f"Stage {r} of {p} with {m} micro-batch{'es' if m > 1 else ''}: {problem}")
+    return Verdict(True, "your order is 1F1B's on every stage of 1 to 6 stages with 1 to 9 micro-batches (fewer "
+                         "micro-batches than stages too): min(p - r - 1, m) warm-up forwards, one forward and one "
+                         "backward in turn, then the cool-down, and no stage holds more than min(p - r, m) "
+                         "micro-batches' activations.")
+
+
+def _case_problem(fn, r: int, p: int, m: int) -> str | None:
+    """What is wrong with fn's order for stage r of p with m micro-batches, or None."""
+    try:
+        returned = fn(r, p, m)
+        returned = list(returned) if hasattr(returned, "__next__") else returned  # a generator runs here
+    except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
+        return f"fn({r}, {p}, {m}) (stage={r}, stages={p}, microbatches={m}) raised {type(error).__name__}: {error}"
+    got, problem = _actions(returned)
+    if problem:
+        return f"fn({r}, {p}, {m}) returned {_shown(returned)}: {problem}"
+    want = [(action.kind, action.microbatch) for action in schedule("1f1b", p, m)[r]]
+    for find in (_count_problem, _order_problem, _dependency_problem, _warmup_problem, _in_flight_problem):
+        problem = find(got, r, p, m)
+        if problem:
+            return f"{problem} Yours: {_spelled(got)}. 1F1B's: {_spelled(want)}."
+    if got != want:
+        k = next(k for k, (mine, theirs) in enumerate(zip(got, want, strict=True)) if mine != theirs)
+        return (f"action {k} is {_spelled([got[k]])}, 1F1B runs {_spelled([want[k]])} there (after the warm-up, "
+                f"one forward then one backward, in turn). Yours: {_spelled(got)}. 1F1B's: {_spelled(want)}.")
+    return None
+
+
+def _actions(returned) -> tuple[list[tuple[str, int]], str | None]:
+    """fn's answer as (kind, micro-batch) pairs, or why it cannot be read as a list of actions."""
+    if isinstance(returned, (str, bytes, dict, set)) or not hasattr(returned, "__iter__"):
+        return [], f"return a list of actions, not {type(returned).__name__}; {_FORMAT}."
+    actions = []
+    for k, item in enumerate(returned):
+        action = _action(item)
+        if action is None:
+            return [], f"action {k} is {item!r} ({type(item).__name__}); {_FORMAT}."
+        actions.append(action)
+    return actions, None
+
+
+def _action(item) -> tuple[str, int] | None:
+    """One action as ("F" or "B", micro-batch), or None when it is not one of the accepted spellings."""
+    if isinstance(item, Action):
+        return (item.kind, item.microbatch) if item.chunk == 0 and item.kind in ("F", "B") else None
+    if isinstance(item, str):
+        match = _ACTION_TEXT.fullmatch(item.strip())
+        return (match[1], int(match[2])) if match else None
+    if isinstance(item, (tuple, list)) and len(item) == 2 and item[0] in ("F", "B") and type(item[1]) is not bool:
+        try:
+            return item[0], operator.index(item[1])
+        except TypeError:
+            return None
+    return None
+
+
+def _count_problem(got, r: int, p: int, m: int) -> str | None:
+    """Micro-batches that do not exist, run twice, or never run."""
+    for kind in "FB":
+        ids = [i for k, i in got if k == kind]
+        outside = sorted({i for i in ids if not 0 <= i < m})
+        if outside:
+            return (f"it runs {_spelled([(kind, outside[0])])}, but micro-batches run from 0 to m - 1 = {m - 1}."
+                    + (f" With fewer micro-batches than stages (m = {m} < p = {p}) the warm-up is "
+                       f"min(p - r - 1, m) = {min(p - r - 1, m)}, not p - r - 1 = {p - r - 1}." if m < p else ""))
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            return f"it runs {_spelled([(kind, twice[0])])} {ids.count(twice[0])} times; each micro-batch runs once."
+        missing = [i for i in range(m) if i not in ids]
+        if missing:
+            return _missing(kind, missing, m)
+    return None
+
+
+def _missing(kind: str, missing: list[int], m: int) -> str:
+    """The message for micro-batches whose forward or backward never runs."""
+    never = f"{_spelled([(kind, i) for i in missing])} never run{'s' if len(missing) == 1 else ''}"
+    if kind == "B" and len(missing) < m and missing == list(range(m - len(missing), m)):
+        return (f"it runs {m - len(missing)} backwards, not m = {m}: {never}. The cool-down is missing: after the "
+                f"last forward, the backwards still owed run one after another.")
+    return f"{never}; every micro-batch's forward and backward run once."
+
+
+def _dependency_problem(got, r: int, p: int, m: int) -> str | None:
+    """A backward that runs before its own forward."""
+    done = set()
+    for kind, i in got:
+        if kind == "B" and i not in done:
+            return f"it runs B{i} before F{i}: a backward needs the activations its forward saved."
+        if kind == "F":
+            done.add(i)
+    return None
+
+
+def _order_problem(got, r: int, p: int, m: int) -> str | None:
+    """Forwards or backwards out of micro-batch order (reverse order named as such)."""
+    for kind, name in (("F", "forwards"), ("B", "backwards")):
+        ids = [i for k, i in got if k == kind]
+        if ids == list(range(m)):
+            continue
+        how = "in reverse micro-batch order" if ids == list(range(m))[::-1] else "out of micro-batch order"
+        return (f"it runs its {name} {how}. 1F1B, like GPipe, runs them in order 0, 1, ..., m - 1: the first "
+                f"micro-batch in is the first whose gradient comes back from the next stage.")
+    return None
+
+
+def _warmup_problem(got, r: int, p: int, m: int) -> str | None:
+    """A warm-up (forwards before the first backward) of the wrong length, with the likely reason."""
+    before = _forwards_before_backward(got)
+    if before == min(p - r, m):  # the warm-up's forwards and the steady state's first
+        return None
+    warmup, want = before - 1, min(p - r - 1, m)
+    held = f"Up to {peak_in_flight(_as_actions(got))} micro-batches' activations wait on this stage; 1F1B holds " \
+           f"at most min(p - r, m) = {min(p - r, m)}."
+    runs = (f"it runs {before} forwards before its first backward, a warm-up of {warmup}; 1F1B's warm-up is "
+            f"min(p - r - 1, m) = {want} (then one forward, one backward)")
+    if before == m:
+        return f"it runs all {m} forwards before any backward: GPipe's order, not 1F1B's. {held}"
+    if warmup == p - r:
+        return f"{runs}: yours is p - r, one too many. {held}"
+    if warmup == r:
+        return (f"{runs}: yours is r, as if stages were counted from the last. The first stage warms up longest: "
+                f"the last stage, p - 1, runs none.")
+    if warmup == p - r - 2:
+        return f"{runs}: yours is p - r - 2, one too few (the stage counted from 1?)."
+    return f"{runs}."
+
+
+def _in_flight_problem(got, r: int, p: int, m: int) -> str | None:
+    """More micro-batches waiting between forward and backward than 1F1B ever holds."""
+    peak = peak_in_flight(_as_actions(got))
+    if peak <= min(p - r, m):
+        return None
+    return (f"up to {peak} micro-batches' activations wait on this stage; 1F1B holds at most min(p - r, m) = "
+            f"{min(p - r, m)}: after the warm-up, every forward is followed by a backward.")
+
+
+def _forwards_before_backward(got) -> int:
+    """How many forwards run before the first backward: 1F1B's warm-up and one more, or all m."""
+    return next((k for k, (kind, _) in enumerate(got) if kind == "B"), len(got))
+
+
+def _as_actions(got) -> list[Action]:
+    """(kind, micro-batch) pairs as labkit's Actions."""
+    return [Action(kind, i) for kind, i in got]
+
+
+def _spelled(got) -> str:
+    """Actions the way the notebook prints them: "F0 F1 B0"."""
+    return " ".join(f"{kind}{i}" for kind, i in got) or "(nothing)"
+
+
+def _shown(value) -> str:
+    """A short repr of what fn returned."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,142 @@
+"""The 1F1B order grader (notebook 06) against its catalogue: wrong orders, each rejected with a message that names
+the mistake, and right orders written in different ways (and returned in each accepted spelling), all accepted.
+No processes: the grader compares lists."""
+
+from collections import deque
+
+import pytest
+
+from labkit.exercises import Verdict, check_1f1b_order
+from labkit.exercises.schedule_order import CASES, REFERENCE_SOLUTION
+from labkit.parallel.pipeline import Action
+
+
+def order(warmup, m, backwards=None, cooldown=True):
+    """Warm-up forwards, then forward/backward pairs, then (if cooldown) the rest of the backwards."""
+    backwards = list(range(m)) if backwards is None else backwards
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", warmup + i), ("B", backwards[i])]
+    return actions + ([("B", i) for i in backwards[m - warmup:]] if cooldown else [])
+
+
+# ---- right solutions, three ways -------------------------------------------------------------------------
+
+def phases(stage, stages, microbatches):
+    """Warm-up, steady state, cool-down, as three loops; strings "F3"."""
+    warmup = min(stages - stage - 1, microbatches)
+    actions = [f"F{i}" for i in range(warmup)]
+    for i in range(microbatches - warmup):
+        actions += [f"F{warmup + i}", f"B{i}"]
+    return actions + [f"B{i}" for i in range(microbatches - warmup, microbatches)]
+
+
+def two_queues(stage, stages, microbatches):
+    """A simulation: run a forward while fewer than p - r wait, else the oldest waiting backward; Actions."""
+    forwards, waiting, actions = deque(range(microbatches)), deque(), []
+    while forwards or waiting:
+        if forwards and len(waiting) < stages - stage:
+            waiting.append(forwards.popleft())
+            actions.append(Action("F", waiting[-1]))
+        else:
+            actions.append(Action("B", waiting.popleft()))
+    return actions
+
+
+def per_index(stage, stages, microbatches):
+    """A formula for the action at each position k, as a generator of tuples."""
+    w = min(stages - stage - 1, microbatches)
+    for k in range(2 * microbatches):
+        if k < w:
+            yield "F", k
+        elif k < 2 * microbatches - w:
+            yield ("F", w + (k - w) // 2) if (k - w) % 2 == 0 else ("B", (k - w) // 2)
+        else:
+            yield "B", k - microbatches
+
+
+@pytest.mark.parametrize("fn", [phases, two_queues, per_index])
+def test_right_orders_written_differently_pass(fn):
+    verdict = check_1f1b_order(fn)
+    assert verdict and isinstance(verdict, Verdict), verdict
+    assert "min(p - r, m)" in verdict.message and repr(verdict).startswith("Correct! ")
+
+
+def test_the_folded_reference_solution_passes():
+    namespace = {}
+    exec(REFERENCE_SOLUTION, namespace)
+    assert check_1f1b_order(namespace["one_f_one_b"]), check_1f1b_order(namespace["one_f_one_b"])
+
+
+def test_the_cases_cover_every_stage_count_and_micro_batch_count():
+    assert CASES[0] == (4, 8) and sorted(CASES) == [(p, m) for p in range(1, 7) for m in range(1, 10)]
+    assert all(m < p for p, m in CASES[CASES.index((2, 1)):]), "m < p comes last: its messages are the hardest"
+
+
+# ---- wrong solutions, each with the words its message must have ------------------------------------------
+
+WRONG = {
+    "gpipe": (lambda r, p, m: [("F", i) for i in range(m)] + [("B", i) for i in range(m)],
+              ["Stage 0 of 4 with 8 micro-batches", "all 8 forwards before any backward", "GPipe",
+               "Up to 8 micro-batches", "min(p - r, m) = 4"]),
+    "warm-up p - r": (lambda r, p, m: order(min(p - r, m), m),
+                      ["runs 5 forwards before its first backward, a warm-up of 4", "min(p - r - 1, m) = 3",
+                       "p - r, one too many", "Up to 5"]),
+    "warm-up p - r - 2": (lambda r, p, m: order(max(p - r - 2, 0), m),
+                          ["a warm-up of 2", "= 3", "p - r - 2, one too few"]),
+    "warm-up r": (lambda r, p, m: order(min(r, m), m),
+                  ["Stage 0 of 4", "a warm-up of 0", "yours is r", "counted from the last"]),
+    "reversed backwards": (lambda r, p, m: order(min(p - r - 1, m), m, backwards=list(range(m))[::-1]),
+                           ["backwards in reverse micro-batch order"]),
+    "no cool-down": (lambda r, p, m: order(min(p - r - 1, m), m, cooldown=False),
+                     ["runs 5 backwards, not m = 8", "B5 B6 B7 never run", "cool-down is missing"]),
+    "duplicate": (lambda r, p, m: order(min(p - r - 1, m), m) + [("F", 0)],
+                  ["runs F0 2 times", "each micro-batch runs once"]),
+    "missing micro-batch": (lambda r, p, m: [a for a in order(min(p - r - 1, m), m) if a[1] != m - 1],
+                            ["F7 never runs"]),
+    "m < p": (lambda r, p, m: order(p - r - 1, m),
+              ["Stage 0 of 3 with 1 micro-batch:", "it runs F1, but micro-batches run from 0 to m - 1 = 0",
+               "m = 1 < p = 3", "min(p - r - 1, m) = 1"]),
+    "backward first": (lambda r, p, m: [a for i in range(m) for a in (("B", i), ("F", i))] if r == p - 1
+                       else order(min(p - r - 1, m), m),
+                       ["Stage 3 of 4", "runs B0 before F0", "activations its forward saved"]),
+    "raises": (lambda r, p, m: order(list(range(m + 1))[p - r - 1], m),
+               ["Stage 0 of 3 with 1 micro-batch:",
+                "fn(0, 3, 1) (stage=0, stages=3, microbatches=1) raised IndexError: list index out of range"]),
+    "bad format": (lambda r, p, m: [f"forward {i}" for i in range(m)],
+                   ["action 0 is 'forward 0' (str)", '("F", i)']),
+}
+
+
+@pytest.mark.parametrize("name", WRONG)
+def test_wrong_orders_are_rejected_with_their_mistake_named(name):
+    fn, words = WRONG[name]
+    verdict = check_1f1b_order(fn)
+    assert not verdict and repr(verdict).startswith("Not yet. "), verdict
+    for word in words:
+        assert word in verdict.message, (name, word, verdict.message)
+
+
+def test_other_returns_are_refused_showing_what_came_back():
+    assert "return a list of actions, not NoneType" in check_1f1b_order(lambda r, p, m: None).message
+    assert "action 0 is Action(kind='F', microbatch=0, chunk=1)" in check_1f1b_order(
+        lambda r, p, m: [Action("F", i, 1) for i in range(m)]).message
+    assert "pass your function itself, e.g. check_1f1b_order(one_f_one_b)" in check_1f1b_order("fn").message
+
+
+def test_forwards_alone_are_not_called_a_missing_cool_down():
+    verdict = check_1f1b_order(lambda r, p, m: [("F", i) for i in range(m)])
+    assert "B0 B1 B2 B3 B4 B5 B6 B7 never run; every micro-batch's forward and backward" in verdict.message, verdict
+    assert "cool-down" not in verdict.message
+
+
+def test_forwards_out_of_order_are_named():
+    swapped = {"F0": "F1", "F1": "F0"}
+    verdict = check_1f1b_order(lambda r, p, m: [swapped.get(action, action) for action in phases(r, p, m)])
+    assert "it runs its forwards out of micro-batch order" in verdict.message, verdict
+
+
+def test_a_steady_state_that_does_not_alternate_is_shown_where_it_departs():
+    pairs = "F0 F1 F2 F3 B0 B1 F4 F5 B2 B3 F6 F7 B4 B5 B6 B7".split()
+    verdict = check_1f1b_order(lambda r, p, m: pairs if (r, p, m) == (0, 4, 8) else phases(r, p, m))
+    assert "Stage 0 of 4 with 8 micro-batches: action 5 is B1, 1F1B runs F4 there" in verdict.message, verdict
