@@ -2,6 +2,8 @@
 
     allreduce   check_naive_allreduce, check_ring_allreduce (notebooks 02 and 03): the student's AllReduce on
                 2, 3 and 4 real ranks, against torch's answer and the algorithm's traffic
+    average     check_average_gradients (notebook 01): the student's gradient average after backward() on 2, 3
+                and 4 real ranks, against one process trained on the whole batch (average_guard: on each rank)
     guard       on each rank while a grader runs: collectives switched off, messages counted
     diagnosis   what is wrong with a wrong answer: its values, its traffic (`ring_nbytes_per_rank`)
     verdict     Verdict, the grade every grader returns
@@ -19,6 +21,7 @@ The widgets that show the quiz, the flashcards and the stack map are in `labkit.
 """
 
 from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, check_ring_allreduce
+from labkit.exercises.average import check_average_gradients
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import ForbiddenCall, rank_input
 from labkit.exercises.quiz import (
@@ -39,4 +42,4 @@ from labkit.exercises.verdict import Verdict
 __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",
            "check_1f1b_order", "check_naive_allreduce", "check_ring_allreduce", "check_sharded_step", "check_stack_map",
            "load_distractor_families", "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank",
-           "step_inputs"]
+           "step_inputs", "check_average_gradients"]
