@@ -49,7 +49,7 @@ _BACKEND_METHODS = (
     "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
 )
 _KEY = 10 ** 9  # _check_in_step's key: (gradient's index + 1) x _KEY + numel, exact in float64
-_READY_MADE = Path(labkit.__file__).parent / "parallel"  # average_gradients, BucketedDDP live here
+_READY_MADE = Path(labkit.__file__).parent / "parallel" / "data.py"  # average_gradients, BucketedDDP
 
 
 def average_model(device=None) -> torch.nn.Module:
@@ -148,7 +148,8 @@ class AverageGuard(Guard):
                 self.refuse(f"labkit.parallel's {ready_made}")
             tensor = tensors[0] if isinstance(tensors, list | tuple) else tensors
             options = args[0] if args else kwargs.get("opts")
-            call = Reduction(self._target(tensor), tensor.numel(), _op_name(getattr(options, "reduceOp", None)))
+            call = Reduction(self._target(tensor), tensor.numel(), _op_name(getattr(options, "reduceOp", None)),
+                             waited=not getattr(options, "asyncOp", True))  # a blocking all_reduce waits itself
             self.calls.append(call)
             self._check_in_step(original, group, tensor)
             work = original(group, tensors, *args, **kwargs)
@@ -227,7 +228,7 @@ def ready_made_caller() -> str | None:
     """The ready-made average on the call stack (average_gradients, BucketedDDP.__init__, ...), or None."""
     frame, found = sys._getframe(1), None
     while frame is not None:
-        if Path(frame.f_code.co_filename).is_relative_to(_READY_MADE):
+        if Path(frame.f_code.co_filename) == _READY_MADE:
             found = frame.f_code.co_qualname  # the outermost one: what the student called
         frame = frame.f_back
     return found

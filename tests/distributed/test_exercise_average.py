@@ -14,7 +14,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import labkit
 from labkit.exercises import Verdict, check_average_gradients
-from labkit.parallel import BucketedDDP, average_gradients
+from labkit.parallel import BucketedDDP, all_reduce_sum, average_gradients
 
 HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
 
@@ -68,7 +68,15 @@ def async_handles_waited(model):
         p.grad /= n()
 
 
-@pytest.mark.parametrize("fn", [loop_all_reduce_div, flatten_unflatten, cat_and_split, async_handles_waited])
+def labkit_sum_then_divide(model):
+    """labkit's all_reduce_sum is only dist.all_reduce (SUM): allowed, unlike labkit's average_gradients."""
+    for p in model.parameters():
+        all_reduce_sum(p.grad)
+        p.grad.div_(n())
+
+
+@pytest.mark.parametrize("fn", [loop_all_reduce_div, flatten_unflatten, cat_and_split, async_handles_waited,
+                                labkit_sum_then_divide])
 def test_right_solutions_pass_and_say_what_was_checked(fn):
     verdict = check_average_gradients(fn)
     assert verdict and isinstance(verdict, Verdict), verdict
