@@ -21,6 +21,8 @@ PIP_PROGRESS := $(shell [ -t 2 ] && [ -z "$$CI" ] && echo on || echo off)
 LAB_DIR ?= my-notebooks
 CELL_TIMEOUT ?= 180
 ARTIFACTS := test-artifacts
+# The tests' exercise progress (labkit.exercises.progress) goes here, never into the student's ~/.labkit.
+unit notebooks browser: export LABKIT_PROGRESS ?= $(CURDIR)/$(ARTIFACTS)/progress.json
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lab copy refresh test test-fast lint unit notebooks browser bench gpu-test gpu-wheels gpu-check clean

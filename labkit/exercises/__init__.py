@@ -9,6 +9,7 @@
     verdict     Verdict, the grade every grader returns
     schedule_order  check_1f1b_order (notebook 06): the student's 1F1B action order for stage r of p with m
                     micro-batches, against labkit.parallel.pipeline's schedule for many (p, m, r), no processes
+    progress    graded() records every grader's verdict in the student's progress file; show_progress() lists it
     quiz        the review's questions and flashcards (notebooks 06 and 10), from quiz.json beside it
     stack_map   STACK_MAP and check_stack_map (notebook 10)
     sharded_step  check_sharded_step (notebook 11): the student's ZeRO-1 step (reduce-scatter, update one slice,
@@ -24,6 +25,7 @@ from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, c
 from labkit.exercises.average import check_average_gradients
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import ForbiddenCall, rank_input
+from labkit.exercises.progress import show_progress
 from labkit.exercises.quiz import (
     Feedback,
     Flashcard,
@@ -42,4 +44,4 @@ from labkit.exercises.verdict import Verdict
 __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",
            "check_1f1b_order", "check_naive_allreduce", "check_ring_allreduce", "check_sharded_step", "check_stack_map",
            "load_distractor_families", "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank",
-           "step_inputs", "check_average_gradients"]
+           "show_progress", "step_inputs", "check_average_gradients"]

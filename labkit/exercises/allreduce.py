@@ -28,6 +28,7 @@ from labkit.exercises.guard import (
     stop_pool,
     where_ranks_waited,
 )
+from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
 
@@ -39,6 +40,7 @@ NAIVE_CASES = [(3, 5), (2, 3), (4, 4), (4, 1)]
 RING_CASES = [(3, 6), (2, 4), (4, 8), (3, 7), (2, 5), (4, 10), (4, 2)]  # sizes N divides first, then not
 
 
+@graded("naive_allreduce")
 def check_naive_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     """Grade `fn(t)`: an AllReduce (sum, in place) through the hub, rank 0, built from send and recv."""
     verdict = _grade(fn, "your naive AllReduce", NAIVE_CASES, hub_traffic, ring=False,
@@ -49,6 +51,7 @@ def check_naive_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Ve
     return verdict
 
 
+@graded("ring_allreduce")
 def check_ring_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     """Grade `fn(t)`: a ring AllReduce (sum, in place) from send/recv, also on sizes that N does not divide.
 

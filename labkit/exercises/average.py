@@ -29,6 +29,7 @@ from labkit.exercises.average_guard import (
     reference_run,
 )
 from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
 
@@ -39,6 +40,7 @@ TOLERANCE = 1e-9  # float64: a right average is within 1e-15; every mistake is o
 _NAMES = [name for name, _ in average_model().named_parameters()]
 
 
+@graded("average_gradients")
 def check_average_gradients(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     """Grade `fn(model)`: every parameter's .grad replaced by its average over the ranks (module docstring).
 

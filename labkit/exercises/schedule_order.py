@@ -22,6 +22,7 @@ from __future__ import annotations
 import operator
 import re
 
+from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.parallel.pipeline import Action, peak_in_flight, schedule
 
@@ -46,6 +47,7 @@ _ACTION_TEXT = re.compile(r"([FB])(\d+)")
 _FORMAT = 'write each action as ("F", i) or ("B", i) (an Action("F", i) or the string "F3" also work)'
 
 
+@graded("one_f_one_b")
 def check_1f1b_order(fn) -> Verdict:
     """Grade `fn(stage, stages, microbatches)`: stage r's 1F1B actions, for every r of p = 1-6 and m = 1-9.
 

@@ -36,6 +36,7 @@ import labkit
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.progress import graded
 from labkit.exercises.step_guard import attempt_step, calls_of_last_attempt
 from labkit.exercises.step_nbytes import step_traffic
 from labkit.exercises.step_values import wrong_step
@@ -58,6 +59,7 @@ SAME_DTYPE_HINT = ("Make every buffer like the tensor it holds a piece of: torch
                    "param.new_zeros(n), or dtype=param.dtype, device=param.device.")
 
 
+@graded("sharded_step")
 def check_sharded_step(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     """Grade `fn(param, grad, lr)`: ZeRO-1's step, in place, on 2, 3 and 4 ranks (see the module's docstring).
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import unicodedata
 from collections.abc import Mapping
 
+from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 
 __all__ = ["STACK_MAP", "check_stack_map"]
@@ -18,6 +19,7 @@ STACK_MAP = {"NCCL": "communicates", "TensorRT-LLM": "optimizes", "Triton": "ser
              "NeMo": "builds", "RAPIDS": "processes data"}
 
 
+@graded("stack_map")
 def check_stack_map(answers: Mapping[str, str]) -> Verdict:
     """Grade a matching of NVIDIA components to what they do, e.g. {"NCCL": "...", "NeMo": "...", ...}.
 

@@ -1,0 +1,144 @@
+"""Which exercises a student has passed, across the course: a small JSON file in the student's own directory.
+
+Every grader is wrapped in `graded(exercise)`: after grading it records the verdict under the exercise's name, so
+`show_progress()`, at the end of every notebook and in notebook 00, can list what is passed, what was tried and
+what is still ahead. The file is `~/.labkit/progress.json` (or wherever LABKIT_PROGRESS points): the student's
+home directory, never the repository, and no server. It is written atomically (a temporary file, fsync, then
+os.replace, as notebook 09 teaches), so a kernel killed mid-write leaves the previous file whole.
+
+The course's own solutions, checked by the same graders in the folded cells, pass `record=False`: running them is
+not the student passing.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+__all__ = ["EXERCISES", "Progress", "graded", "load_progress", "progress_path", "record_attempt", "show_progress"]
+
+EXERCISES = {  # name: (notebook, what the student builds), in course order
+    "average_gradients": ("01_training_step", "average the gradients by hand after backward()"),
+    "naive_allreduce": ("02_collectives", "AllReduce from send and recv"),
+    "ring_allreduce": ("03_ring_allreduce", "the ring AllReduce"),
+    "bucketed_ddp_hook": ("04_data_parallel", "a bucketed DDP gradient hook"),
+    "megatron_f_g": ("05_tensor_parallel", "Megatron's f and g operators"),
+    "one_f_one_b": ("06_pipeline_parallel", "the 1F1B action order of one stage"),
+    "no_sync_accumulation": ("07_gradient_accumulation", "gradient accumulation with no_sync"),
+    "atomic_save": ("09_checkpointing", "an atomic checkpoint save"),
+    "stack_map": ("10_nccl_and_review", "the software stack's map"),
+    "sharded_step": ("11_sharding", "ZeRO-1's sharded optimizer step"),
+    "mesh_coordinates": ("12_3d_parallelism", "a rank's (dp, pp, tp) coordinates and groups"),
+    "bug_zoo_diagnoses": ("13_bug_zoo", "diagnose six broken training runs"),
+    "bug_zoo_fix": ("13_bug_zoo", "fix a broken training run"),
+}
+
+
+def progress_path() -> Path:
+    """Where the progress is kept: $LABKIT_PROGRESS, else ~/.labkit/progress.json."""
+    return Path(os.environ.get("LABKIT_PROGRESS") or Path.home() / ".labkit" / "progress.json")
+
+
+def load_progress() -> dict:
+    """The recorded attempts, {exercise: {"passed": bool, "attempts": int, "passed_at": str | None}}; {} when there
+    is no file yet. An unreadable file is reported and treated as empty, never raised into a grader."""
+    path = progress_path()
+    try:
+        recorded = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as error:
+        warnings.warn(f"labkit: could not read your progress file {path} ({error}); starting a new one",
+                      stacklevel=2)
+        return {}
+    return {name: entry for name, entry in recorded.items() if name in EXERCISES and isinstance(entry, dict)}
+
+
+def record_attempt(exercise: str, passed: bool) -> None:
+    """Add one attempt at `exercise` to the progress file. A pass, once recorded, stays: a later failed attempt
+    (say, while experimenting) does not take it back. A file that cannot be written is reported, not raised."""
+    if exercise not in EXERCISES:
+        raise ValueError(f"unknown exercise {exercise!r}; the course's exercises are {', '.join(EXERCISES)}")
+    progress = load_progress()
+    entry = progress.setdefault(exercise, {"passed": False, "attempts": 0, "passed_at": None})
+    entry["attempts"] = int(entry.get("attempts", 0)) + 1
+    if passed and not entry.get("passed"):
+        entry["passed"], entry["passed_at"] = True, datetime.now(timezone.utc).isoformat(timespec="seconds")
+    try:
+        _write_atomically(progress_path(), json.dumps(progress, indent=1, sort_keys=True) + "\n")
+    except OSError as error:
+        warnings.warn(f"labkit: your progress was not saved to {progress_path()} ({error}); set LABKIT_PROGRESS "
+                      "to a file you can write", stacklevel=2)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(f.name, path)
+
+
+def graded(exercise: str):
+    """Decorator for a grader `check(fn, ...) -> Verdict`: records each verdict under `exercise` in the progress
+    file. The wrapped grader takes one more keyword, `record=True`; the course's own solutions pass False."""
+    if exercise not in EXERCISES:
+        raise ValueError(f"unknown exercise {exercise!r}: add it to EXERCISES in {__name__} ({', '.join(EXERCISES)})")
+
+    def wrap(check):
+        @functools.wraps(check)
+        def check_and_record(*args, record: bool = True, **kwargs):
+            verdict = check(*args, **kwargs)
+            if record:
+                record_attempt(exercise, bool(verdict))
+            return verdict
+        return check_and_record
+    return wrap
+
+
+class Progress:
+    """The course's exercises with what the student has done: a Markdown table in a notebook, text elsewhere."""
+
+    def __init__(self, recorded: dict, notebook: str | None = None):
+        self.recorded, self.notebook = recorded, notebook
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(notebook, exercise, status) for every exercise, in course order."""
+        rows = []
+        for name, (notebook, title) in EXERCISES.items():
+            entry = self.recorded.get(name, {})
+            status = ("passed" if entry.get("passed") else
+                      f"tried {entry['attempts']}x, not passed yet" if entry.get("attempts") else "not tried")
+            rows.append((notebook, title, status))
+        return rows
+
+    def summary(self) -> str:
+        passed = sum(1 for *_, status in self.rows() if status == "passed")
+        return f"{passed} of {len(EXERCISES)} exercises passed (kept in {progress_path()})"
+
+    def __repr__(self) -> str:
+        return self.summary() + "".join(f"\n  {nb}  {title}: {status}" for nb, title, status in self.rows())
+
+    def _repr_markdown_(self) -> str:
+        marks = {"passed": "✅ passed", "not tried": "· not tried"}
+        lines = [f"**Your progress:** {self.summary()}", "", "| notebook | exercise | status |", "|---|---|---|"]
+        for notebook, title, status in self.rows():
+            here = notebook == self.notebook
+            shown = f"**{notebook}**" if here else notebook
+            lines.append(f"| {shown} | {title} | {marks.get(status, '⏳ ' + status)} |")
+        return "\n".join(lines)
+
+
+def show_progress(notebook: str | None = None) -> Progress:
+    """Your progress across the course; `notebook` (e.g. "04_data_parallel") is shown in bold.
+
+    >>> show_progress().rows()[0][:2]
+    ('01_training_step', 'average the gradients by hand after backward()')
+    """
+    return Progress(load_progress(), notebook)

@@ -1,0 +1,77 @@
+"""The progress file: every graded attempt recorded, passes kept, written atomically, never raised into a grader."""
+
+import json
+import os
+
+import pytest
+
+from labkit.exercises.progress import EXERCISES, graded, load_progress, progress_path, record_attempt, show_progress
+from labkit.exercises.verdict import Verdict
+
+
+@pytest.fixture(autouse=True)
+def progress_file(tmp_path, monkeypatch):
+    path = tmp_path / "me" / "progress.json"
+    monkeypatch.setenv("LABKIT_PROGRESS", str(path))
+    return path
+
+
+def test_the_file_is_where_labkit_progress_points_else_in_the_home_directory(progress_file, monkeypatch):
+    assert progress_path() == progress_file
+    monkeypatch.delenv("LABKIT_PROGRESS")
+    monkeypatch.setenv("HOME", "/home/student")
+    assert str(progress_path()) == "/home/student/.labkit/progress.json"
+
+
+def test_a_pass_is_recorded_and_kept_after_a_later_failure(progress_file):
+    @graded("ring_allreduce")
+    def check(fn):
+        return Verdict(fn(), "graded")
+
+    assert not check(lambda: False)
+    assert load_progress()["ring_allreduce"] == {"passed": False, "attempts": 1, "passed_at": None}
+    assert check(lambda: True)
+    assert not check(lambda: False)
+    entry = json.loads(progress_file.read_text())["ring_allreduce"]
+    assert entry["passed"] and entry["attempts"] == 3 and entry["passed_at"]
+    assert [p.name for p in progress_file.parent.iterdir()] == ["progress.json"]   # no temporary file left
+
+
+def test_the_courses_own_solution_is_not_recorded(progress_file):
+    @graded("sharded_step")
+    def check(fn):
+        return Verdict(True, "graded")
+
+    assert check(print, record=False)
+    assert not progress_file.exists()
+
+
+def test_the_table_lists_every_exercise_in_course_order_with_its_status():
+    record_attempt("average_gradients", True)
+    record_attempt("one_f_one_b", False)
+    shown = show_progress("06_pipeline_parallel")
+    statuses = {title: status for _, title, status in shown.rows()}
+    assert len(shown.rows()) == len(EXERCISES)
+    assert statuses[EXERCISES["average_gradients"][1]] == "passed"
+    assert statuses[EXERCISES["one_f_one_b"][1]] == "tried 1x, not passed yet"
+    assert statuses[EXERCISES["atomic_save"][1]] == "not tried"
+    markdown = shown._repr_markdown_()
+    assert "1 of 13 exercises passed" in markdown and "| **06_pipeline_parallel** |" in markdown
+    assert [row[0] for row in shown.rows()] == sorted(row[0] for row in shown.rows())
+
+
+def test_a_broken_or_unwritable_file_warns_and_never_breaks_grading(progress_file, monkeypatch):
+    progress_file.parent.mkdir()
+    progress_file.write_text("{not json")
+    with pytest.warns(UserWarning, match="could not read your progress file"):
+        assert load_progress() == {}
+    monkeypatch.setenv("LABKIT_PROGRESS", os.devnull + "/progress.json")        # a directory that cannot exist
+    with pytest.warns(UserWarning, match="was not saved"):
+        record_attempt("atomic_save", True)
+
+
+def test_unknown_exercises_are_refused_with_the_list():
+    with pytest.raises(ValueError, match="average_gradients"):
+        graded("allreduce")
+    with pytest.raises(ValueError, match="unknown exercise 'x'"):
+        record_attempt("x", True)
