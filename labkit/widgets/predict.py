@@ -1,0 +1,151 @@
+"""Predict, then run: the student's guess first, then the experiment, then the two side by side and why they differ.
+
+Committing to a number before seeing the result is what makes a result stick, and a wrong guess is the most
+useful one: the widget names the typical wrong guesses and says why each is wrong. (Predict-observe-explain:
+White & Gunstone, "Probing Understanding", 1992, chapter 3.)
+
+A notebook makes one `PredictThenRun` before its key experiment: a question, a control whose starting value is the
+default prediction, and the experiment. Pressing the button runs the experiment once (a second press compares a
+new prediction with the same measurement). A notebook run with nobody at the keyboard (nbval, papermill, Run All)
+never presses it: the next cell asks for `.result`, which runs the experiment with the default prediction, and
+asserts the measurement against theory. That comparison is shown folded, so a student who runs all cells first
+can still predict before reading it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import ipywidgets as widgets
+
+from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED
+
+__all__ = ["CONTROL_WIDTH", "PredictThenRun"]
+
+CONTROL_WIDTH = "440px"  # the control and the button side by side fit a 1280 px window with the file browser open
+_BAR_PIXELS = 260  # the longest bar: with its label and value, well inside the narrowest notebook column
+_WAITING = "<i>Set your prediction, then press the button.</i>"
+
+
+class PredictThenRun(widgets.VBox):
+    """A question, a control for the prediction (numeric; its starting value is the default), a button that runs
+    `experiment()` (once) and compares `measure(result)` with the prediction.
+
+    - `theory`, `formula`: the value theory gives and how it is written, shown beside the measurement;
+    - `why`: why the measurement is what it is, always shown with the comparison;
+    - `wrong_guesses`: {value: why that guess is wrong} for the typical wrong predictions; the one within
+      `tolerance` of the student's prediction is shown;
+    - `show`: how a value is written ("1.5 x S", "27%"); `measured_label`: "measured", or "labkit.plan" where
+      the experiment reveals arithmetic rather than runs something.
+    A prediction within `tolerance` (relative) of the measurement counts as right.
+
+    >>> app = PredictThenRun("2 + 2?", widgets.IntSlider(value=5, max=9), lambda: 4, wrong_guesses={5: "no"})
+    >>> app.control.value = 3
+    >>> app.button.click()
+    >>> "3" in app.feedback.value and "4" in app.feedback.value
+    True
+    """
+
+    def __init__(self, question: str, control: widgets.ValueWidget, experiment: Callable[[], object], *,
+                 measure: Callable[[object], float] = lambda result: result, theory: float | None = None,
+                 formula: str = "", why: str = "", wrong_guesses: dict[float, str] | None = None,
+                 show: Callable[[float], str] = "{:g}".format, measured_label: str = "measured",
+                 tolerance: float = 0.05, button: str = "Run the experiment"):
+        self.control, self.experiment, self.measure, self.show = control, experiment, measure, show
+        self.theory, self.formula, self.why, self.wrong_guesses = theory, formula, why, dict(wrong_guesses or {})
+        self.measured_label, self.tolerance = measured_label, tolerance
+        self.runs, self._result = 0, None
+        self.button = widgets.Button(description=button, button_style="primary",
+                                     layout=widgets.Layout(width="auto", min_width="180px"))
+        self.feedback = widgets.HTML(_WAITING, layout=widgets.Layout(width="100%"))
+        if "description_width" in control.style.keys:
+            control.style.description_width = "initial"  # the whole description, never cut
+        control.layout.width = control.layout.width or CONTROL_WIDTH
+        self.button.on_click(lambda _: self._press())
+        header = widgets.HTML(f"<div style='line-height:1.4'><b>Predict first.</b> {question}</div>",
+                              layout=widgets.Layout(width="100%"))
+        row = widgets.HBox([control, self.button], layout=widgets.Layout(flex_flow="row wrap", width="100%"))
+        super().__init__([header, row, self.feedback], layout=widgets.Layout(width="100%"))
+
+    @property
+    def prediction(self) -> float:
+        """The prediction set now: the control's value."""
+        return self.control.value
+
+    @property
+    def result(self) -> object:
+        """What the experiment returned. Asked before the button was pressed (a notebook run unattended), it runs
+        the experiment and shows the comparison with the prediction set now, folded."""
+        if not self.runs:
+            self._run()
+            self.feedback.value = self.comparison(folded=True)
+        return self._result
+
+    @property
+    def measured(self) -> float:
+        """The measured quantity: `measure` of the experiment's result (running it if it has not run)."""
+        return self.measure(self.result)
+
+    def _run(self) -> None:
+        """Run the experiment, once."""
+        self._result = self.experiment()
+        self.runs += 1
+
+    def _press(self) -> None:
+        """The button: run the experiment if it has not run (saying so while it runs), then compare. A failing
+        experiment is reported here, where the student is looking; the button stays usable."""
+        if not self.runs:
+            self.button.disabled, self.feedback.value = True, "<i>Running the experiment...</i>"
+            try:
+                self._run()
+            except Exception as error:  # noqa: BLE001  (a callback's exception would vanish into the log)
+                self.feedback.value = (f"<span style='color:{RED}'>The experiment failed: "
+                                       f"{type(error).__name__}: {error}</span>")
+                return
+            finally:
+                self.button.disabled = False
+        self.feedback.value = self.comparison()
+
+    def comparison(self, folded: bool = False) -> str:
+        """The prediction next to the measurement (and theory) as HTML: bars, the verdict, why. `folded` puts it
+        in a closed <details>, for a run nobody watched."""
+        prediction, measured = self.prediction, self.measured
+        rows = [("your prediction", prediction, ORANGE), (self.measured_label, measured, BLUE)]
+        if self.theory is not None:
+            rows.append((f"theory{': ' + self.formula if self.formula else ''}", self.theory, GREY))
+        body = (f"{_bars(rows, self.show)}<div style='line-height:1.4; margin-top:6px'>"
+                f"{self.verdict(prediction, measured)}</div>")
+        if self.why:
+            body += f"<div style='line-height:1.4; margin-top:6px'><b>Why.</b> {self.why}</div>"
+        if not folded:
+            return body
+        return (f"<details><summary>The experiment ran without a press of the button (a later cell asked for "
+                f"its result), compared with the prediction set then: {self.show(prediction)}. Expand to read "
+                f"the comparison, or set your own prediction and press the button first.</summary>{body}</details>")
+
+    def verdict(self, prediction: float, measured: float) -> str:
+        """Right (within tolerance), or what is wrong with this guess: a typical wrong guess's reason, else by
+        how much it is off."""
+        if math.isclose(prediction, measured, rel_tol=self.tolerance, abs_tol=1e-12):
+            return f"<b style='color:{GREEN}'>✅ Right</b>: {self.show(prediction)} is what was {self.measured_label}."
+        reason = next((why for guess, why in self.wrong_guesses.items()
+                       if math.isclose(prediction, guess, rel_tol=self.tolerance, abs_tol=1e-12)), None)
+        if reason is None:
+            direction = "above" if prediction > measured else "below"
+            reason = (f"{self.show(prediction)} is {direction} the {self.measured_label} "
+                      f"{self.show(measured)}.")
+        return f"<b style='color:{RED}'>❌ Not quite</b>: {reason}"
+
+
+def _bars(rows: list[tuple[str, float, str]], show: Callable[[float], str]) -> str:
+    """Horizontal bars, one per (label, value, colour), scaled to the largest value: how far apart the numbers are,
+    at a glance. Negative values are drawn as empty bars."""
+    largest = max((value for _, value, _ in rows), default=0) or 1
+    cells = "".join(
+        f"<tr><td style='white-space:nowrap; padding-right:8px'>{label}</td>"
+        f"<td style='width:{_BAR_PIXELS}px'><div style='background:{colour}; height:14px; "
+        f"width:{max(value, 0) / largest * _BAR_PIXELS:.0f}px'></div></td>"
+        f"<td style='white-space:nowrap; padding-left:8px'><b>{show(value)}</b></td></tr>"
+        for label, value, colour in rows)
+    return f"<table style='border-collapse:collapse; line-height:1.5'>{cells}</table>"

@@ -1,0 +1,96 @@
+"""PredictThenRun, driven as a student drives it (set a prediction, press the button) and as a notebook run with
+nobody at the keyboard drives it (a later cell asks for the result): the shown comparison states the prediction,
+the measurement, theory and the explanation, and the experiment runs once."""
+
+import ipywidgets as widgets
+import pytest
+
+from labkit.widgets import PredictThenRun
+from labkit.widgets.predict import CONTROL_WIDTH
+
+
+def ring_bytes_app(default: float = 3.0, experiment=None) -> PredictThenRun:
+    """Notebook 03's question in small: each rank's ring AllReduce bytes on 4 ranks, in units of S."""
+    calls = []
+
+    def count():
+        calls.append(1)
+        return {"ring": 1.5, "hub": 3.0}
+
+    app = PredictThenRun(
+        "On 4 ranks, how many bytes does each rank send?",
+        widgets.FloatSlider(value=default, min=0, max=4, step=0.25, description="bytes per rank (x S)"),
+        experiment or count, measure=lambda counted: counted["ring"], theory=1.5, formula="2(N-1)/N",
+        why="every chunk travels N-1 hops twice", wrong_guesses={3.0: "that is the hub's rank 0", 2.0: "almost"},
+        show=lambda v: f"{v:g} x S")
+    app.calls = calls
+    return app
+
+
+def test_a_pressed_prediction_is_compared_with_the_measurement_and_explained():
+    app = ring_bytes_app()
+    assert "press the button" in app.feedback.value and not app.calls       # nothing runs before the press
+    app.control.value = 2.0
+    app.button.click()
+    shown = app.feedback.value
+    assert "2 x S" in shown and "1.5 x S" in shown and "2(N-1)/N" in shown   # prediction, measured, theory
+    assert "Not quite" in shown and "almost" in shown                       # the typical guess's reason
+    assert "every chunk travels N-1 hops twice" in shown and "<details>" not in shown
+    assert app.runs == 1 and len(app.calls) == 1
+
+
+def test_pressing_again_with_another_prediction_updates_without_rerunning():
+    app = ring_bytes_app()
+    app.button.click()
+    assert "hub's rank 0" in app.feedback.value                             # the default, 3 x S
+    app.control.value = 1.5
+    app.button.click()
+    assert "Right" in app.feedback.value and "hub" not in app.feedback.value
+    app.control.value = 0.5                                                 # no typical guess: how far off
+    app.button.click()
+    assert "0.5 x S is below the measured 1.5 x S" in app.feedback.value
+    assert len(app.calls) == 1
+
+
+def test_an_unattended_run_compares_the_default_prediction_folded():
+    """nbval and papermill never press the button: the next cell's `.result` runs the experiment, and the
+    comparison with the default is shown, folded so that a student can still predict first."""
+    app = ring_bytes_app(default=3.0)
+    assert app.result == {"ring": 1.5, "hub": 3.0} and app.measured == 1.5
+    shown = app.feedback.value
+    assert shown.startswith("<details>") and "prediction set then: 3 x S" in shown
+    assert "hub's rank 0" in shown and "1.5 x S" in shown and "every chunk" in shown
+    app.button.click()                                                      # the student presses afterwards
+    assert "<details>" not in app.feedback.value and len(app.calls) == 1
+
+
+def test_a_failing_experiment_is_reported_and_the_button_stays_usable():
+    def broken():
+        raise RuntimeError("rank 2 hung")
+
+    app = ring_bytes_app(experiment=broken)
+    app.button.click()
+    assert "The experiment failed: RuntimeError: rank 2 hung" in app.feedback.value
+    assert not app.button.disabled and app.runs == 0
+    with pytest.raises(RuntimeError, match="rank 2 hung"):                   # a later cell sees it raised
+        _ = app.result
+
+
+def test_the_control_keeps_its_whole_description_within_a_narrow_column():
+    app = ring_bytes_app()
+    header, row, feedback = app.children
+    assert row.children == (app.control, app.button) and "Predict first" in header.value
+    assert app.control.style.description_width == "initial" and app.control.layout.width == CONTROL_WIDTH
+    dropdown = widgets.Dropdown(options=[("1 model", 1), ("4 models", 4)], value=1,
+                                layout=widgets.Layout(width="300px"))
+    assert PredictThenRun("How many?", dropdown, lambda: 4).control.layout.width == "300px"   # its own width kept
+
+
+def test_without_theory_or_typical_guesses_the_comparison_still_reads():
+    app = PredictThenRun("Speedup?", widgets.FloatSlider(value=8, min=1, max=8), lambda: 4.04,
+                         show=lambda v: f"{v:.2f}x", measured_label="labkit.plan", tolerance=0.1)
+    app.button.click()
+    assert "8.00x is above the labkit.plan 4.04x" in app.feedback.value and "theory" not in app.feedback.value
+    app.control.value = 4.2                                                 # within 10%
+    app.button.click()
+    assert "Right" in app.feedback.value
