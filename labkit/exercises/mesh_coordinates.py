@@ -1,0 +1,376 @@
+"""The mesh grader of notebook 12: a rank's (dp, pp, tp) coordinates and its three groups, checked with no processes.
+
+The student writes two functions of `(rank, dp, pp, tp)`, the global rank and the mesh's three sizes:
+
+    coordinates(rank, dp, pp, tp) -> (dp_i, pp_j, tp_k)       the rank's index on each axis
+    groups(rank, dp, pp, tp) -> {"dp": [...], "pp": [...], "tp": [...]}
+                                                               on each axis, the global ranks that share the rank's
+                                                               other two coordinates, itself included, sorted
+
+The layout is the course's `Mesh`, which is torch's own DeviceMesh (`init_device_mesh`, whose ranks are
+`torch.arange(world_size).view(dp, pp, tp)`): row-major in (dp, pp, tp), tp innermost, as Megatron-LM lays it out
+so that a tensor-parallel group's ranks are consecutive, one node's GPUs (Narayanan et al. 2021, "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 3):
+
+    rank = (dp_i * pp + pp_j) * tp + tp_k
+
+`check_mesh_coordinates(coordinates, groups)` compares both with `labkit.parallel.mesh_layout` (the same layout,
+computed without processes; notebook 12 checks it against the real Mesh) on every rank of all 64 shapes with 1 to
+4 ranks per axis, notebook 12's 2 x 2 x 2 first, then the smaller worlds first. The first mistake is reported,
+named where the grader recognises it: another axis order (tp outermost, pp and tp swapped, ...), an axis's formula
+(which one the student's numbers follow, on every shape: world_size where a product of sizes belongs, a missing
+modulo, the wrong axis's size), coordinates or ranks counted from 1, true division; groups without the rank,
+unsorted, holding ranks that differ on another axis too, or stepping by the wrong stride. Calling the course's own
+`mesh_layout` or `Mesh` is refused: the exercise is to compute the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+import sys
+
+from labkit.exercises.progress import graded
+from labkit.exercises.verdict import Verdict
+from labkit.parallel.mesh import AXES, Mesh, mesh_layout
+
+__all__ = ["LAYOUT", "SHAPES", "check_mesh_coordinates"]
+
+# (dp, pp, tp): notebook 12's mesh first, then every shape of 1 to 4 ranks per axis, the smaller worlds first
+SHAPES = [(2, 2, 2)] + sorted((shape for shape in itertools.product(range(1, 5), repeat=3) if shape != (2, 2, 2)),
+                              key=lambda shape: (math.prod(shape), shape))
+LAYOUT = ("rank = (dp_i * pp + pp_j) * tp + tp_k, so tp_k = rank % tp, pp_j = (rank // tp) % pp and "
+          "dp_i = rank // (pp * tp)")
+FORMULAS = {"dp": "rank // (pp * tp)", "pp": "(rank // tp) % pp", "tp": "rank % tp"}
+_SIZES = {"1": (), "tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "pp * tp": ("pp", "tp"), "dp * tp": ("dp", "tp"),
+          "dp * pp": ("dp", "pp"), "world_size": AXES}  # the sizes a student's formula may divide by or take modulo
+_READY_MADE = {mesh_layout.__code__: "labkit.parallel.mesh_layout", Mesh.__init__.__code__: "labkit.parallel.Mesh"}
+
+
+class _Refused(Exception):
+    """The student's function called the course's own layout."""
+
+
+@graded("mesh_coordinates")
+def check_mesh_coordinates(coordinates, groups=None) -> Verdict:
+    """Grade `coordinates(rank, dp, pp, tp)` and `groups(rank, dp, pp, tp)` on every rank of 64 mesh shapes.
+
+    >>> right = lambda rank, dp, pp, tp: (rank // (pp * tp), rank // tp % pp, rank % tp)
+    >>> check_mesh_coordinates(right)
+    Not yet. Your coordinates are right on every rank of all 64 shapes...
+    >>> check_mesh_coordinates(lambda rank, dp, pp, tp: (rank % dp, rank // dp % pp, rank // (dp * pp)))
+    Not yet. On dp=2 x pp=2 x tp=2, rank 1 is at (dp 0, pp 0, tp 1); your coordinates(1, 2, 2, 2) gives (1, 0, 0)...
+    """
+    for name, fn in (("coordinates", coordinates), ("groups", groups)):
+        if not callable(fn) and (fn is not None or name == "coordinates"):
+            return Verdict(False, f"pass your functions themselves, e.g. check_mesh_coordinates(coordinates, "
+                                  f"groups); {name} is {type(fn).__name__}.")
+    try:
+        problem = _coordinates_problem(coordinates) or (_groups_problem(groups) if groups else None)
+    except _Refused as refused:
+        return Verdict(False, f"your function calls {refused}, the course's own layout: compute the coordinates and "
+                              f"groups from the rank and the sizes yourself ({LAYOUT}).")
+    if problem:
+        return Verdict(False, problem[0].upper() + problem[1:])
+    checked = (f"on every rank of all {len(SHAPES)} shapes from 1 x 1 x 1 to 4 x 4 x 4 "
+               f"({sum(math.prod(shape) for shape in SHAPES):,} ranks)")
+    if groups is None:
+        return Verdict(False, f"Your coordinates are right {checked}. Now write groups(rank, dp, pp, tp) and pass "
+                              "both: check_mesh_coordinates(coordinates, groups).")
+    return Verdict(True, f"your coordinates and groups are the mesh's {checked}: row-major in (dp, pp, tp), tp "
+                         "innermost, as torch's DeviceMesh lays out torch.arange(world_size).view(dp, pp, tp), so "
+                         "a tp group is consecutive ranks, and each group holds the ranks that differ from yours "
+                         "on its axis alone.")
+
+
+@functools.cache
+def _reference(shape: tuple[int, int, int]) -> tuple[list[tuple[int, ...]], list[dict[str, list[int]]]]:
+    """Every rank's coordinates and groups on `shape`, from mesh_layout."""
+    places = mesh_layout(math.prod(shape), *shape)
+    return ([tuple(place.coordinate[axis] for axis in AXES) for place in places],
+            [{axis: list(place.groups[axis]) for axis in AXES} for place in places])
+
+
+def _watched_call(fn, name: str, rank: int, shape: tuple[int, int, int]):
+    """fn(rank, *shape), and the problem if it raised; _Refused if it called the course's layout."""
+    refused = []
+
+    def watch(frame, event, arg):
+        if event == "call" and frame.f_code in _READY_MADE:
+            refused.append(_READY_MADE[frame.f_code])
+
+    previous = sys.getprofile()
+    sys.setprofile(watch)
+    try:
+        answer = fn(rank, *shape)
+    except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
+        return None, (f"{_call(name, rank, shape)} (rank={rank}, dp={shape[0]}, pp={shape[1]}, tp={shape[2]}) "
+                      f"raised {type(error).__name__}: {error}")
+    finally:
+        sys.setprofile(previous)
+    if refused:
+        raise _Refused(refused[0])
+    return answer, None
+
+
+def _call(name: str, rank: int, shape: tuple[int, int, int]) -> str:
+    """The call as the student would type it: coordinates(5, 2, 2, 2)."""
+    return f"your {name}({rank}, {', '.join(map(str, shape))})"
+
+
+def _on(shape: tuple[int, int, int]) -> str:
+    return "dp={} x pp={} x tp={}".format(*shape)
+
+
+def _whole(value) -> int | str:
+    """`value` as an int, or why it is not one (a float from /, a bool, something else)."""
+    if isinstance(value, bool):
+        return f"{value!r} (a bool)"
+    if isinstance(value, float):
+        return f"{value!r}, a float: use floor division, //, not /"
+    try:
+        return operator.index(value)
+    except TypeError:
+        return f"{value!r} ({type(value).__name__}), not a whole number"
+
+
+# ---- coordinates ---------------------------------------------------------------------------------------------
+
+def _coordinates_problem(coordinates) -> str | None:
+    """What is wrong with `coordinates` on the first shape it gets wrong, or None."""
+    answers = {}
+    for shape in SHAPES:
+        answers[shape] = []
+        for rank in range(math.prod(shape)):
+            answer, problem = _watched_call(coordinates, "coordinates", rank, shape)
+            triple = problem or _triple(answer)
+            if isinstance(triple, str):
+                return triple if problem else f"{_call('coordinates', rank, shape)} returned {answer!r}: {triple}"
+            answers[shape].append(triple)
+    wrong = next((shape for shape in SHAPES if answers[shape] != _reference(shape)[0]), None)
+    return None if wrong is None else _coordinates_mistake(answers, wrong)
+
+
+def _triple(answer) -> tuple[int, int, int] | str:
+    """`answer` as (dp_i, pp_j, tp_k), or why it cannot be read as one. A dict {"dp": .., "pp": .., "tp": ..}
+    (what Mesh.coordinate gives) and a tensor or array of three numbers are read too."""
+    if isinstance(answer, dict):
+        if sorted(answer) != sorted(AXES):
+            return 'return (dp_i, pp_j, tp_k), or a dict with the keys "dp", "pp" and "tp".'
+        answer = [answer[axis] for axis in AXES]
+    if isinstance(answer, (str, bytes, set)) or not hasattr(answer, "__iter__"):
+        return f"return three numbers, (dp_i, pp_j, tp_k), not {type(answer).__name__}."
+    values = [_whole(value) for value in answer]
+    if len(values) != 3:
+        return f"return three numbers, (dp_i, pp_j, tp_k), not {len(values)}."
+    bad = next((value for value in values if isinstance(value, str)), None)
+    return f"each coordinate must be a whole number; one is {bad}." if bad else tuple(values)
+
+
+def _coordinates_mistake(answers: dict, shape: tuple[int, int, int]) -> str:
+    """The message for coordinates that first go wrong on `shape`: the first wrong rank, and the mistake named."""
+    want = _reference(shape)[0]
+    rank = next(rank for rank, (mine, theirs) in enumerate(zip(answers[shape], want, strict=True)) if mine != theirs)
+    where = (f"On {_on(shape)}, rank {rank} is at (dp {want[rank][0]}, pp {want[rank][1]}, tp {want[rank][2]}); "
+             f"{_call('coordinates', rank, shape)} gives {answers[shape][rank]}. ")
+    named = _counted_from_one(answers) or _axis_order(answers) or _axis_formulas(answers)
+    return where + (named or _unexplained(answers[shape], shape)) + f" On the mesh, {LAYOUT}."
+
+
+def _counted_from_one(answers: dict) -> str | None:
+    """Coordinates counted from 1, or the coordinates of rank + 1, on every shape."""
+    if all(got == [tuple(c + 1 for c in coordinate) for coordinate in _reference(shape)[0]]
+           for shape, got in answers.items()):
+        return "Your coordinates count from 1; they count from 0, as ranks do: rank 0 is at (0, 0, 0)."
+    if all(got == [_row_major(rank + 1, shape, AXES) for rank in range(len(got))] for shape, got in answers.items()):
+        return ("Yours are the coordinates of rank + 1 (ranks counted from 1?). Ranks count from 0 (labkit.rank(), "
+                "torch.distributed.get_rank()): rank 0 is at (0, 0, 0).")
+    return None
+
+
+def _row_major(rank: int, shape: tuple[int, int, int], order: tuple[str, ...]) -> tuple[int, int, int]:
+    """(dp_i, pp_j, tp_k) of `rank` when the ranks are laid out row-major in the axis order `order` (outermost
+    first); the outermost coordinate is not taken modulo its size."""
+    sizes, coordinate = dict(zip(AXES, shape, strict=True)), {}
+    for axis in reversed(order[1:]):
+        rank, coordinate[axis] = divmod(rank, sizes[axis])
+    coordinate[order[0]] = rank
+    return tuple(coordinate[axis] for axis in AXES)
+
+
+def _axis_order(answers: dict) -> str | None:
+    """Coordinates that are row-major in another order of the axes, on every shape."""
+    for order in itertools.permutations(AXES):
+        if order != AXES and all(got == [_row_major(rank, shape, order) for rank in range(len(got))]
+                                 for shape, got in answers.items()):
+            return (f"Your layout is row-major in ({', '.join(order)}): {order[0]} outermost, {order[2]} innermost"
+                    f"{_ORDER_NAMES.get(order, '')}. The mesh (torch's DeviceMesh, Megatron-LM) is row-major in "
+                    "(dp, pp, tp): tp innermost, so that a tp group is consecutive ranks, on one node.")
+    return None
+
+
+_ORDER_NAMES = {("tp", "pp", "dp"): ", the axes reversed", ("dp", "tp", "pp"): ": pp and tp swapped",
+                ("pp", "dp", "tp"): ": dp and pp swapped"}
+
+
+def _axis_formulas(answers: dict) -> str | None:
+    """For every axis whose coordinate is wrong somewhere, the formula of `rank` it follows on every shape."""
+    found = []
+    for k, axis in enumerate(AXES):
+        if all([c[k] for c in got] == [c[k] for c in _reference(shape)[0]] for shape, got in answers.items()):
+            continue
+        formula = next((spelled for spelled, compute in _formulas()
+                        if all(c[k] == compute(rank, shape) for shape, got in answers.items()
+                               for rank, c in enumerate(got))), None)
+        if formula is None:
+            return None
+        if formula == "rank // world_size":
+            formula = "0 on every rank (as rank // world_size is)"
+        note = " (world_size counts every rank: use the sizes of the axes inside this one)" \
+            if "world_size" in formula else _out_of_range(answers, k)
+        found.append(f"your {axis} coordinate is {formula}, the mesh's is {FORMULAS[axis]}{note}")
+    return "On every shape, " + "; ".join(found) + "." if found else None
+
+
+def _out_of_range(answers: dict, k: int) -> str:
+    """Where axis k's coordinate first leaves its range, 0 to size - 1, as a note; "" if it never does."""
+    for shape, got in answers.items():
+        for rank, coordinate in enumerate(got):
+            if not 0 <= coordinate[k] < shape[k]:
+                return (f" (on {_on(shape)} it gives rank {rank} {AXES[k]} {coordinate[k]}, past the axis's last "
+                        f"index, {shape[k] - 1})")
+    return ""
+
+
+def _formulas():
+    """(spelled, compute(rank, shape)) for rank // A and (rank // A) % B, A and B products of the sizes."""
+    for a in _SIZES:
+        divided = "rank" if a == "1" else f"rank // {_parenthesised(a)}"
+        yield divided, lambda rank, shape, a=a: rank // _size(a, shape)
+        for b in _SIZES:
+            if b != "1":
+                modulo = f"{divided if a == '1' else f'({divided})'} % {_parenthesised(b)}"
+                yield modulo, lambda rank, shape, a=a, b=b: rank // _size(a, shape) % _size(b, shape)
+
+
+def _parenthesised(name: str) -> str:
+    return f"({name})" if " " in name else name
+
+
+def _unexplained(got: list[tuple[int, int, int]], shape: tuple[int, int, int]) -> str:
+    """What can still be said of coordinates the grader does not recognise: out of range, or shared."""
+    for rank, coordinate in enumerate(got):
+        for axis, value, size in zip(AXES, coordinate, shape, strict=True):
+            if not 0 <= value < size:
+                return (f"Rank {rank}'s {axis} coordinate is {value}, but the {axis} axis has {size} ranks, 0 to "
+                        f"{size - 1}.")
+    twice = next(((first, rank) for rank, coordinate in enumerate(got) for first in range(rank)
+                  if got[first] == coordinate), None)
+    if twice:
+        return f"Ranks {twice[0]} and {twice[1]} both get {got[twice[1]]}: each place on the mesh holds one rank."
+    return "Each rank has its own place, but not the mesh's."
+
+
+# ---- groups --------------------------------------------------------------------------------------------------
+
+def _groups_problem(groups) -> str | None:
+    """What is wrong with `groups` on the first rank and axis it gets wrong, or None."""
+    answers = {}
+    for shape in SHAPES:
+        answers[shape] = []
+        for rank in range(math.prod(shape)):
+            answer, problem = _watched_call(groups, "groups", rank, shape)
+            read = problem or _read_groups(answer)
+            if isinstance(read, str):
+                return read if problem else f"{_call('groups', rank, shape)} returned {_short(answer)}: {read}"
+            answers[shape].append(read)
+    for shape in SHAPES:
+        for rank, (mine, theirs) in enumerate(zip(answers[shape], _reference(shape)[1], strict=True)):
+            axis = next((axis for axis in AXES if mine[axis] != theirs[axis]), None)
+            if axis:
+                return _group_mistake(answers, shape, rank, axis)
+    return None
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _read_groups(answer) -> dict[str, list[int]] | str:
+    """`answer` as {"dp": [...], "pp": [...], "tp": [...]}, or why it cannot be read as one."""
+    if not isinstance(answer, dict) or sorted(answer) != sorted(AXES):
+        return 'return a dict with the keys "dp", "pp" and "tp", each the list of its group\'s global ranks.'
+    read = {}
+    for axis in AXES:
+        group = answer[axis]
+        if isinstance(group, (set, frozenset)):
+            return f'groups["{axis}"] is a set: return a sorted list, group rank 0 first.'
+        if isinstance(group, (str, bytes, dict)) or not hasattr(group, "__iter__"):
+            return f'groups["{axis}"] is a {type(group).__name__}: return a list of global ranks.'
+        read[axis] = [_whole(rank) for rank in group]
+        bad = next((rank for rank in read[axis] if isinstance(rank, str)), None)
+        if bad:
+            return f'groups["{axis}"] must hold whole numbers (global ranks); one is {bad}.'
+    return read
+
+
+def _group_mistake(answers: dict, shape: tuple[int, int, int], rank: int, axis: str) -> str:
+    """The message for the first group that is wrong: rank `rank`'s on `axis`, on `shape`."""
+    coordinates, want = _reference(shape)[0], _reference(shape)[1][rank][axis]
+    mine, others = answers[shape][rank][axis], [other for other in AXES if other != axis]
+    here = dict(zip(AXES, coordinates[rank], strict=True))
+    where = (f"On {_on(shape)}, rank {rank} is at (dp {here['dp']}, pp {here['pp']}, tp {here['tp']}); "
+             f'{_call("groups", rank, shape)}["{axis}"] is {mine}, the mesh\'s {axis} group is {want}: the ranks '
+             f"that share rank {rank}'s {others[0]} and {others[1]} coordinates, itself included, sorted. ")
+    sharing = [other for other, coordinate in enumerate(coordinates) if coordinate[AXES.index(axis)] == here[axis]]
+    if rank not in mine:
+        return where + (f"Yours does not hold rank {rank} itself: a group lists all its members, the rank included "
+                        "(torch.distributed.new_group takes every member's global rank).")
+    if len(set(mine)) < len(mine):
+        return where + f"Yours holds rank {next(r for r in mine if mine.count(r) > 1)} twice."
+    if sorted(mine) == want:
+        return where + ("Yours holds the right ranks, out of order: sort them. A group numbers its ranks in "
+                        "ascending global rank (group rank 0 is the smallest), as new_group and the DeviceMesh do.")
+    if sorted(mine) == sharing and len(sharing) > 1:
+        return where + (f"Yours are the ranks with the same {axis} coordinate as rank {rank}: they differ from it on "
+                        f"the other axes. The {axis} group is the opposite: the same {others[0]} and {others[1]} "
+                        f"coordinates, every {axis} coordinate.")
+    if set(mine) > set(want):
+        extra = next(other for other in mine if other not in want)
+        differ = [other for k, other in enumerate(AXES) if coordinates[extra][k] != here[other] and other != axis]
+        return where + (f"Yours also holds rank {extra}, at (dp {coordinates[extra][0]}, pp {coordinates[extra][1]}, "
+                        f"tp {coordinates[extra][2]}), which differs from rank {rank} on {' and '.join(differ)} too: "
+                        f"a group on {axis} holds only the ranks that differ from it on {axis} alone.")
+    return where + _stride_problem(answers, shape, rank, axis)
+
+
+def _stride_problem(answers: dict, shape: tuple[int, int, int], rank: int, axis: str) -> str:
+    """A group stepping through the ranks by the wrong stride, named by the product of sizes it follows on every
+    shape; else its size, or nothing more to say."""
+    mine, want = answers[shape][rank][axis], _reference(shape)[1][rank][axis]
+    right = {"dp": "pp * tp", "pp": "tp", "tp": "1"}[axis]
+    stride = _stride(mine)
+    if stride and len(mine) == len(want) and stride != _stride(want):
+        strides = {(s, r): _stride(answers[s][r][axis]) for s in SHAPES for r in range(math.prod(s))}
+        name = next((name for name in _SIZES
+                     if all(found is None or found == _size(name, s) for (s, _), found in strides.items())), None)
+        followed = f"{name} = {stride}" if name and name != "1" else f"{stride}"
+        return (f"Yours steps by {followed} rank{'s' if stride > 1 else ''}; on the mesh consecutive {axis} "
+                f"coordinates are {right} = {_stride(want)} rank{'s' if _stride(want) > 1 else ''} apart ({LAYOUT}).")
+    if len(mine) != len(want):
+        return f"Yours holds {len(mine)} ranks; a group on {axis} holds {axis} = {len(want)}."
+    return f"Yours holds the right number of ranks, not the right ones ({LAYOUT})."
+
+
+def _stride(group: list[int]) -> int | None:
+    """The step between the ranks of `group`, when there are at least two and they are evenly spaced upwards."""
+    steps = {b - a for a, b in itertools.pairwise(group)}
+    return steps.pop() if len(steps) == 1 and min(steps) > 0 else None
+
+
+def _size(name: str, shape: tuple[int, int, int]) -> int:
+    """The product of the sizes `name` spells ("pp * tp", "world_size", "1") on `shape`."""
+    return math.prod(dict(zip(AXES, shape, strict=True))[axis] for axis in _SIZES[name])

@@ -1,0 +1,199 @@
+"""The mesh grader (notebook 12) against its catalogue: wrong coordinates and groups, each rejected with a message
+that names the mistake, and right ones written in different ways (divmod, a torch mesh tensor, an enumeration),
+all accepted. No processes: the grader compares numbers with labkit.parallel.mesh_layout, which notebook 12 checks
+against the real Mesh (torch's DeviceMesh) on real ranks."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from labkit.exercises import Verdict
+from labkit.exercises.mesh_coordinates import SHAPES, check_mesh_coordinates
+from labkit.parallel import mesh_layout
+
+# ---- right solutions, three ways -------------------------------------------------------------------------
+
+
+def divmod_coordinates(rank, dp, pp, tp):
+    """tp varies fastest: peel it off first, then pp; what is left is dp."""
+    rest, t = divmod(rank, tp)
+    d, p = divmod(rest, pp)
+    return d, p, t
+
+
+def divmod_groups(rank, dp, pp, tp):
+    d, p, t = divmod_coordinates(rank, dp, pp, tp)
+    at = lambda d, p, t: (d * pp + p) * tp + t  # noqa: E731
+    return {"dp": [at(i, p, t) for i in range(dp)], "pp": [at(d, j, t) for j in range(pp)],
+            "tp": [at(d, p, k) for k in range(tp)]}
+
+
+def tensor_coordinates(rank, dp, pp, tp):
+    """torch's DeviceMesh is this tensor: find the rank in it (a tensor of three indices)."""
+    return (torch.arange(dp * pp * tp).reshape(dp, pp, tp) == rank).nonzero()[0]
+
+
+def tensor_groups(rank, dp, pp, tp):
+    """Slices of the mesh tensor through the rank, returned as tensors."""
+    mesh = torch.arange(dp * pp * tp).reshape(dp, pp, tp)
+    d, p, t = np.unravel_index(rank, (dp, pp, tp))
+    return {"dp": mesh[:, p, t], "pp": mesh[d, :, t], "tp": mesh[d, p, :]}
+
+
+def enumerated_coordinates(rank, dp, pp, tp):
+    """Row-major enumeration: itertools.product varies its last factor fastest; as a dict, like Mesh.coordinate."""
+    return dict(zip(("dp", "pp", "tp"), list(itertools.product(range(dp), range(pp), range(tp)))[rank], strict=True))
+
+
+def enumerated_groups(rank, dp, pp, tp):
+    """The ranks whose place differs from the rank's on one axis alone (or not at all)."""
+    places = list(itertools.product(range(dp), range(pp), range(tp)))
+    mine = places[rank]
+    return {axis: [r for r, place in enumerate(places) if all(place[j] == mine[j] for j in range(3) if j != k)]
+            for k, axis in enumerate(("dp", "pp", "tp"))}
+
+
+RIGHT = {"divmod": (divmod_coordinates, divmod_groups), "torch mesh tensor": (tensor_coordinates, tensor_groups),
+         "enumeration": (enumerated_coordinates, enumerated_groups)}
+
+
+@pytest.mark.parametrize("name", RIGHT)
+def test_right_solutions_written_differently_pass(name):
+    verdict = check_mesh_coordinates(*RIGHT[name])
+    assert verdict and isinstance(verdict, Verdict), verdict
+    assert "all 64 shapes" in verdict.message and repr(verdict).startswith("Correct! ")
+
+
+def test_the_shapes_are_every_mesh_of_1_to_4_ranks_per_axis_notebook_12s_first():
+    assert SHAPES[0] == (2, 2, 2) and sorted(SHAPES) == list(itertools.product(range(1, 5), repeat=3))
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_reference_is_torchs_device_mesh_layout(shape):
+    """init_device_mesh lays the ranks out as torch.arange(world_size).view(shape) (torch 2.13's device_mesh.py)."""
+    mesh = torch.arange(math.prod(shape)).view(shape)
+    for place in mesh_layout(math.prod(shape), *shape):
+        d, p, t = (place.coordinate[axis] for axis in ("dp", "pp", "tp"))
+        assert mesh[d, p, t] == place.rank
+        assert place.groups == {"dp": tuple(mesh[:, p, t].tolist()), "pp": tuple(mesh[d, :, t].tolist()),
+                                "tp": tuple(mesh[d, p, :].tolist())}
+
+
+def test_right_coordinates_alone_are_told_to_write_the_groups():
+    verdict = check_mesh_coordinates(divmod_coordinates)
+    assert not verdict and "Your coordinates are right on every rank of all 64 shapes" in verdict.message
+    assert "Now write groups(rank, dp, pp, tp)" in verdict.message
+
+
+# ---- wrong coordinates, each with the words its message must have ----------------------------------------
+
+WRONG_COORDINATES = {
+    "tp outermost": (lambda r, dp, pp, tp: (r % dp, r // dp % pp, r // (dp * pp)),
+                     ["rank 1 is at (dp 0, pp 0, tp 1)", "coordinates(1, 2, 2, 2) gives (1, 0, 0)",
+                      "row-major in (tp, pp, dp)", "the axes reversed", "tp innermost"]),
+    "pp and tp swapped": (lambda r, dp, pp, tp: (r // (pp * tp), r % pp, r // pp % tp),
+                          ["row-major in (dp, tp, pp)", "pp and tp swapped"]),
+    "dp and pp swapped": (lambda r, dp, pp, tp: (r // tp % dp, r // (dp * tp), r % tp),
+                          ["dp and pp swapped"]),
+    "ranks from 1": (lambda r, dp, pp, tp: divmod_coordinates(r + 1, dp, pp, tp),
+                     ["rank 0 is at (dp 0, pp 0, tp 0)", "the coordinates of rank + 1", "ranks counted from 1"]),
+    "coordinates from 1": (lambda r, dp, pp, tp: tuple(c + 1 for c in divmod_coordinates(r, dp, pp, tp)),
+                           ["gives (1, 1, 1)", "Your coordinates count from 1"]),
+    "world_size for pp * tp": (lambda r, dp, pp, tp: (r // (dp * pp * tp), r // tp % pp, r % tp),
+                               ["rank 4 is at (dp 1, pp 0, tp 0)", "your dp coordinate is 0 on every rank (as rank // "
+                                "world_size is), the mesh's is rank // (pp * tp)", "world_size counts every rank"]),
+    "tp modulo dp": (lambda r, dp, pp, tp: (r // (pp * tp), r // tp % pp, r % dp),
+                     ["On dp=1 x pp=1 x tp=2, rank 1", "your tp coordinate is rank % dp, the mesh's is rank % tp"]),
+    "no modulo": (lambda r, dp, pp, tp: (r // (pp * tp), r // tp, r % tp),
+                  ["rank 4", "your pp coordinate is rank // tp, the mesh's is (rank // tp) % pp (on dp=2 x pp=2 x "
+                   "tp=2 it gives rank 4 pp 2, past the axis's last index, 1)"]),
+    "pp before dividing": (lambda r, dp, pp, tp: (r // (pp * tp), r % pp, r % tp),
+                           ["your pp coordinate is rank % pp, the mesh's is (rank // tp) % pp"]),
+    "true division": (lambda r, dp, pp, tp: (r / (pp * tp), r // tp % pp, r % tp),
+                      ["coordinates(0, 2, 2, 2) returned (0.0, 0, 0)", "a float: use floor division, //, not /"]),
+    "raises": (lambda r, dp, pp, tp: (r // (pp * tp), r // tp % pp, r % (tp - 1)),
+               ["Your coordinates(0, 1, 1, 1) (rank=0, dp=1, pp=1, tp=1) raised ZeroDivisionError"]),
+    "two numbers": (lambda r, dp, pp, tp: (r // tp, r % tp), ["return three numbers, (dp_i, pp_j, tp_k), not 2."]),
+    "shared places": (lambda r, dp, pp, tp: (0 if r == 4 else r // (pp * tp), r // tp % pp, r % tp),
+                      ["rank 4 is at (dp 1, pp 0, tp 0)", "Ranks 0 and 4 both get (0, 0, 0)"]),
+    "ready-made": (lambda r, dp, pp, tp: mesh_layout(dp * pp * tp, dp, pp, tp)[r].coordinate,
+                   ["calls labkit.parallel.mesh_layout, the course's own layout"]),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_COORDINATES)
+def test_wrong_coordinates_are_rejected_with_their_mistake_named(name):
+    fn, words = WRONG_COORDINATES[name]
+    verdict = check_mesh_coordinates(fn, divmod_groups)
+    assert not verdict and repr(verdict).startswith("Not yet. "), verdict
+    for word in words:
+        assert word in verdict.message, (name, word, verdict.message)
+
+
+# ---- wrong groups ----------------------------------------------------------------------------------------
+
+def without_rank(rank, dp, pp, tp):
+    return {axis: [r for r in group if r != rank] for axis, group in divmod_groups(rank, dp, pp, tp).items()}
+
+
+def rank_first(rank, dp, pp, tp):
+    return {axis: [rank] + [r for r in group if r != rank] for axis, group in divmod_groups(rank, dp, pp, tp).items()}
+
+
+def dp_by_tp_only(rank, dp, pp, tp):
+    """The dp group as every rank with the same tp coordinate: it takes in the pp neighbours too."""
+    return divmod_groups(rank, dp, pp, tp) | {"dp": [r for r in range(dp * pp * tp) if r % tp == rank % tp]}
+
+
+def dp_stride_tp(rank, dp, pp, tp):
+    """The dp group stepping by tp from the rank's place in replica 0, as if there were no pp axis."""
+    return divmod_groups(rank, dp, pp, tp) | {"dp": [rank % (pp * tp) + i * tp for i in range(dp)]}
+
+
+def tp_sharing_coordinate(rank, dp, pp, tp):
+    """The tp group as the ranks with the rank's tp coordinate: the opposite of a tp group."""
+    return divmod_groups(rank, dp, pp, tp) | {"tp": [r for r in range(dp * pp * tp) if r % tp == rank % tp]}
+
+
+def pp_consecutive(rank, dp, pp, tp):
+    """The pp group as consecutive ranks, as if pp were innermost."""
+    start = rank // (pp * tp) * pp * tp + rank % tp * pp
+    return divmod_groups(rank, dp, pp, tp) | {"pp": list(range(start, start + pp))}
+
+
+WRONG_GROUPS = {
+    "without the rank": (without_rank, ['groups(0, 2, 2, 2)["dp"] is [4]', "does not hold rank 0 itself"]),
+    "unsorted": (rank_first, ['rank 1 is at (dp 0, pp 0, tp 1); your groups(1, 2, 2, 2)["tp"] is [1, 0]',
+                              "the mesh's tp group is [0, 1]", "out of order: sort them"]),
+    "other-axis neighbours": (dp_by_tp_only, ["is [0, 2, 4, 6], the mesh's dp group is [0, 4]",
+                                              "also holds rank 2, at (dp 0, pp 1, tp 0), which differs from rank 0 "
+                                              "on pp too"]),
+    "dp stride tp": (dp_stride_tp, ['groups(0, 2, 2, 2)["dp"] is [0, 2]', "Yours steps by tp = 2 ranks",
+                                    "consecutive dp coordinates are pp * tp = 4 ranks apart"]),
+    "sharing the coordinate": (tp_sharing_coordinate, ["the ranks with the same tp coordinate as rank 0",
+                                                       "The tp group is the opposite"]),
+    "pp consecutive": (pp_consecutive, ['["pp"] is [0, 1]', "Yours steps by 1 rank;",
+                                        "consecutive pp coordinates are tp = 2 ranks apart"]),
+    "a set": (lambda r, dp, pp, tp: divmod_groups(r, dp, pp, tp) | {"tp": set(divmod_groups(r, dp, pp, tp)["tp"])},
+              ['groups["tp"] is a set: return a sorted list']),
+    "twice": (lambda r, dp, pp, tp: divmod_groups(r, dp, pp, tp) | {"tp": [r] + divmod_groups(r, dp, pp, tp)["tp"]},
+              ["holds rank 0 twice"]),
+    "no dict": (lambda r, dp, pp, tp: [[r]] * 3, ['return a dict with the keys "dp", "pp" and "tp"']),
+}
+
+
+@pytest.mark.parametrize("name", WRONG_GROUPS)
+def test_wrong_groups_are_rejected_with_their_mistake_named(name):
+    fn, words = WRONG_GROUPS[name]
+    verdict = check_mesh_coordinates(divmod_coordinates, fn)
+    assert not verdict and repr(verdict).startswith("Not yet. "), verdict
+    for word in words:
+        assert word in verdict.message, (name, word, verdict.message)
+
+
+def test_other_arguments_are_refused_showing_what_came_back():
+    assert "pass your functions themselves" in check_mesh_coordinates("coordinates").message
+    assert "groups is str" in check_mesh_coordinates(divmod_coordinates, "groups").message
