@@ -1,0 +1,150 @@
+"""On a rank, while check_no_sync_accumulation grades notebook 07's exercise: the training run, what is watched,
+and what the student's step left behind.
+
+Each rank wraps the same small model (`accumulation_model`, float64, seeded the same everywhere) in torch's
+DistributedDataParallel, makes an SGD optimizer, and calls the student's `fn(ddp_model, optimizer, microbatches)`
+once per optimizer step with this rank's micro-batches of that step's batch (`rank_microbatches`). Nothing is
+switched off; everything is watched where DDP and the optimizer report it:
+
+- each forward of the DDP model, and whether it ran with DDP's gradient synchronisation off (inside
+  `no_sync()`): DDP decides at the forward whether that backward will all-reduce (torch's
+  DistributedDataParallel.no_sync documentation), so the forward is what counts;
+- each bucket DDP all-reduces, through a communication hook (`DistributedDataParallel.register_comm_hook`) that
+  counts it and then does what DDP does by default (`default_hooks.allreduce_hook`: divide by N, all_reduce);
+- every all_reduce the process group receives (ProcessGroup.allreduce), so that one made by hand shows;
+- the gradient at each `optimizer.step()` (a step pre-hook), and the parameters after each call.
+
+The model is small enough that DDP puts all its gradients in one bucket (its first bucket holds 1 MB), so one
+synchronisation is one all_reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+import labkit
+from labkit.models import mlp
+
+__all__ = ["CLASSES", "FEATURES", "LR", "ROWS_PER_STEP", "STEPS", "StepRecord",
+           "accumulation_model", "attempt_accumulation", "counting_allreduces", "rank_microbatches", "step_batch"]
+
+FEATURES, HIDDEN, CLASSES = 4, 8, 3
+ROWS_PER_STEP = 24  # the large batch of one optimizer step, shared by the ranks and cut into micro-batches
+STEPS = 3  # optimizer steps: a second step shows gradients never zeroed
+LR = 0.5  # large, so that every mistake moves the parameters far
+
+
+def accumulation_model(device=None) -> torch.nn.Sequential:
+    """The graded model: 4 features, one hidden layer of 8, 3 classes, float64, the same seed on every rank."""
+    return mlp(features=FEATURES, hidden=HIDDEN, classes=CLASSES, layers=1, dtype=torch.float64).to(device)
+
+
+def step_batch(step: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The large batch of optimizer step `step` (ROWS_PER_STEP rows), the same on every rank and in the grader."""
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(ROWS_PER_STEP, FEATURES, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (ROWS_PER_STEP,), generator=generator)
+    return x.to(device), y.to(device)
+
+
+def rank_microbatches(step: int, rank: int, world_size: int, microbatches: int, device=None) -> list:
+    """Rank `rank`'s share of step `step`'s batch (a contiguous block of rows), cut into `microbatches` equal
+    (x, y) micro-batches."""
+    x, y = step_batch(step, device)
+    rows = ROWS_PER_STEP // world_size
+    mine = slice(rank * rows, (rank + 1) * rows)
+    return list(zip(x[mine].chunk(microbatches), y[mine].chunk(microbatches), strict=True))
+
+
+@dataclass
+class StepRecord:
+    """One call of the student's step on one rank: per forward of the DDP model, whether it ran inside no_sync();
+    forwards of the inner module; the buckets DDP all-reduced; all the all_reduces; the flat gradient at each
+    optimizer.step(); whether no_sync() was entered at all; the parameters after the call."""
+
+    no_sync_forwards: list[bool] = field(default_factory=list)
+    module_forwards: int = 0
+    syncs: int = 0
+    allreduces: int = 0  # every all_reduce the process group received: DDP's syncs and any made by hand
+    step_grads: list[list[float]] = field(default_factory=list)
+    entered_no_sync: bool = False
+    params: list[float] = field(default_factory=list)
+
+
+class Watch:
+    """Hooks on one DDP model and its optimizer that fill `current`, the StepRecord of the call under way."""
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer):
+        self.current = StepRecord()
+        self.ddp = ddp
+        ddp.register_forward_pre_hook(self._forward)
+        ddp.module.register_forward_pre_hook(self._module_forward)
+        ddp.register_comm_hook(None, self._sync)
+        optimizer.register_step_pre_hook(self._step)
+        self._no_sync = ddp.no_sync
+        ddp.no_sync = self._watched_no_sync
+
+    def _forward(self, module, args) -> None:
+        self.current.no_sync_forwards.append(not self.ddp.require_backward_grad_sync)
+
+    def _module_forward(self, module, args) -> None:
+        self.current.module_forwards += 1
+
+    def _sync(self, state, bucket):
+        """DDP's default reduction (divide by N, all_reduce), counted."""
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        self.current.syncs += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    def _step(self, optimizer, args, kwargs) -> None:
+        self.current.step_grads.append(flat_grads(self.ddp.module))
+
+    @contextlib.contextmanager
+    def _watched_no_sync(self):
+        self.current.entered_no_sync = True
+        with self._no_sync():
+            yield
+
+
+def flat_grads(model: torch.nn.Module) -> list[float]:
+    """Every parameter's gradient, flattened into one list (zeros where .grad is None)."""
+    return [v for p in model.parameters() for v in (p.grad if p.grad is not None else torch.zeros_like(p))
+            .flatten().tolist()]
+
+
+def attempt_accumulation(fn, microbatches: int) -> list[StepRecord]:
+    """On a rank: STEPS calls of fn(ddp_model, optimizer, this rank's micro-batches), watched; one record each."""
+    device = labkit.device()
+    ddp = torch.nn.parallel.DistributedDataParallel(accumulation_model(device))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    watch, records = Watch(ddp, optimizer), []
+    for step in range(STEPS):
+        watch.current = StepRecord()
+        with counting_allreduces(watch.current):
+            fn(ddp, optimizer, rank_microbatches(step, labkit.rank(), labkit.world_size(), microbatches, device))
+        watch.current.params = [v for p in ddp.module.parameters() for v in p.detach().flatten().tolist()]
+        records.append(watch.current)
+    return records
+
+
+@contextlib.contextmanager
+def counting_allreduces(record: StepRecord):
+    """Count in record.allreduces every all_reduce the process group receives inside the block
+    (ProcessGroup.allreduce, where dist.all_reduce and DDP's hook arrive), so that one made by hand shows."""
+    import torch.distributed as dist
+
+    original = vars(dist.ProcessGroup)["allreduce"]
+
+    def counted(group, *args, **kwargs):
+        record.allreduces += 1
+        return original(group, *args, **kwargs)
+
+    dist.ProcessGroup.allreduce = counted
+    try:
+        yield
+    finally:
+        dist.ProcessGroup.allreduce = original

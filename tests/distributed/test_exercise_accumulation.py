@@ -1,0 +1,252 @@
+"""check_no_sync_accumulation (notebook 07's exercise) against a catalogue of wrong solutions, each rejected with a
+message that names the mistake, and right solutions written in different ways, all accepted.
+
+Three wrong ones reach the right parameters (no no_sync at all, the forward outside it, an average by hand on
+top of DDP's): only the count of all_reduces, DDP's through its communication hook and the process group's,
+catches them.
+"""
+
+import contextlib
+import importlib
+
+import pytest
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import labkit
+from labkit.exercises.accumulation import check_no_sync_accumulation
+from labkit.exercises.verdict import Verdict
+
+HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_pools():
+    """Start the pools of 2 and 3 ranks and import the grader's rank side in them, so that no case's timeout is
+    spent starting processes on a loaded machine."""
+    for world_size in (2, 3):
+        labkit.run(importlib.import_module, "labkit.exercises.accumulation_guard", world_size=world_size)
+
+
+def loss_of(ddp_model, x, y, k):
+    return F.cross_entropy(ddp_model(x), y) / k
+
+
+# ---- right solutions, written differently ----------------------------------------------------------------
+
+def if_else(ddp_model, optimizer, microbatches):
+    """The lesson's loop: no_sync() for all but the last, then step and zero."""
+    k = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        if i < k - 1:
+            with ddp_model.no_sync():
+                loss_of(ddp_model, x, y, k).backward()
+        else:
+            loss_of(ddp_model, x, y, k).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def nullcontext_zero_first(ddp_model, optimizer, microbatches):
+    """One with-statement whose context is no_sync() or contextlib.nullcontext(); zero_grad before the loop."""
+    optimizer.zero_grad(set_to_none=False)
+    for batch in microbatches:
+        context = contextlib.nullcontext() if batch is microbatches[-1] else ddp_model.no_sync()
+        with context:
+            loss_of(ddp_model, *batch, len(microbatches)).backward()
+    optimizer.step()
+
+
+def summed_losses(ddp_model, optimizer, microbatches):
+    """Summed per-example losses over the rank's total count (equal micro-batches: the same as mean / k); the
+    first k-1 inside one no_sync() block; the model's own zero_grad after the step."""
+    rows = sum(len(y) for _, y in microbatches)
+    with ddp_model.no_sync():
+        for x, y in microbatches[:-1]:
+            (F.cross_entropy(ddp_model(x), y, reduction="sum") / rows).backward()
+    x, y = microbatches[-1]
+    (F.cross_entropy(ddp_model(x), y, reduction="sum") / rows).backward()
+    optimizer.step()
+    ddp_model.zero_grad()
+
+
+@pytest.mark.parametrize("fn", [if_else, nullcontext_zero_first, summed_losses])
+def test_right_solutions_pass_and_say_what_was_checked(fn):
+    verdict = check_no_sync_accumulation(fn)
+    assert verdict and isinstance(verdict, Verdict), verdict
+    assert "all-reduced once per optimizer step" in verdict.message, verdict
+    assert "equal one process trained on the large batch" in verdict.message, verdict
+
+
+# ---- wrong solutions: each rejected, naming its mistake ----------------------------------------------------
+
+def accumulate(ddp_model, microbatches, inside, divisor, zero_in_loop=None):
+    """Forward and backward of every micro-batch, micro-batch i inside no_sync() when inside(i, k), each loss
+    divided by divisor(k); zero_in_loop(optimizer) before each backward, if given."""
+    k = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if inside(i, k) else contextlib.nullcontext():
+            loss = F.cross_entropy(ddp_model(x), y) / divisor(k)
+            if zero_in_loop:
+                zero_in_loop()
+            loss.backward()
+
+
+def all_but_last(i, k):
+    return i < k - 1
+
+
+def by_k(k):
+    return k
+
+
+def no_no_sync(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, lambda i, k: False, by_k)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def forward_outside_no_sync(ddp_model, optimizer, microbatches):
+    k = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        loss = F.cross_entropy(ddp_model(x), y) / k
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def no_sync_around_all(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, lambda i, k: True, by_k)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def no_sync_on_the_last(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, lambda i, k: i > 0, by_k)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def not_divided(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, all_but_last, lambda k: 1)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def divided_by_k_and_n(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, all_but_last, lambda k: k * labkit.world_size())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def divided_by_n(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, all_but_last, lambda k: labkit.world_size())
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def zero_grad_in_the_loop(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, all_but_last, by_k, zero_in_loop=optimizer.zero_grad)
+    optimizer.step()
+
+
+def zero_grad_before_step(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, all_but_last, by_k)
+    optimizer.zero_grad()
+    optimizer.step()
+
+
+def never_zeroed(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, all_but_last, by_k)
+    optimizer.step()
+
+
+def step_in_the_loop(ddp_model, optimizer, microbatches):
+    k = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (F.cross_entropy(ddp_model(x), y) / k).backward()
+        optimizer.step()
+    optimizer.zero_grad()
+
+
+def around_ddp(ddp_model, optimizer, microbatches):
+    k = len(microbatches)
+    for x, y in microbatches:
+        (F.cross_entropy(ddp_model.module(x), y) / k).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def averaged_by_hand_too(ddp_model, optimizer, microbatches):
+    accumulate(ddp_model, microbatches, all_but_last, by_k)
+    for p in ddp_model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+WRONG = [
+    (no_no_sync, "after every micro-batch: 3 all_reduces in one optimizer step"),
+    (forward_outside_no_sync, "entered ddp_model.no_sync(), but every forward ran outside it"),
+    (no_sync_around_all, "every micro-batch ran inside no_sync(), so DDP never all-reduced"),
+    (no_sync_on_the_last, "wrapped the last 2 micro-batch(es) instead of the first 2"),
+    (not_divided, "3 times the large batch's: the loss was not divided by k = 3"),
+    (divided_by_k_and_n, "1/2 of the large batch's: the loss was divided by k x N = 6"),
+    (divided_by_n, "3/2 of the large batch's: the loss was divided by N = 2"),
+    (zero_grad_in_the_loop, "held only the last micro-batch's"),
+    (zero_grad_before_step, "gradient at optimizer.step() was zero"),
+    (never_zeroed, "still held the previous step's"),
+    (step_in_the_loop, "called optimizer.step() 3 times in one call, once per micro-batch"),
+    (around_ddp, "called ddp_model.module(x), the model inside DDP"),
+    (averaged_by_hand_too, "made 4 all_reduce(s) of its own in one optimizer step, besides DDP's 1"),
+]
+
+
+@pytest.mark.parametrize(("fn", "named"), WRONG, ids=[fn.__name__ for fn, _ in WRONG])
+def test_wrong_solutions_are_rejected_naming_the_mistake(fn, named):
+    verdict = check_no_sync_accumulation(fn)
+    assert not verdict and named in verdict.message, verdict
+    assert verdict.message.startswith("On 2 ranks with 3 micro-batches each"), verdict
+
+
+def test_the_second_case_divides_by_its_own_k_and_n():
+    """On 3 ranks with 2 micro-batches, dividing by N instead of k is 2/3 of the gradient: the first case's
+    right answer would not pass it by luck."""
+    from labkit.exercises.accumulation import ACCUMULATION_CASES
+
+    assert all(world_size != k for world_size, k in ACCUMULATION_CASES)
+    assert [case[0] for case in ACCUMULATION_CASES] == [2, 3]
+
+
+def test_a_grader_wants_the_function_itself():
+    verdict = check_no_sync_accumulation("train_step")
+    assert not verdict and "pass your function itself" in verdict.message
+    with pytest.raises(ValueError, match="timeout_seconds=0"):
+        check_no_sync_accumulation(print, timeout_seconds=0)
+
+
+def the_exercise_stub(ddp_model, optimizer, microbatches):
+    raise NotImplementedError("your turn")
+
+
+def test_the_stub_fails_kindly():
+    verdict = check_no_sync_accumulation(the_exercise_stub)
+    assert not verdict and "raised NotImplementedError: your turn" in verdict.message, verdict
+
+
+def rank_zero_syncs_every_time(ddp_model, optimizer, microbatches):
+    """Rank 0 leaves no_sync() out: it all-reduces three times, the other rank once, and waits for ever."""
+    inside = (lambda i, k: False) if labkit.rank() == 0 else all_but_last
+    accumulate(ddp_model, microbatches, inside, by_k)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_a_deadlock_is_stopped_and_said():
+    """Last in the file: the hang stops the pool of 2 ranks."""
+    verdict = check_no_sync_accumulation(rank_zero_syncs_every_time, timeout_seconds=HANG_SECONDS)
+    assert not verdict and f"it never finished (stopped after {HANG_SECONDS:g} s)" in verdict.message, verdict
+    assert "whatever its rank" in verdict.message, verdict
