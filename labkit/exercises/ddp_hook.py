@@ -1,0 +1,314 @@
+"""The grader of notebook 04's "your turn": a bucketed DDP gradient hook, run on real ranks against torch's DDP.
+
+The student writes `attach(model, bucket_nbytes)`. It registers a hook on every parameter with
+`p.register_post_accumulate_grad_hook(hook)`, which runs as soon as backward() has accumulated that parameter's
+gradient into `p.grad`; the hook adds the gradient to the current bucket, and once the bucket holds at least
+`bucket_nbytes` bytes it starts `dist.all_reduce(flat, async_op=True)` on the bucket's gradients flattened into
+one tensor, and starts a new bucket. `attach` returns `finish()`, which the training loop calls after backward():
+it all-reduces the last bucket (not full), waits for every handle, divides by N and copies each averaged slice
+back into its `p.grad`. That is torch's DistributedDataParallel (Li et al., "PyTorch Distributed: Experiences on
+Accelerating Data Parallel Training", VLDB 2020, 3.2.2 gradient bucketing, 3.2.3 overlapping computation with
+communication). DDP's own rule, buckets of at most `bucket_nbytes` (a bigger gradient alone), passes too.
+
+`check_bucketed_ddp_hook(attach)` trains the same small model on 3, then 2 gloo ranks, each rank on its own equal
+shard of one batch, a few SGD steps (`labkit.exercises.ddp_hook_guard`). A solution passes only if, on every rank:
+
+- it communicated through dist.all_reduce only (torch's DDP and labkit.parallel's BucketedDDP and
+  average_gradients are switched off), with hooks from register_post_accumulate_grad_hook, not register_hook;
+- the first all_reduce of every step started while loss.backward() was still running (overlap), no handle was
+  waited before backward() returned, and every handle was waited;
+- its all_reduces are the buckets: as many as the gradients, in the order they became ready, make under the rule;
+- after finish(), every gradient equals torch's DistributedDataParallel's on the same rank, and the whole batch's
+  in one process (float64, within 1e-9), at every step, and the trained parameters equal DDP's.
+"""
+
+from __future__ import annotations
+
+import labkit
+from labkit.checks import timeout_seconds as checked_timeout
+from labkit.exercises.allreduce import TIMEOUT_SECONDS
+from labkit.exercises.average_guard import BATCH, OutOfStep
+from labkit.exercises.ddp_hook_guard import (
+    BUCKET_NBYTES,
+    STEPS,
+    attempt_hook,
+    ddp_reference,
+    hook_model,
+    last_hook_attempt,
+    one_process_run,
+)
+from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.progress import graded
+from labkit.exercises.verdict import Verdict
+from labkit.launch.errors import NoReply
+
+__all__ = ["HOOK_CASES", "TOLERANCE", "check_bucketed_ddp_hook", "expected_buckets"]
+
+HOOK_CASES = (3, 2)  # three first: a missing division by N shows as 3x
+TOLERANCE = 1e-9  # float64: a right answer is within 1e-15 of DDP's; every mistake is off by far more
+REFERENCE_SECONDS = 120.0  # torch's DDP, the grader's own run: its first use in a rank imports for seconds
+_NAMED = [(name, p.numel()) for name, p in hook_model().named_parameters()]
+_ITEM_NBYTES = 8  # float64
+_WRONG_HOOK = ("You registered p.register_hook(...): a tensor hook runs when the gradient is computed, before "
+               "it is accumulated into p.grad (at the first step p.grad is still None). Use "
+               "p.register_post_accumulate_grad_hook(hook): hook(p) runs once p.grad holds the new gradient.")
+
+
+@graded("bucketed_ddp_hook")
+def check_bucketed_ddp_hook(attach, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
+    """Grade `attach(model, bucket_nbytes) -> finish`: a bucketed DDP from gradient hooks (module docstring).
+
+    Example::
+
+        >>> def attach(model, bucket_nbytes):   # no hooks: everything all-reduced in finish, after the backward
+        ...     import torch.distributed as dist
+        ...     def finish():
+        ...         for p in model.parameters():
+        ...             dist.all_reduce(p.grad)
+        ...             p.grad /= dist.get_world_size()
+        ...     return finish
+        >>> check_bucketed_ddp_hook(attach, record=False)
+        Not yet. On 3 ranks (a batch of 24 rows, 8 per rank), ...after loss.backward() returned...
+    """
+    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
+    if not callable(attach):
+        return Verdict(False, "pass your function itself, e.g. check_bucketed_ddp_hook(attach), not "
+                              f"{type(attach).__name__}.")
+    alone = one_process_run()
+    for world_size in HOOK_CASES:
+        problem = _case_problem(attach, world_size, alone, timeout_seconds)
+        if problem:
+            return Verdict(False, f"On {world_size} ranks (a batch of {BATCH} rows, {BATCH // world_size} per "
+                                  f"rank), {problem}")
+    cases = " and ".join(map(str, HOOK_CASES))
+    return Verdict(True, f"on {cases} ranks your hooks all-reduced the gradients in buckets as the backward made "
+                         f"them, the first while loss.backward() was still running, and finish() waited for "
+                         f"every one; after it every gradient equals torch's DistributedDataParallel's and the "
+                         f"whole batch's in one process, at each of {STEPS} SGD steps. That is DDP's bucketing and "
+                         "overlap (Li et al. 2020, 3.2.2-3.2.3).")
+
+
+def _case_problem(attach, world_size: int, alone, timeout_seconds: float) -> str | None:
+    """What is wrong with attach on `world_size` ranks, or None."""
+    ddp = labkit.run(ddp_reference, world_size=world_size, timeout=REFERENCE_SECONDS)
+    _check_reference(ddp, alone)
+    try:
+        outcomes = labkit.run(attempt_hook, attach, world_size=world_size, timeout=timeout_seconds)
+    except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
+        return _hang_message(hang, timeout_seconds)
+    except labkit.RankError as error:
+        return _error_message(error, _last_attempts(error, world_size))
+    if any([launch.numel for launch in o.launches] != [launch.numel for launch in outcomes[0].launches]
+           for o in outcomes):
+        stop_pool(world_size)
+    return _calls_problem(outcomes) or _values_problem(outcomes, ddp)
+
+
+def _check_reference(ddp, alone) -> None:
+    """torch's DDP must equal one process on the whole batch; if not, the grader itself is broken."""
+    for grads, final in ddp:
+        if _gap(final, alone[1]) > TOLERANCE or any(_gap(g, a) > TOLERANCE for g, a in zip(grads, alone[0],
+                                                                                             strict=True)):
+            raise RuntimeError("check_bucketed_ddp_hook: torch's DDP differs from one process on the whole batch; "
+                               "the grader cannot judge (please report this).")
+
+
+def _last_attempts(error: labkit.RankError, world_size: int) -> list[dict] | None:
+    """Each rank's hooks and all_reduce sizes when the attempt raised; the pool is stopped if the ranks' all_reduces
+    are out of step (the next case's would meet them). None when the pool was stopped already."""
+    if "pool was stopped" in error.headline or any(f.kind == NoReply.DIED for f in error.failures):
+        return None
+    try:
+        last = labkit.run(last_hook_attempt, world_size=world_size)
+    except labkit.RankError:
+        return None  # then labkit has stopped the pool itself
+    if any(entry.get("numels") != last[0].get("numels") for entry in last):
+        stop_pool(world_size)
+    return last
+
+
+def expected_buckets(ready: list[int], bucket_nbytes: int = BUCKET_NBYTES) -> list[list[list[int]]]:
+    """The buckets (lists of parameter indices) that gradients ready in the order `ready` make: under the
+    exercise's rule (send once a bucket holds at least bucket_nbytes), then under DDP's (at most bucket_nbytes,
+    a bigger gradient alone)."""
+    at_least, at_most, bucket, capped = [], [], [], []
+    for index in ready:
+        nbytes = _NAMED[index][1] * _ITEM_NBYTES
+        if capped and _nbytes(capped) + nbytes > bucket_nbytes:
+            at_most.append(capped)
+            capped = []
+        capped, bucket = capped + [index], bucket + [index]
+        if _nbytes(bucket) >= bucket_nbytes:
+            at_least.append(bucket)
+            bucket = []
+    return [at_least + [bucket] * bool(bucket), at_most + [capped] * bool(capped)]
+
+
+def _nbytes(indices: list[int]) -> int:
+    return sum(_NAMED[i][1] for i in indices) * _ITEM_NBYTES
+
+
+def _calls_problem(outcomes) -> str | None:
+    """A refused call, a wrong hook, no overlap, a wait too early or never, or all_reduces that are not the buckets."""
+    for rank, outcome in enumerate(outcomes):
+        if outcome.forbidden:
+            return _forbidden_message(rank, outcome.forbidden[0], caught=True)
+    for rank, outcome in enumerate(outcomes):
+        problem = _rank_calls_problem(rank, outcome)
+        if problem:
+            return problem
+    for rank, outcome in enumerate(outcomes):
+        for step in range(STEPS):
+            problem = _buckets_problem(rank, step, outcome)
+            if problem:
+                return problem
+    return None
+
+
+def _rank_calls_problem(rank: int, outcome) -> str | None:
+    """What attach returned, which hooks it used, and when its all_reduces started and were waited, on one rank."""
+    if outcome.returned is not None:
+        return (f"attach returned {outcome.returned}, not a function: end attach with `return finish`, the "
+                "function (no arguments) that the training loop calls after each backward().")
+    if outcome.hooks.get("register_hook") and not outcome.hooks.get("register_post_accumulate_grad_hook"):
+        return f"rank {rank}'s gradients were not all averaged in time. {_WRONG_HOOK}"
+    if not outcome.launches:
+        return (f"rank {rank} made no all_reduce: each rank kept its own gradient. Start dist.all_reduce(flat, "
+                "async_op=True) on each full bucket, from the hooks.")
+    op = next((op for op in outcome.ops if op not in ("SUM", "AVG")), None)
+    if op:
+        return (f"rank {rank} all-reduced with ReduceOp.{op}: that keeps the {op.lower()} over the ranks, not their "
+                "sum. Use dist.all_reduce(flat, async_op=True) (ReduceOp.SUM, the default), then divide by N.")
+    if outcome.unwaited:
+        return (f"rank {rank} started {outcome.unwaited} all_reduce(s) with async_op=True and never called wait() "
+                "on the handle: the bucket was read before the reduction finished. Keep every handle and, in "
+                "finish(), call handle.wait() before you copy the bucket back.")
+    if any(launch.waited_in_backward for launch in outcome.launches):
+        return (f"rank {rank} waited for an all_reduce while loss.backward() was still running (handle.wait() "
+                "right after starting it, or an all_reduce without async_op=True, inside the hook): the "
+                "backward stops until the network is done, so nothing overlaps. Keep the handles and wait for "
+                "them all in finish().")
+    for step in range(len(outcome.order)):
+        first = next((launch for launch in outcome.launches if launch.step == step), None)
+        if first is None or not first.in_backward:
+            hooked = outcome.hooks.get("register_post_accumulate_grad_hook")
+            why = "" if hooked else " (attach registered no hook on the parameters)"
+            return (f"at step {step + 1} rank {rank}'s first all_reduce started after loss.backward() returned"
+                    f"{why}: nothing overlapped the backward. Start each bucket's all_reduce from the hook, as "
+                    "soon as the bucket is full; finish() only sends the last one and waits.")
+    return None
+
+
+def _buckets_problem(rank: int, step: int, outcome) -> str | None:
+    """The step's all_reduce sizes against the buckets that the order the gradients became ready makes."""
+    numels = [launch.numel for launch in outcome.launches if launch.step == step]
+    ready = outcome.order[step]
+    options = expected_buckets(ready)
+    if numels in [[_nbytes(b) // _ITEM_NBYTES for b in option] for option in options]:
+        return None
+    total, sizes = sum(n for _, n in _NAMED), sorted(n for _, n in _NAMED)
+    where = f"at step {step + 1} rank {rank} all-reduced {len(numels)} tensor(s) of {numels} elements"
+    rule = (f"With bucket_nbytes = {BUCKET_NBYTES} bytes ({BUCKET_NBYTES // _ITEM_NBYTES} float64 numbers) and the "
+            f"gradients ready in the order {', '.join(f'{_NAMED[i][0]} ({_NAMED[i][1]})' for i in ready)}, the "
+            f"buckets hold {[_nbytes(b) // _ITEM_NBYTES for b in options[0]]} elements.")
+    if sorted(numels) == sizes:
+        return (f"{where}: one all_reduce per parameter, no buckets. Add each ready gradient to the bucket and "
+                f"all-reduce the bucket as one flat tensor (torch.cat of the flattened gradients) once it holds "
+                f"bucket_nbytes. {rule}")
+    if sum(numels) < total:
+        return (f"{where}: {sum(numels)} of the {total} gradient numbers. The last bucket, not full when the "
+                f"backward ended ({total - sum(numels)} numbers), was never sent: in finish(), all-reduce what is "
+                f"left in the bucket before you wait. {rule}")
+    if sum(numels) > total:
+        return (f"{where}: {sum(numels)} numbers, more than the {total} of the gradients: a gradient went out "
+                f"twice. Empty the bucket after sending it, and start each step with an empty one. {rule}")
+    return f"{where}, not the buckets. {rule} Send a bucket as soon as it holds at least bucket_nbytes."
+
+
+def _values_problem(outcomes, ddp) -> str | None:
+    """Gradients after finish() against torch's DDP's on the same rank, step by step; then the trained models."""
+    world_size = len(outcomes)
+    for step in range(STEPS):
+        for rank, outcome in enumerate(outcomes):
+            problem = _step_problem(outcome.averaged[step], outcome.local[step], ddp[rank][0][step], world_size)
+            if problem:
+                return f"at SGD step {step + 1} of {STEPS}, after finish(), rank {rank}'s {problem}"
+    for rank, outcome in enumerate(outcomes):
+        gap = _gap(outcome.final, ddp[rank][1])
+        if gap > TOLERANCE:
+            return (f"rank {rank}'s model after {STEPS} steps differs from torch's DDP's by {gap:.3g}: did attach or "
+                    "finish change anything but .grad?")
+    return None
+
+
+def _step_problem(got, local, want, world_size: int) -> str | None:
+    """One rank's gradients after finish(): the rank's own (not copied back), N times too large, partly averaged."""
+    wrong = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if _gap([g], [w]) > TOLERANCE]
+    if not wrong:
+        return None
+    kept = [i for i in wrong if _gap([got[i]], [local[i]]) <= TOLERANCE]
+    if len(kept) == len(got):
+        return ("gradients are still its own, not the average: finish() must copy each averaged slice of the "
+                "all-reduced flat bucket back into its parameter's .grad (p.grad.copy_(slice.view_as(p))).")
+    if kept:
+        averaged = [i for i in range(len(got)) if i not in kept]
+        return (f"gradients of {_names(kept)} are still its own (not averaged), while {_names(averaged)} were: "
+                "every parameter's gradient must go out in a bucket and come back averaged.")
+    scaled = [[x * world_size for x in w] for w in want]
+    if len(wrong) == len(got) and _gap(got, scaled) <= TOLERANCE * world_size:
+        return (f"gradients hold the sum over the ranks: divide by N = {world_size} after waiting (flat /= "
+                "dist.get_world_size()) before copying back.")
+    first = wrong[0]
+    return (f"gradient of {_NAMED[first][0]} differs from torch's DistributedDataParallel's by "
+            f"{_gap([got[first]], [want[first]]):.3g}. After finish(), each p.grad must hold the sum over the ranks "
+            "divided by N.")
+
+
+def _names(indices: list[int]) -> str:
+    return ", ".join(_NAMED[i][0] for i in indices)
+
+
+def _gap(got, want) -> float:
+    """The largest absolute difference between two lists of lists of floats (inf if their shapes differ)."""
+    if [len(g) for g in got] != [len(w) for w in want]:
+        return float("inf")
+    return max((abs(a - b) for g, w in zip(got, want, strict=True) for a, b in zip(g, w, strict=True)), default=0.0)
+
+
+def _hang_message(hang: labkit.RankTimeout, timeout_seconds: float) -> str:
+    """A run that never finished: where the first ranks waited, and why all_reduce waits."""
+    return (f"it never finished (stopped after {timeout_seconds:g} s): a rank waited in an all_reduce that the "
+            f"others did not join. {where_ranks_waited(hang)}. Every rank must start the same buckets in the same "
+            "order, the order its gradients become ready, which is the same on every rank.")
+
+
+def _error_message(error: labkit.RankError, last: list[dict] | None) -> str:
+    """A run that raised: the first switched-off call, a wrong hook, ranks out of step, else the first error."""
+    first, spelling = first_failure(error)
+    if spelling is not None:
+        return _forbidden_message(first.rank, spelling, caught=False)
+    summary = first.summary.strip().removesuffix(".")
+    if summary.startswith(f"{OutOfStep.__module__}.OutOfStep: "):
+        return (f"{summary.split(': ', 1)[1]}: the ranks' buckets went out in different orders or sizes. On real "
+                "ranks that sums unrelated gradients, or hangs, or aborts (gloo: 'Received data size doesn't "
+                "match expected size'). Every rank must fill its buckets in the order its gradients become ready, "
+                "whatever the rank.")
+    message = f"rank {first.rank} raised {summary}."
+    hooks = (last or [{}])[min(first.rank, len(last or [{}]) - 1)].get("hooks", {})
+    if hooks.get("register_hook") and not hooks.get("register_post_accumulate_grad_hook"):
+        message += f" {_WRONG_HOOK}"
+    elif "AVG" in first.summary:
+        message += " gloo has no ReduceOp.AVG: all-reduce with ReduceOp.SUM (the default), then divide by N."
+    return message
+
+
+def _forbidden_message(rank: int, spelling: str, caught: bool) -> str:
+    """Rank `rank` called `spelling`, switched off while this exercise is graded: why, and what to use."""
+    also = " (and caught the error; it still counts)" if caught else ""
+    if "labkit.parallel" in spelling or "DistributedDataParallel" in spelling:
+        why = ("That is a ready-made data parallelism, which does the exercise for you: register the hooks "
+               "yourself and start dist.all_reduce(flat, async_op=True) on each full bucket.")
+    else:
+        why = ("This exercise needs one collective only: dist.all_reduce (SUM) of each bucket, async_op=True. "
+               "Other communication is switched off while it is graded.")
+    return f"rank {rank} called {spelling}{also}. {why}"

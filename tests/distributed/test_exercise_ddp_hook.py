@@ -1,0 +1,371 @@
+"""check_bucketed_ddp_hook (notebook 04's exercise) against a catalogue of wrong solutions, each rejected with a
+message that names the mistake, and right solutions written in different ways, all accepted.
+
+Several wrong ones give the right values (everything reduced in finish, waiting inside the hook, one all_reduce
+per parameter, torch's DDP): only the guard catches them, at the process-group level and by the backward's clock.
+"""
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+import labkit
+from labkit.exercises.ddp_hook import check_bucketed_ddp_hook, expected_buckets
+from labkit.exercises.verdict import Verdict
+
+HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_pools():
+    """Start the pools of 2 and 3 ranks and import the grader's rank side in them, so that no case's timeout is
+    spent starting processes on a loaded machine."""
+    for world_size in (2, 3):
+        labkit.run(importlib.import_module, "labkit.exercises.ddp_hook_guard", world_size=world_size)
+
+
+def n():
+    return dist.get_world_size()
+
+
+def nbytes(tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---- right solutions, written differently ----------------------------------------------------------------
+
+def closures(model, bucket_nbytes):
+    """The lesson's shape: a bucket list, a list of (handle, flat, params) in flight, finish() copies back."""
+    bucket, in_flight = [], []
+
+    def send():
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
+        bucket.clear()
+
+    def hook(p):
+        bucket.append(p)
+        if nbytes(q.grad for q in bucket) >= bucket_nbytes:
+            send()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        if bucket:
+            send()
+        for handle, flat, params in in_flight:
+            handle.wait()
+            flat /= n()
+            for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                p.grad.copy_(piece.view_as(p))
+        in_flight.clear()
+
+    return finish
+
+
+class Bucketer:
+    """A class: flatten/unflatten from torch._utils, the division before the copy, the bytes counted as it goes."""
+
+    def __init__(self, model, bucket_nbytes):
+        self.cap, self.grads, self.filled, self.pending = bucket_nbytes, [], 0, []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.ready)
+
+    def ready(self, p):
+        self.grads.append(p.grad)
+        self.filled += p.grad.numel() * p.grad.element_size()
+        if self.filled >= self.cap:
+            self.launch()
+
+    def launch(self):
+        flat = _flatten_dense_tensors(self.grads)
+        self.pending.append((dist.all_reduce(flat, op=dist.ReduceOp.SUM, async_op=True), flat, self.grads))
+        self.grads, self.filled = [], 0
+
+    def finish(self):
+        if self.grads:
+            self.launch()
+        while self.pending:
+            work, flat, grads = self.pending.pop(0)
+            work.wait()
+            for grad, averaged in zip(grads, _unflatten_dense_tensors(flat / n(), grads), strict=True):
+                grad.copy_(averaged)
+
+
+def as_a_class(model, bucket_nbytes):
+    return Bucketer(model, bucket_nbytes).finish
+
+
+def ddp_capped(model, bucket_nbytes):
+    """DDP's own rule: a bucket holds at most bucket_nbytes; a gradient that would overflow it starts the next.
+    The averages are assigned as new tensors; the futures waited through get_future()."""
+    state = {"bucket": [], "works": []}
+
+    def send():
+        params = state["bucket"]
+        flat = torch.cat([p.grad.flatten() for p in params])
+        state["works"].append((dist.all_reduce(flat, async_op=True), flat, params))
+        state["bucket"] = []
+
+    def hook(p):
+        if state["bucket"] and nbytes(q.grad for q in state["bucket"]) + nbytes([p.grad]) > bucket_nbytes:
+            send()
+        state["bucket"].append(p)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        if state["bucket"]:
+            send()
+        for work, flat, params in state["works"]:
+            work.wait()
+            offset = 0
+            for p in params:
+                p.grad = (flat[offset:offset + p.numel()] / n()).view_as(p).clone()
+                offset += p.numel()
+        state["works"] = []
+
+    return finish
+
+
+@pytest.mark.parametrize("attach", [closures, as_a_class, ddp_capped])
+def test_right_solutions_pass_and_say_what_was_checked(attach):
+    verdict = check_bucketed_ddp_hook(attach, record=False)
+    assert verdict and isinstance(verdict, Verdict), verdict
+    assert "equals torch's DistributedDataParallel's" in verdict.message, verdict
+    assert "while loss.backward() was still running" in verdict.message, verdict
+
+
+def test_expected_buckets_under_both_rules():
+    """The model's gradients (227 float64 numbers) ready last layer first, in buckets of 480 bytes (60 numbers)."""
+    ready = [7, 6, 5, 4, 3, 2, 1, 0]  # 6.bias 3, 6.weight 24, 4.bias 8, 4.weight 64, 2.bias 8, ...
+    at_least, at_most = expected_buckets(ready)
+    assert at_least == [[7, 6, 5, 4], [3, 2], [1, 0]]   # 99, 72, then the last 56, not full, sent by finish()
+    assert at_most == [[7, 6, 5], [4], [3], [2], [1, 0]]  # 35, 64 alone, 8, 64 alone, 56
+
+
+# ---- wrong solutions: each rejected, naming its mistake ----------------------------------------------------
+
+def no_divide(model, bucket_nbytes):
+    return _hooked(model, bucket_nbytes, send_rest=True, divide=False)
+
+
+def one_per_parameter(model, bucket_nbytes):
+    works = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: works.append((dist.all_reduce(p.grad, async_op=True), p)))
+
+    def finish():
+        for work, p in works:
+            work.wait()
+            p.grad /= n()
+        works.clear()
+
+    return finish
+
+
+def all_in_finish(model, bucket_nbytes):
+    """Buckets, but every one launched after the backward: nothing overlaps."""
+    def finish():
+        bucket = []
+        for p in reversed(list(model.parameters())):
+            bucket.append(p)
+            if nbytes(q.grad for q in bucket) >= bucket_nbytes or p is next(model.parameters()):
+                flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+                dist.all_reduce(flat)
+                for q, piece in zip(bucket, (flat / n()).split([q.numel() for q in bucket]), strict=True):
+                    q.grad.copy_(piece.view_as(q))
+                bucket = []
+    return finish
+
+
+def tensor_hook(model, bucket_nbytes):
+    """register_hook instead of register_post_accumulate_grad_hook: it fires before p.grad is there."""
+    bucket, in_flight = [], []
+    for p in model.parameters():
+        p.register_hook(lambda grad, p=p: _fill(p, bucket, in_flight, bucket_nbytes))
+    return _finish(bucket, in_flight, send_rest=True)
+
+
+def wait_in_hook(model, bucket_nbytes):
+    """Each bucket waited for right after it starts, inside the hook: the backward stalls."""
+    bucket = []
+
+    def hook(p):
+        bucket.append(p)
+        if nbytes(q.grad for q in bucket) >= bucket_nbytes or p is next(model.parameters()):
+            flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+            dist.all_reduce(flat, async_op=True).wait()
+            for q, piece in zip(bucket, (flat / n()).split([q.numel() for q in bucket]), strict=True):
+                q.grad.copy_(piece.view_as(q))
+            bucket.clear()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return lambda: None
+
+
+def never_waits(model, bucket_nbytes):
+    bucket, in_flight = [], []
+
+    def send():
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        dist.all_reduce(flat, async_op=True)
+        in_flight.append((flat, list(bucket)))
+        bucket.clear()
+
+    def hook(p):
+        bucket.append(p)
+        if nbytes(q.grad for q in bucket) >= bucket_nbytes:
+            send()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        if bucket:
+            send()
+        for flat, params in in_flight:
+            for p, piece in zip(params, (flat / n()).split([p.numel() for p in params]), strict=True):
+                p.grad.copy_(piece.view_as(p))
+        in_flight.clear()
+
+    return finish
+
+
+def last_bucket_never_sent(model, bucket_nbytes):
+    return _hooked(model, bucket_nbytes, send_rest=False)
+
+
+def no_copy_back(model, bucket_nbytes):
+    return _hooked(model, bucket_nbytes, send_rest=True, copy_back=False)
+
+
+def _fill(p, bucket, in_flight, bucket_nbytes):
+    """The hook of the wrong solutions below: add p, start the bucket's all_reduce once it is full."""
+    bucket.append(p)
+    if nbytes(q.grad for q in bucket) >= bucket_nbytes:
+        flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+        in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
+        bucket.clear()
+
+
+def _hooked(model, bucket_nbytes, send_rest, copy_back=True, divide=True):
+    """Hooks by _fill, and _finish's finish."""
+    bucket, in_flight = [], []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: _fill(p, bucket, in_flight, bucket_nbytes))
+    return _finish(bucket, in_flight, send_rest, copy_back, divide)
+
+
+def _finish(bucket, in_flight, send_rest, copy_back=True, divide=True):
+    """finish() of the wrong solutions: send the rest or not, divide or not, copy back or not."""
+    def finish():
+        if send_rest and bucket:
+            flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+            in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
+        bucket.clear()
+        for work, flat, params in in_flight:
+            work.wait()
+            if divide:
+                flat /= n()
+            for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+                if copy_back:
+                    p.grad.copy_(piece.view_as(p))
+        in_flight.clear()
+
+    return finish
+
+
+def rank_dependent_buckets(model, bucket_nbytes):
+    """Buckets fixed in advance from the parameters' order, which odd ranks take the other way round."""
+    params = list(model.parameters())
+    if dist.get_rank() % 2:
+        params.reverse()
+    buckets, current = [], []
+    for p in params:
+        current.append(p)
+        if nbytes(current) >= bucket_nbytes:
+            buckets.append(current)
+            current = []
+    buckets += [current] if current else []
+    works = []
+
+    def hook(p):
+        for b in buckets:
+            if any(p is q for q in b) and all(q.grad is not None for q in b) and not any(b is w[2] for w in works):
+                flat = torch.cat([q.grad.reshape(-1) for q in b])
+                works.append((dist.all_reduce(flat, async_op=True), flat, b))
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for work, flat, b in works:
+            work.wait()
+            for q, piece in zip(b, (flat / n()).split([q.numel() for q in b]), strict=True):
+                q.grad.copy_(piece.view_as(q))
+        works.clear()
+
+    return finish
+
+
+def torch_ddp(model, bucket_nbytes):
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_nbytes / 2**20)
+    return lambda: ddp
+
+
+def labkit_bucketed(model, bucket_nbytes):
+    from labkit.parallel import BucketedDDP
+
+    return BucketedDDP(model, bucket_mb=bucket_nbytes / 2**20).finish
+
+
+def returns_nothing(model, bucket_nbytes):
+    closures(model, bucket_nbytes)
+
+
+@pytest.mark.parametrize(("attach", "named"), [
+    (no_divide, "hold the sum over the ranks: divide by N = 3"),
+    (one_per_parameter, "one all_reduce per parameter, no buckets"),
+    (all_in_finish, "first all_reduce started after loss.backward() returned (attach registered no hook"),
+    (tensor_hook, "You registered p.register_hook(...)"),
+    (wait_in_hook, "waited for an all_reduce while loss.backward() was still running"),
+    (never_waits, "never called wait() on the handle"),
+    (last_bucket_never_sent, "The last bucket, not full when the backward ended (56 numbers), was never sent"),
+    (no_copy_back, "gradients are still its own, not the average: finish() must copy"),
+    (rank_dependent_buckets, "the ranks' buckets went out in different orders or sizes"),
+    (torch_ddp, "called torch.nn.parallel.DistributedDataParallel"),
+    (labkit_bucketed, "called labkit.parallel's BucketedDDP"),
+    (returns_nothing, "attach returned None, not a function"),
+])
+def test_wrong_solutions_are_rejected_naming_the_mistake(attach, named):
+    verdict = check_bucketed_ddp_hook(attach, record=False)
+    assert not verdict and named in verdict.message, verdict
+    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank), "), verdict
+
+
+def test_a_grader_wants_the_function_itself():
+    verdict = check_bucketed_ddp_hook("attach", record=False)
+    assert not verdict and "pass your function itself" in verdict.message
+    with pytest.raises(ValueError, match="timeout_seconds=0"):
+        check_bucketed_ddp_hook(print, timeout_seconds=0)
+
+
+def rank_zero_skips(model, bucket_nbytes):
+    """Rank 0 'already has' the average: the others wait in their first all_reduce for ever."""
+    if dist.get_rank() == 0:
+        return lambda: None
+    return closures(model, bucket_nbytes)
+
+
+def test_a_deadlock_is_stopped_and_said():
+    """Last in the file: the hang stops the pool of 3 ranks."""
+    verdict = check_bucketed_ddp_hook(rank_zero_skips, timeout_seconds=HANG_SECONDS, record=False)
+    assert not verdict and f"it never finished (stopped after {HANG_SECONDS:g} s)" in verdict.message, verdict
+    assert "same buckets in the same order" in verdict.message, verdict
