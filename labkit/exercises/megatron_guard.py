@@ -1,0 +1,221 @@
+"""On a rank, while check_megatron_f_g grades notebook 05's exercise: the parallel MLP, the guard, and what the
+student's f and g left behind.
+
+Each rank builds the same full MLP, Z = GeLU(X A^T + b1) B^T + b2 (float64, seeded the same everywhere: `full_mlp`),
+keeps its share of it (A and b1 split by output features, B by input features, the whole b2: Shoeybi et al. 2019,
+section 3) and runs it through the student's operators:
+
+    X -> f -> GeLU(X A_r^T + b1_r) B_r^T -> g -> + b2 = Z,   loss = sum(Z * W)   (W: fixed weights, the same
+                                                                                   on every rank)
+
+While f and g run, forward and backward, a `MegatronGuard` is on: every all_reduce is recorded where the process
+group receives it (ProcessGroup.allreduce), with the operator that made it (f or g: the guard is told around each
+apply() and, by hooks on the autograd node that apply() made, around each backward) and the direction.
+Everything else that communicates raises `ForbiddenCall`, and so do the ready-made operators: labkit.parallel's
+own f and g (copy_to_tensor_parallel, reduce_from_tensor_parallel, ...) and torch.distributed.nn.functional's
+autograd collectives, found on the call stack.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import labkit
+from labkit.exercises.guard import Guard
+
+__all__ = ["BATCH", "HIDDEN", "WIDTH", "AllReduceCall", "MegatronGuard", "MegatronOutcome", "attempt_megatron",
+           "calls_of_last_attempt", "full_mlp", "ready_made_caller", "reference_mlp"]
+
+BATCH, WIDTH, HIDDEN = 5, 6, 12  # 5 tokens of 6 features; 12 hidden features split 6 + 6 or 4 + 4 + 4
+# What the student may not call: every way into torch.distributed's communication but all_reduce.
+_TORCH_FUNCTIONS = (
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce_coalesced", "reduce", "broadcast", "barrier",
+    "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object", "gather", "gather_object",
+    "scatter", "scatter_object_list", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",
+    "all_to_all", "all_to_all_single", "send_object_list", "recv_object_list", "_all_gather_base",
+    "_reduce_scatter_base", "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
+    "shrink_group", "init_device_mesh", "init_process_group", "destroy_process_group",
+)
+_GROUP_METHODS = (
+    "send", "recv", "recv_anysource", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "barrier",
+    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
+    "all_to_all_single", "monitored_barrier", "split_group", "merge_remote_group",
+)
+_BACKEND_METHODS = (
+    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+    "allgather_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall",
+    "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+)
+_PARALLEL = Path(labkit.__file__).parent / "parallel"  # labkit's own f and g live here ...
+_ALLOWED = _PARALLEL / "counters.py"  # ... but all_reduce_sum is only dist.all_reduce (SUM), allowed
+_TORCH_AUTOGRAD_COLLECTIVES = Path(torch.__file__).parent / "distributed" / "nn" / "functional.py"
+
+
+def full_mlp(device=None) -> dict[str, torch.Tensor]:
+    """The graded MLP in one process, the same on every rank (seeded): X (BATCH, WIDTH), A (HIDDEN, WIDTH), b1,
+    B (WIDTH, HIDDEN), b2, and W, the weights of the loss sum(Z * W); float64, so float error stays far below
+    any mistake."""
+    generator = torch.Generator().manual_seed(5)
+    shapes = {"x": (BATCH, WIDTH), "A": (HIDDEN, WIDTH), "b1": (HIDDEN,), "B": (WIDTH, HIDDEN), "b2": (WIDTH,),
+              "W": (BATCH, WIDTH)}
+    return {name: torch.randn(shape, generator=generator, dtype=torch.float64).to(device)
+            for name, shape in shapes.items()}
+
+
+def reference_mlp() -> dict[str, torch.Tensor]:
+    """One process, the whole MLP: the output Z and the gradients of X, A, b1, B and b2."""
+    tensors = {name: t.requires_grad_(name != "W") for name, t in full_mlp().items()}
+    z = F.linear(F.gelu(F.linear(tensors["x"], tensors["A"], tensors["b1"])), tensors["B"], tensors["b2"])
+    (z * tensors["W"]).sum().backward()
+    return {"output": z.detach(), **{name: tensors[name].grad for name in ("x", "A", "b1", "B", "b2")}}
+
+
+@dataclass
+class AllReduceCall:
+    """One all_reduce made while the student's operators ran: by which ("f", "g", or None when neither's forward
+    or backward was running), in which direction ("forward" or "backward"), of how many elements."""
+
+    operator: str | None
+    direction: str
+    numel: int
+
+
+class MegatronGuard(Guard):
+    """While the student's f and g run on a rank: all_reduce recorded (by operator and direction), everything
+    else that communicates refused, and so are the ready-made operators."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[AllReduceCall] = []
+        self.direction = "forward"
+        self.operator: str | None = None  # "f" or "g" while its forward or backward runs
+
+    def running(self, name: str | None):
+        """A hook that notes that `name` ("f", "g", or None: neither) runs now; for autograd's node hooks."""
+        def note(*_):
+            self.operator = name
+        return note
+
+    def __enter__(self) -> MegatronGuard:
+        try:
+            self.switch_off_torch_distributed(_TORCH_FUNCTIONS, _GROUP_METHODS, _BACKEND_METHODS)
+            self._record_allreduce()
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _record_allreduce(self) -> None:
+        import torch.distributed as dist
+
+        original = vars(dist.ProcessGroup)["allreduce"]
+
+        def recorded(group, tensors, *args, **kwargs):
+            ready_made = ready_made_caller()
+            if ready_made:
+                self.refuse(ready_made)
+            options = args[0] if args else kwargs.get("opts")
+            op = _op_name(getattr(options, "reduceOp", None))
+            if op != "SUM":
+                self.refuse(f"dist.all_reduce with ReduceOp.{op}")
+            tensor = tensors[0] if isinstance(tensors, list | tuple) else tensors
+            self.calls.append(AllReduceCall(self.operator, self.direction, tensor.numel()))
+            return original(group, tensors, *args, **kwargs)
+
+        self._saved.append((dist.ProcessGroup, "allreduce", original))
+        dist.ProcessGroup.allreduce = recorded
+
+
+
+def _op_name(op) -> str:
+    """'SUM', 'AVG', ...: the name of a ReduceOp (or of its RedOpType)."""
+    import torch.distributed as dist
+
+    return next((name for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM")
+                 if op == getattr(dist.ReduceOp, name)), str(op))
+
+
+def ready_made_caller() -> str | None:
+    """The ready-made operator on the call stack, as the student would spell it: labkit.parallel's (its
+    outermost function there, e.g. copy_to_tensor_parallel or CopyToTensorParallel.backward) or
+    torch.distributed.nn.functional's; None if there is none."""
+    frame, found = sys._getframe(1), None
+    while frame is not None:
+        path = Path(frame.f_code.co_filename)
+        if path == _TORCH_AUTOGRAD_COLLECTIVES:
+            found = f"torch.distributed.nn.functional's {frame.f_code.co_qualname}"
+        elif path.parent == _PARALLEL and path != _ALLOWED:
+            found = f"labkit.parallel's {frame.f_code.co_qualname}"
+        frame = frame.f_back
+    return found
+
+
+@dataclass
+class MegatronOutcome:
+    """What one rank's run left behind: the all_reduces (by operator and direction), what it called that is
+    switched off, which operators changed their input in place without ctx.mark_dirty, and for the output and
+    each gradient (this rank's share of A, b1, B) the values, or None where no gradient arrived."""
+
+    calls: list[AllReduceCall] = field(default_factory=list)
+    forbidden: list[str] = field(default_factory=list)
+    mutated: list[str] = field(default_factory=list)
+    values: dict[str, list | None] = field(default_factory=dict)
+
+
+_last_calls: list[AllReduceCall] = []  # on a rank: the all_reduces of the last graded run
+
+
+def attempt_megatron(f, g) -> MegatronOutcome:
+    """On a rank: this rank's share of the MLP through f and g, forward then backward, under the guard."""
+    device, rank, world_size = labkit.device(), labkit.rank(), labkit.world_size()
+    full = full_mlp(device)
+    part = torch.arange(HIDDEN).tensor_split(world_size)[rank].to(device)  # this rank's hidden features
+    mine = {"x": full["x"], "A": full["A"][part], "b1": full["b1"][part], "B": full["B"][:, part], "b2": full["b2"]}
+    mine = {name: t.clone().requires_grad_() for name, t in mine.items()}
+    guard, outcome = MegatronGuard(), MegatronOutcome()
+    try:
+        with guard:
+            x_in = _apply("f", f, mine["x"], guard, outcome)
+            partial = F.linear(F.gelu(F.linear(x_in, mine["A"], mine["b1"])), mine["B"])
+            z = _apply("g", g, partial, guard, outcome) + mine["b2"]
+            guard.direction = "backward"
+            (z * full["W"]).sum().backward()
+    finally:
+        _last_calls[:] = guard.calls
+    outcome.calls, outcome.forbidden = guard.calls, guard.forbidden
+    outcome.values = {"output": z.detach().cpu().tolist(),
+                      **{name: _listed(t.grad) for name, t in mine.items()}}
+    return outcome
+
+
+def _apply(name: str, operator, tensor: torch.Tensor, guard: MegatronGuard, outcome: MegatronOutcome):
+    """operator.apply(tensor), with the guard told that `name` runs, now and when autograd runs its backward.
+    Notes in `outcome` an input changed in place without ctx.mark_dirty (which returns the input itself)."""
+    before = tensor.detach().clone()
+    guard.operator = name
+    result = operator.apply(tensor)
+    guard.operator = None
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(f"your {name}'s forward returned {type(result).__name__}, not a tensor")
+    if result is not tensor and not torch.equal(tensor.detach(), before):
+        outcome.mutated.append(name)
+    if result.grad_fn is not None:  # its backward node: the student's backward runs between these hooks
+        result.grad_fn.register_prehook(guard.running(name))
+        result.grad_fn.register_hook(guard.running(None))
+    return result
+
+
+def _listed(tensor: torch.Tensor | None) -> list | None:
+    return None if tensor is None else tensor.detach().cpu().tolist()
+
+
+def calls_of_last_attempt() -> list[AllReduceCall]:
+    """On a rank: the all_reduces of the last graded run, when it raised instead of returning them."""
+    return list(_last_calls)
