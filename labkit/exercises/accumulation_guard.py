@@ -28,8 +28,8 @@ import torch
 import labkit
 from labkit.models import mlp
 
-__all__ = ["CLASSES", "FEATURES", "LR", "ROWS_PER_STEP", "STEPS", "StepRecord",
-           "accumulation_model", "attempt_accumulation", "counting_allreduces", "rank_microbatches", "step_batch"]
+__all__ = ["CLASSES", "FEATURES", "LR", "ROWS_PER_STEP", "STEPS", "StepRecord", "Watch", "accumulation_model",
+           "attempt_accumulation", "counting_allreduces", "flat_grads", "rank_microbatches", "step_batch"]
 
 FEATURES, HIDDEN, CLASSES = 4, 8, 3
 ROWS_PER_STEP = 24  # the large batch of one optimizer step, shared by the ranks and cut into micro-batches
