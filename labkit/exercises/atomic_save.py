@@ -1,0 +1,259 @@
+"""The grader of notebook 09's "your turn": an atomic checkpoint save, `save(state_dict, path)`, killed midway.
+
+A save is atomic when, whatever moment it dies at, `path` holds either the previous checkpoint whole or the new
+one whole. The recipe: write the new file under a temporary name in the same directory, flush it and fsync(2) it,
+then rename it onto `path` with os.replace, which replaces the name in one step (POSIX rename(2)); fsync the
+directory too, so that the rename itself survives a power cut. labkit.checkpoint does this (its files.py), and is
+switched off while the exercise is graded.
+
+`check_atomic_save(save)` runs the student's save in a process of its own (labkit.run on 1 rank, so that a save
+that hangs is stopped and a killed one does not take the notebook with it; labkit.exercises.atomic_watch watches
+it there), every file inside one temporary directory, and checks, in this order:
+
+1. a normal save, into an empty directory and over a previous checkpoint, loads back with torch.load equal to
+   the state_dict (labkit.checkpoint's own save is refused);
+2. killed just before its rename onto path, or midway through any write once it opened path itself (torch.save
+   straight to path, open(path, "wb"), shutil.copy onto path), path still loads as the previous checkpoint, and
+   was never removed or moved away;
+3. the file renamed onto path was fsync'ed with all its bytes first, and lay in path's own directory;
+4. a save beside the temporary file of a killed one works;
+5. two saves at once (a second one runs whole while the first is about to rename) both succeed and leave one of
+   the two checkpoints, and no temporary file;
+6. killed at the first write past half its bytes, path still holds the previous checkpoint, and what the killed
+   save left behind cannot be taken for a checkpoint (no name ending like path's).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import labkit
+from labkit.checks import timeout_seconds as checked_timeout
+from labkit.exercises.atomic_watch import TARGET, Report, first_run, nbytes_of, second_run, state_problem
+from labkit.exercises.guard import first_failure, where_ranks_waited
+from labkit.exercises.progress import graded
+from labkit.exercises.verdict import Verdict
+
+__all__ = ["TIMEOUT_SECONDS", "check_atomic_save"]
+
+TIMEOUT_SECONDS = 20.0  # per run of the save's process; a right save of 130 kB takes milliseconds
+_RECIPE = ("Write the new checkpoint to a temporary file in path's own directory, flush and os.fsync it, then "
+           "os.replace(temporary, path): the rename swaps the name in one step, so path is always the old file "
+           "or the whole new one.")
+
+
+@graded("atomic_save")
+def check_atomic_save(save, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
+    """Grade `save(state_dict, path)`: crash-safe and concurrent-safe (module docstring).
+
+    Example::
+
+        >>> import torch
+        >>> check_atomic_save(lambda state_dict, path: torch.save(state_dict, path))
+        Not yet. We killed your save ... torch.save(state_dict, path) writes straight into path...
+    """
+    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
+    if not callable(save):
+        return Verdict(False, f"pass your function itself, e.g. check_atomic_save(save), not {type(save).__name__}.")
+    with tempfile.TemporaryDirectory(prefix="labkit-atomic-save-") as scratch:
+        for folder in ("normal", "crash", "concurrent", "elsewhere"):
+            (Path(scratch) / folder).mkdir()
+        problem = _first_run_problem(save, Path(scratch), timeout_seconds)
+        if problem is None:
+            problem = _second_run_problem(save, Path(scratch), timeout_seconds)
+        if problem:
+            problem = problem.replace(scratch + os.sep, "")  # the grader's temporary directory says nothing
+            return Verdict(False, problem[0].upper() + problem[1:])
+        synced_directory = any(e["kind"] == "fsync_directory" and e["same_directory"]
+                               for e in Report.read(scratch)["stale"]["events"])
+    return Verdict(True, "killed just before its rename, and again midway through writing, your save left the "
+                         "previous checkpoint whole at path; a normal save loads back equal; the temporary file "
+                         "was fsync'ed before os.replace and lay beside path; a killed save's leftovers and a "
+                         "second save at the same time did not break it. " + (
+                             "You fsync the directory too, so the rename itself survives a power cut."
+                             if synced_directory else "One step further: after os.replace, fsync path's "
+                             "directory (os.open(directory, os.O_RDONLY), os.fsync, os.close), so that the rename "
+                             "itself survives a power cut."))
+
+
+def _run(function, save, scratch: Path, timeout_seconds: float) -> tuple[dict, str | None]:
+    """Run `function(save, scratch)` on 1 rank: the report, and what went wrong with the process itself (a
+    hang, or a death the grader did not cause), or None."""
+    try:
+        labkit.run(function, save, str(scratch), world_size=1, timeout=timeout_seconds)
+    except labkit.RankTimeout as hang:
+        return Report.read(scratch), (f"your save did not return within {timeout_seconds:g} s, so it was stopped "
+                                      f"({where_ranks_waited(hang, 1)}). Does it wait for something, a lock or "
+                                      "another process?")
+    except labkit.RankError as error:
+        report = Report.read(scratch)
+        last = list(report)[-1] if report else None
+        if last is None or not last.startswith("killed") or report[last]["finished"]:
+            failure, _ = first_failure(error)
+            return report, f"the process running your save died ({failure.summary}) during the {last} save."
+    return Report.read(scratch), None
+
+
+def _first_run_problem(save, scratch: Path, timeout_seconds: float) -> str | None:
+    """Checks 1 to 3 (module docstring), from the first run's report."""
+    report, died = _run(first_run, save, scratch, timeout_seconds)
+    if died:
+        return died
+    normal = report["normal"]
+    problem = _normal_problem(normal)
+    if problem:
+        return problem
+    damage = state_problem(scratch / "crash" / TARGET, 3)
+    if damage:
+        return _damage_message(report["killed before rename"]["events"], damage, nbytes_of(4) // 2)
+    problem = _rename_problem(normal["events"], scratch)
+    if problem is None and normal["leftovers"]:
+        return (f"after a save that succeeded, {_names(normal['leftovers'])} remained beside path. A save that "
+                "works should leave only path: rename your temporary file onto path (or remove it if the save "
+                "fails).")
+    return problem
+
+
+def _normal_problem(normal: dict) -> str | None:
+    """What went wrong in a plain save (check 1), or None; what it left beside path is judged after checks 2 and
+    3, which explain most leftovers."""
+    events = normal["events"]
+    if any(e["kind"] == "ready_made" for e in events):
+        return ("your save calls labkit.checkpoint's own atomic save (labkit/checkpoint/files.py), the course's "
+                "answer; it is switched off while this exercise is graded. Write the steps yourself. " + _RECIPE)
+    if normal["error"]:
+        return "save(state_dict, path) " + _error_text(normal["error"], events, deleted_hint=True) + "."
+    if normal["problem"]:
+        return (f"after save(state_dict, path), {normal['problem']}. torch.load(path) must give back the "
+                "state_dict you were given: torch.save it whole.")
+    return None
+
+
+def _error_text(error: dict, events: list, deleted_hint: bool = False) -> str:
+    """"raised TypeError: ..." for the student, with a hint when the error is a known consequence (with
+    `deleted_hint`, a temporary file looked for after it was renamed: NamedTemporaryFile's delete=True)."""
+    text = f"raised {error['type']}: {error['message']}"
+    renamed = {e["source"] for e in events if e["kind"] == "replace"}
+    if deleted_hint and error["type"] == "FileNotFoundError" and error["filename"] in renamed:
+        text += (f". Your save renamed {error['filename']} onto path and then something looked for it again: "
+                 "tempfile.NamedTemporaryFile removes its file when it is closed, unless you pass delete=False")
+    elif error["type"] == "NotImplementedError":
+        text += ". Write the body of save"
+    return text
+
+
+def _names(names) -> str:
+    return ", ".join(repr(name) for name in names)
+
+
+def _damage_message(events: list, damage: str, nbytes: int, armed: bool = False) -> str:
+    """A killed save left path damaged (`damage`): say when it was killed (`armed`: from its start, at the first
+    write past `nbytes`) and what it did to path, from its `events`."""
+    kinds = [e.get("how", e["kind"]) for e in events if e["kind"] in ("write", "removed", "moved")]
+    writes = any(e["kind"] == "write" for e in events)
+    when = (f"at the first write past {nbytes:,} bytes, half the checkpoint" if armed else
+            f"once it had opened path itself for writing, at the first write past {nbytes:,} bytes (half the "
+            "checkpoint)" if writes else "with SIGKILL, just before it renamed a file onto path")
+    if "torch.save" in kinds:
+        why = ("torch.save(state_dict, path) writes straight into path: it empties the previous checkpoint first, "
+               "and until its last byte path is a half-written file.")
+    elif "copy" in kinds:
+        why = ("copying onto path (shutil.copy or copyfile) rewrites path in place: it empties path, then writes "
+               "the copy into it, so a crash during the copy leaves a half-copied file. A copy is not a rename.")
+    elif "open" in kinds or "os.open" in kinds:
+        why = ("your save opened path itself for writing (open(path, \"wb\")), which empties the previous "
+               "checkpoint at once; until the last byte is written, path is a half-written file.")
+    elif "removed" in kinds or "moved" in kinds:
+        how = "removed path (os.remove)" if "removed" in kinds else "moved path away"
+        why = (f"your save {how} before renaming the new file onto it: in between there is no checkpoint at all. "
+               "os.replace replaces an existing path in one step; there is no need to remove it first.")
+    else:
+        why = "your save wrote into path itself."
+    return (f"we killed your save {when}, as a crash would. Afterwards {damage}: the previous checkpoint is "
+            f"lost. {why} {_RECIPE}")
+
+
+def _rename_problem(events: list, scratch: Path) -> str | None:
+    """Check 3: the file renamed onto path was fsync'ed whole and lay beside path; None when so."""
+    renames = [e for e in events if e["kind"] == "replace"]
+    if not renames:
+        return ("your save never renamed a file onto path (os.replace or os.rename): how else can path change from "
+                "the old checkpoint to the new one in one step? " + _RECIPE)
+    for rename in renames:
+        if not rename["same_directory"]:
+            where = ("tempfile's default directory (/tmp on most systems)" if Path(rename["directory"]).resolve()
+                     == (scratch / "elsewhere").resolve() else f"another directory ({Path(rename['directory']).name})")
+            return (f"your temporary file {rename['source']!r} was made in {where}, not in path's directory. "
+                    "os.replace is atomic only within one file system: across file systems it fails (OSError: "
+                    "Invalid cross-device link) and shutil.move falls back to a copy, which is not atomic. Make it "
+                    "beside path: tempfile.mkstemp(dir=os.path.dirname(path)).")
+        if rename["fsync"] == "unflushed":
+            return (f"your save called os.fsync when {rename['synced_nbytes']:,} bytes of {rename['source']!r} had "
+                    f"reached the file and {rename['nbytes']:,} were renamed onto path: the rest still sat in "
+                    "Python's buffer, which fsync does not see. Call f.flush() first, then os.fsync(f.fileno()).")
+        if rename["fsync"] == "no":
+            return (f"your save renamed {rename['source']!r} onto path with os.replace without fsync: the rename "
+                    "is atomic, but the new bytes may still be only in the page cache. After a power cut or a "
+                    "kernel crash the rename can reach the disk before the data, and path is then empty or "
+                    "partial. Call f.flush() and os.fsync(f.fileno()) before os.replace.")
+    return None
+
+
+def _second_run_problem(save, scratch: Path, timeout_seconds: float) -> str | None:
+    """Checks 4 to 6 (module docstring), from the second run's report."""
+    leftovers = sorted(name for name in os.listdir(scratch / "crash") if name != TARGET)
+    report, died = _run(second_run, save, scratch, timeout_seconds)
+    if died:
+        return died
+    stale = report["stale"]
+    if stale["error"] or stale["problem"]:
+        return _stale_message(stale, leftovers)
+    problem = _concurrent_problem(report["concurrent"])
+    if problem:
+        return problem
+    damage = state_problem(scratch / "crash" / TARGET, 5)
+    if damage:
+        return _damage_message(report["killed while writing"]["events"], damage, nbytes_of(9) // 2, armed=True)
+    junk = [name for name in os.listdir(scratch / "crash") if name != TARGET and name.endswith(Path(TARGET).suffix)]
+    if junk:
+        return (f"the saves we killed left {_names(junk)} beside path ({TARGET!r}): a name that ends in "
+                f"{Path(TARGET).suffix!r} can be mistaken for a checkpoint, and whatever looks for the newest "
+                f"*{Path(TARGET).suffix} file would load a half-written one. Give the temporary file a name no "
+                "loader matches (a .tmp suffix, or tempfile's own names).")
+    return None
+
+
+def _stale_message(stale: dict, leftovers: list) -> str:
+    """Check 4 failed: a save beside a killed save's leftovers raised, or saved something else."""
+    left = f"left {_names(leftovers)} in path's directory" if leftovers else "left nothing behind"
+    if stale["error"] is None:
+        return (f"a save killed just before its rename {left}; the next save then returned, but "
+                f"{stale['problem']}.")
+    fixed = stale["error"]["filename"] in leftovers
+    return (f"a save killed just before its rename {left}; the next save then "
+            f"{_error_text(stale['error'], stale['events'])}." + (
+                " Your temporary file has a fixed name, and a crashed save leaves it behind, so the name is still "
+                "taken: make a fresh name every time (tempfile.mkstemp(dir=...) or "
+                "NamedTemporaryFile(dir=..., delete=False))." if fixed else ""))
+
+
+def _concurrent_problem(record: dict) -> str | None:
+    """Check 5: two saves at once to the same path; None when both worked and one of the two states is at path."""
+    intro = ("two saves to the same path at once (a second save ran from start to end while the first was about "
+             "to rename its temporary file onto path): ")
+    temporaries = [e["source"] for e in record["events"] if e["kind"] == "replace"]
+    shared = ("Both saves used the same temporary file name, so the second overwrote the first's file and "
+              "renamed it away. Make a fresh name for every save (tempfile.mkstemp(dir=...) or "
+              "NamedTemporaryFile(dir=..., delete=False)).") if len(set(temporaries)) < len(temporaries) or any(
+                  error and error["filename"] in temporaries for error in (record["error"],
+                                                                           record.get("second_error"))) else ""
+    for which, error in (("first", record["error"]), ("second", record.get("second_error"))):
+        if error:
+            return f"{intro}the {which} {_error_text(error, record['events'])}. {shared}".rstrip()
+    if record["problem"]:
+        return f"{intro}afterwards {record['problem']}, neither save's state. {shared}".rstrip()
+    if record["leftovers"]:
+        return f"{intro}afterwards {_names(record['leftovers'])} remained beside path. {shared}".rstrip()
+    return None

@@ -1,0 +1,341 @@
+"""The rank side of notebook 09's grader (labkit.exercises.atomic_save): the student's save(state_dict, path) runs
+here, in a process of its own (labkit.run on 1 rank), under watch, and is killed there on purpose.
+
+`Watch` wraps the calls through which a file reaches `path` or leaves it (open, os.open, torch.save, os.replace,
+os.rename, os.remove, os.unlink, os.fsync, os.fdatasync) and records what each did to the target, in a JSON report
+the grader reads even after the process was killed. While a save runs, tempfile's default directory and the
+working directory are a scratch folder beside the target's (so a temporary file made "elsewhere" stays inside the
+grader's temporary directory, and shows as another directory), and labkit.checkpoint's own atomic write is switched
+off (found on the call stack at the rename).
+
+Two ways to kill a save midway, both real crashes (no exception handler, no cleanup runs):
+- `arm(nbytes)`: setrlimit(2) RLIMIT_FSIZE, with SIGXFSZ's default action restored (Python ignores it): the kernel
+  kills the process at the first write that takes any file past `nbytes`, torch.save's C++ writes and
+  shutil.copy's sendfile(2) included;
+- SIGKILL just before a rename onto the target.
+
+Sources: POSIX rename(2) (atomic replacement of the target), fsync(2), setrlimit(2) (RLIMIT_FSIZE, SIGXFSZ).
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import resource
+import shutil
+import signal
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import labkit.checkpoint
+from labkit.exercises import progress
+
+__all__ = ["TARGET", "RefusedSave", "Report", "Watch", "arm", "first_run", "nbytes_of", "saved_state",
+           "second_run", "state_problem"]
+
+TARGET = "model.pt"  # the checkpoint's name in each of the grader's directories
+_OPEN, _SAVE = builtins.open, torch.save  # the real ones: the grader's own files, and what the wrappers call
+_OS = {name: getattr(os, name) for name in ("open", "replace", "rename", "remove", "unlink", "fsync", "fdatasync")
+       if hasattr(os, name)}
+_READY_MADE = (str(Path(labkit.checkpoint.__file__).parent) + os.sep, progress.__file__)  # the course's atomic writes
+_SHUTIL = os.path.dirname(shutil.__file__) + os.sep + "shutil.py"
+_WRITING = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
+
+
+class RefusedSave(RuntimeError):
+    """Raised inside a graded save that calls labkit.checkpoint's own atomic write."""
+
+
+def saved_state(seed: int) -> dict:
+    """The state_dict a graded save writes: a layer's weight and bias and the step, different for every seed
+    (about 130 kB, so that a save killed at half its bytes is killed midway through a write)."""
+    generator = torch.Generator().manual_seed(seed)
+    return {"layer.weight": torch.randn(128, 256, generator=generator),
+            "layer.bias": torch.randn(128, generator=generator), "step": torch.tensor(seed)}
+
+
+def nbytes_of(seed: int) -> int:
+    """How many bytes torch.save writes for saved_state(seed)."""
+    buffer = io.BytesIO()
+    _SAVE(saved_state(seed), buffer)
+    return buffer.getbuffer().nbytes
+
+
+def state_problem(path, seed: int) -> str | None:
+    """None when torch.load(path) gives saved_state(seed) (same keys, dtypes and values), else what is wrong."""
+    path = Path(path)
+    if not path.is_file():
+        return f"there is no file at path ({path.name})"
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - any failure to load is what the student must see
+        first_line = (str(error).strip().splitlines() or [""])[0][:120]
+        return (f"path holds {path.stat().st_size:,} bytes and torch.load(path) fails "
+                f"({type(error).__name__}: {first_line})")
+    wanted = saved_state(seed)
+    if not isinstance(loaded, dict) or set(loaded) != set(wanted):
+        shown = sorted(loaded) if isinstance(loaded, dict) else type(loaded).__name__
+        return f"torch.load(path) gives {shown}, not the state_dict saved (keys {sorted(wanted)})"
+    differ = [key for key, value in wanted.items() if not (isinstance(loaded[key], torch.Tensor)
+                                                           and loaded[key].dtype == value.dtype
+                                                           and torch.equal(loaded[key], value))]
+    if differ:
+        return f"torch.load(path) gives other values for {differ} than the state_dict saved"
+    return None
+
+
+class Report:
+    """What the rank saw, phase by phase, kept in `scratch`/report.json and rewritten at every event, so that the
+    grader can read it after the process was killed."""
+
+    def __init__(self, scratch):
+        self.path, self.phases = Path(scratch) / "report.json", {}
+
+    def phase(self, name: str) -> dict:
+        """A new phase's record: its events, and later its error, problem and leftovers."""
+        self.phases[name] = {"events": [], "error": None, "problem": None, "leftovers": [], "finished": False}
+        self.flush()
+        return self.phases[name]
+
+    def flush(self) -> None:
+        """Rewrite the report file (with the real open: the watched one would record it)."""
+        with _OPEN(self.path, "w") as file:
+            json.dump(self.phases, file)
+
+    @staticmethod
+    def read(scratch) -> dict:
+        """The phases a rank recorded in `scratch`, {} if it recorded none."""
+        path = Path(scratch) / "report.json"
+        return json.loads(path.read_text()) if path.exists() else {}
+
+
+def arm(nbytes: int) -> None:
+    """From now on the kernel kills this process (SIGXFSZ, no core file) at the first write that takes a file past
+    `nbytes` bytes (setrlimit(2) RLIMIT_FSIZE). Watch's exit undoes it if the process is still alive."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, resource.getrlimit(resource.RLIMIT_CORE)[1]))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+
+
+def _kill(report: Report) -> None:
+    """SIGKILL this process now, as a crash would: no exception, no finally, no cleanup."""
+    report.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _path_text(value) -> str | None:
+    """`value` as an absolute path with no symbolic links, or None when it is not a path (a file descriptor, a file
+    object)."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        return os.path.realpath(os.fsdecode(os.fspath(value)))
+    return None
+
+
+def _called_from(prefixes) -> bool:
+    """Whether a frame of the current call stack runs code from a file under one of `prefixes`."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(prefixes):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class Watch:
+    """While a save runs: record what it does to `target` in `record`, send tempfile and relative paths to
+    `elsewhere`; `on_write()` runs when the target is opened for writing, `on_replace()` just before a rename onto
+    it. Everything is restored on exit (the rank runs later calls)."""
+
+    def __init__(self, target, elsewhere, report: Report, record: dict, on_write=None, on_replace=None,
+                 on_start=None):
+        self.target, self.elsewhere = os.path.realpath(target), str(elsewhere)
+        self.report, self.record = report, record
+        self.on_write, self.on_replace, self.on_start = on_write, on_replace, on_start
+        self.synced: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> the file's bytes when fsync'ed
+        self.saved: list = []
+
+    def __enter__(self) -> Watch:
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self._wrappers()]
+        self.limits = [(limit, resource.getrlimit(limit)) for limit in (resource.RLIMIT_FSIZE, resource.RLIMIT_CORE)]
+        self.saved_xfsz, self.saved_cwd, self.saved_tempdir = signal.getsignal(signal.SIGXFSZ), os.getcwd(), \
+            tempfile.tempdir
+        for owner, name, wrapper in self._wrappers():
+            setattr(owner, name, wrapper)
+        tempfile.tempdir = self.elsewhere
+        os.chdir(self.elsewhere)
+        if self.on_start:
+            self.on_start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for owner, name, original in self.saved:
+            setattr(owner, name, original)
+        tempfile.tempdir = self.saved_tempdir
+        os.chdir(self.saved_cwd)
+        for limit, values in self.limits:
+            resource.setrlimit(limit, values)
+        signal.signal(signal.SIGXFSZ, self.saved_xfsz)
+
+    def _wrappers(self) -> list:
+        """(owner, name, wrapper) for every function watched."""
+        wrapped = [(builtins, "open", self._open), (io, "open", self._open), (os, "open", self._os_open),
+                   (torch, "save", self._torch_save), (os, "replace", self._rename(_OS["replace"])),
+                   (os, "rename", self._rename(_OS["rename"])), (os, "remove", self._remove(_OS["remove"])),
+                   (os, "unlink", self._remove(_OS["unlink"])), (os, "fsync", self._fsync(_OS["fsync"]))]
+        if "fdatasync" in _OS:
+            wrapped.append((os, "fdatasync", self._fsync(_OS["fdatasync"])))
+        return wrapped
+
+    def _event(self, kind: str, **details) -> None:
+        self.record["events"].append({"kind": kind, **details})
+        self.report.flush()
+
+    def _wrote(self, how: str) -> None:
+        """The target was opened for writing (or torch.save was given it)."""
+        self._event("write", how=how)
+        if self.on_write:
+            self.on_write()
+
+    def _open(self, file, mode="r", *args, **kwargs):
+        if _path_text(file) == self.target and isinstance(mode, str) and any(c in mode for c in "wax+"):
+            self._wrote("copy" if _called_from((_SHUTIL,)) else "open")
+        return _OPEN(file, mode, *args, **kwargs)
+
+    def _os_open(self, path, flags, *args, **kwargs):
+        if _path_text(path) == self.target and flags & _WRITING:
+            self._wrote("os.open")
+        return _OS["open"](path, flags, *args, **kwargs)
+
+    def _torch_save(self, obj, f, *args, **kwargs):
+        if _path_text(f) == self.target:
+            self._wrote("torch.save")
+        return _SAVE(obj, f, *args, **kwargs)
+
+    def _rename(self, original):
+        def renamed(src, dst, *args, **kwargs):
+            if _path_text(dst) == self.target:
+                self._onto_target(src)
+            elif _path_text(src) == self.target:
+                self._event("moved", to=os.path.basename(_path_text(dst) or ""))
+            return original(src, dst, *args, **kwargs)
+        return renamed
+
+    def _onto_target(self, src) -> None:
+        """A rename of `src` onto the target: refuse the course's own save, note whether `src` was fsync'ed with
+        all its bytes and lies beside the target, then let `on_replace` act (kill, or start a second save)."""
+        if _called_from(_READY_MADE):
+            self._event("ready_made")
+            raise RefusedSave("labkit.checkpoint's own atomic save is switched off while this exercise is graded")
+        source = _path_text(src) or ""
+        try:
+            info = os.stat(source)
+        except OSError:
+            return  # the rename itself will fail, and the student sees its error
+        synced = self.synced.get((info.st_dev, info.st_ino))
+        self._event("replace", source=os.path.basename(source), directory=os.path.dirname(source),
+                    same_directory=os.path.dirname(source) == os.path.dirname(self.target),
+                    fsync="yes" if synced == info.st_size else "no" if synced is None else "unflushed",
+                    synced_nbytes=synced, nbytes=info.st_size)
+        if self.on_replace:
+            self.on_replace()
+
+    def _remove(self, original):
+        def removed(path, *args, **kwargs):
+            if _path_text(path) == self.target:
+                self._event("removed")
+            return original(path, *args, **kwargs)
+        return removed
+
+    def _fsync(self, original):
+        def synced(fd):
+            original(fd)
+            info = os.fstat(fd if isinstance(fd, int) else fd.fileno())
+            if stat.S_ISDIR(info.st_mode):
+                self._event("fsync_directory", same_directory=os.path.samestat(info, os.stat(os.path.dirname(
+                    self.target))))
+            else:
+                self.synced[(info.st_dev, info.st_ino)] = info.st_size
+        return synced
+
+
+def _call(save, directory: Path, seed: int, watch: Watch) -> None:
+    """save(saved_state(seed), str(path)) under `watch`; its exception (if any) goes into the watch's record."""
+    with watch:
+        try:
+            save(saved_state(seed), str(directory / TARGET))
+        except Exception as error:  # noqa: BLE001 - the student's error, reported by the grader
+            watch.record["error"] = {"type": type(error).__name__, "message": str(error)[:300],
+                                     "filename": os.path.basename(os.fsdecode(getattr(error, "filename", "") or ""))}
+    watch.record["finished"] = True
+
+
+def _finish(record: dict, report: Report, directory: Path, seed: int | None) -> bool:
+    """After a phase's save: what path holds and what else is in its directory; whether the phase went well."""
+    if record["error"] is None and seed is not None:
+        record["problem"] = state_problem(directory / TARGET, seed)
+    record["leftovers"] = sorted(name for name in os.listdir(directory) if name != TARGET)
+    report.flush()
+    return record["error"] is None and record["problem"] is None
+
+
+def first_run(save, scratch) -> None:
+    """Phases "normal" (two saves, into an empty directory then over the first) and "killed before rename" (a save
+    over a good checkpoint, killed at its rename onto path, or midway through any write once it opened path itself
+    for writing). The grader reads the report; this process normally dies."""
+    scratch, report = Path(scratch), Report(scratch)
+    normal, crash, elsewhere = scratch / "normal", scratch / "crash", scratch / "elsewhere"
+    record = report.phase("normal")
+    for seed in (1, 2):
+        _call(save, normal, seed, Watch(normal / TARGET, elsewhere, report, record))
+        if not _finish(record, report, normal, seed):
+            return
+    _SAVE(saved_state(3), crash / TARGET)
+    record = report.phase("killed before rename")
+    nbytes = nbytes_of(4) // 2
+    _call(save, crash, 4, Watch(crash / TARGET, elsewhere, report, record, on_write=lambda: arm(nbytes),
+                                on_replace=lambda: _kill(report)))
+    _finish(record, report, crash, None)
+
+
+def second_run(save, scratch) -> None:
+    """Phases "stale" (a save beside the leftovers of the killed one), "concurrent" (a second save runs whole
+    while the first is about to rename) and "killed while writing" (a save killed at the first write past half its
+    bytes). The grader reads the report; this process normally dies."""
+    scratch, report = Path(scratch), Report(scratch)
+    crash, together, elsewhere = scratch / "crash", scratch / "concurrent", scratch / "elsewhere"
+    record = report.phase("stale")
+    _call(save, crash, 5, Watch(crash / TARGET, elsewhere, report, record))
+    if not _finish(record, report, crash, 5):
+        return
+    _SAVE(saved_state(6), together / TARGET)
+    record = report.phase("concurrent")
+    _call(save, together, 7, Watch(together / TARGET, elsewhere, report, record,
+                                   on_replace=_second_save(save, together, record)))
+    _finish(record, report, together, None)
+    record["problem"] = state_problem(together / TARGET, 7) and state_problem(together / TARGET, 8)
+    record = report.phase("killed while writing")
+    nbytes = nbytes_of(9) // 2
+    _call(save, crash, 9, Watch(crash / TARGET, elsewhere, report, record, on_start=lambda: arm(nbytes)))
+    _finish(record, report, crash, None)
+
+
+def _second_save(save, directory: Path, record: dict):
+    """An on_replace that, the first time, runs a whole second save of saved_state(8) to the same path (its error
+    goes into record["second_error"]): two saves at once, the second overtaking the first."""
+    def overtake():
+        if "second_error" in record:
+            return
+        record["second_error"] = None
+        try:
+            save(saved_state(8), str(directory / TARGET))
+        except Exception as error:  # noqa: BLE001 - the student's error, reported by the grader
+            record["second_error"] = {"type": type(error).__name__, "message": str(error)[:300],
+                                      "filename": os.path.basename(os.fsdecode(getattr(error, "filename", "")
+                                                                               or ""))}
+    return overtake

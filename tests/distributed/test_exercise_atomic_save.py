@@ -1,0 +1,248 @@
+"""check_atomic_save (notebook 09's exercise) against a catalogue of wrong saves, each rejected with a message that
+names the mistake, and right saves written in different ways, all accepted.
+
+The grader runs each save in a process of its own (labkit.run on 1 rank) and kills it there on purpose, so every
+case here is a real crash: a save that writes into path itself loses the previous checkpoint for real.
+"""
+
+import os
+import resource
+import secrets
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import labkit
+from labkit.checkpoint import files
+from labkit.exercises.atomic_save import check_atomic_save
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_pool():
+    """Start the pool of 1 rank and import the grader's rank side in it, so that no case's timeout is spent
+    starting processes on a loaded machine."""
+    labkit.run(__import__, "labkit.exercises.atomic_watch", world_size=1)
+
+
+# ---- right saves, written differently ---------------------------------------------------------------------
+
+def named_temporary_file(state_dict, path):
+    """tempfile.NamedTemporaryFile beside path (delete=False: the rename takes it away), fsync, os.replace."""
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), suffix=".tmp", delete=False) as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(file.name, path)
+
+
+def mkstemp_with_cleanup(state_dict, path):
+    """tempfile.mkstemp beside path, the file object from its descriptor; the temporary file removed on error."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".checkpoint-")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(state_dict, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def with_suffix_and_directory_fsync(state_dict, path):
+    """pathlib: a fresh name by path.with_suffix, O_EXCL, Path.replace, then the directory fsync'ed too."""
+    path = Path(path)
+    temporary = path.with_suffix(f".{secrets.token_hex(8)}.tmp")
+    with open(temporary, "xb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    temporary.replace(path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+@pytest.mark.parametrize("save", [named_temporary_file, mkstemp_with_cleanup, with_suffix_and_directory_fsync])
+def test_right_saves_written_differently_pass(save):
+    verdict = check_atomic_save(save, record=False)
+    assert verdict, verdict
+    assert "killed just before its rename" in verdict.message
+    assert ("You fsync the directory too" in verdict.message) == (save is with_suffix_and_directory_fsync)
+
+
+# ---- wrong saves ------------------------------------------------------------------------------------------
+
+def straight_to_path(state_dict, path):
+    torch.save(state_dict, path)
+
+
+def open_path_then_write(state_dict, path):
+    with open(path, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def write_then_copy(state_dict, path):
+    temporary = path + ".tmp"
+    with open(temporary, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    shutil.copy(temporary, path)
+    os.remove(temporary)
+
+
+def replace_without_fsync(state_dict, path):
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+    os.replace(temporary, path)
+
+
+def temporary_in_tmp(state_dict, path):
+    with tempfile.NamedTemporaryFile(delete=False) as file:  # no dir=: tempfile's default directory
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(file.name, path)
+
+
+def remove_then_rename(state_dict, path):
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    if os.path.exists(path):
+        os.remove(path)
+    os.rename(temporary, path)
+
+
+def backup_then_rename(state_dict, path):
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    if os.path.exists(path):
+        os.rename(path, path + ".bak")
+    os.rename(temporary, path)
+
+
+def fixed_name_exclusive(state_dict, path):
+    with open(path + ".tmp", "xb") as file:  # a fixed name, never cleaned up after a crash
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def fixed_name_reused(state_dict, path):
+    with open(path + ".tmp", "wb") as file:  # a fixed name, overwritten by whichever save comes next
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def fsync_before_flush(state_dict, path):
+    buffer = __import__("io").BytesIO()
+    torch.save(state_dict, buffer)
+    data = buffer.getvalue()
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as file:
+        for start in range(0, len(data), 4096):  # small writes collect in Python's buffer
+            file.write(data[start:start + 4096])
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def course_atomic_write(state_dict, path):
+    files.write_atomically(Path(path), state_dict)
+
+
+def delete_on_close(state_dict, path):
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(path)) as file:  # delete=True: it removes it at close
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+        os.replace(file.name, path)
+
+
+def temporary_named_like_a_checkpoint(state_dict, path):
+    path = Path(path)
+    temporary = path.with_name(f"new-{secrets.token_hex(4)}-{path.name}")  # new-1a2b3c4d-model.pt
+    with open(temporary, "xb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+def not_written_yet(state_dict, path):
+    raise NotImplementedError("your turn")
+
+
+def waits_forever(state_dict, path):
+    time.sleep(60)
+
+
+WRONG = [
+    (straight_to_path, "torch.save(state_dict, path) writes straight into path", "torch.load(path) fails"),
+    (open_path_then_write, "opened path itself for writing"),
+    (write_then_copy, "A copy is not a rename"),
+    (replace_without_fsync, "with os.replace without fsync"),
+    (temporary_in_tmp, "tempfile's default directory"),
+    (remove_then_rename, "removed path (os.remove) before renaming", "there is no file at path"),
+    (backup_then_rename, "moved path away before renaming"),
+    (fixed_name_exclusive, "Your temporary file has a fixed name"),
+    (fixed_name_reused, "Both saves used the same temporary file name"),
+    (fsync_before_flush, "still sat in Python's buffer"),
+    (course_atomic_write, "labkit.checkpoint's own atomic save"),
+    (delete_on_close, "unless you pass delete=False"),
+    (temporary_named_like_a_checkpoint, "can be mistaken for a checkpoint"),
+    (not_written_yet, "Write the body of save"),
+]
+
+
+@pytest.mark.parametrize("case", WRONG, ids=[save.__name__ for save, *_ in WRONG])
+def test_wrong_saves_are_rejected_with_their_mistake_named(case):
+    save, *phrases = case  # the phrases the message must hold: the mistake named, the damage shown
+    verdict = check_atomic_save(save, record=False)
+    assert not verdict, save.__name__
+    assert all(phrase in verdict.message for phrase in phrases), verdict.message
+    assert "labkit-atomic-save-" not in verdict.message  # the grader's own directory is left out
+
+
+def test_a_save_that_hangs_is_stopped():
+    began = time.monotonic()
+    verdict = check_atomic_save(waits_forever, timeout_seconds=2, record=False)
+    assert not verdict and "did not return within 2 s" in verdict.message, verdict.message
+    assert time.monotonic() - began < 30
+
+
+def test_not_a_function():
+    verdict = check_atomic_save("save", record=False)
+    assert not verdict and "pass your function itself" in verdict.message
+
+
+def _rank_state():
+    """What the watch changes on a rank while a save runs: it must all be back afterwards."""
+    return ([f.__module__ for f in (os.replace, os.rename, os.fsync, open, torch.save)], tempfile.tempdir,
+            resource.getrlimit(resource.RLIMIT_FSIZE), os.getcwd())
+
+
+def test_the_rank_is_left_as_it_was_and_nothing_outside_a_temporary_directory_is_touched():
+    before = labkit.run(_rank_state, world_size=1)
+    leftovers = set(Path(tempfile.gettempdir()).glob("labkit-atomic-save-*"))
+    assert not check_atomic_save(not_written_yet, record=False)  # the rank survives this one: no kill
+    assert labkit.run(_rank_state, world_size=1) == before
+    assert set(Path(tempfile.gettempdir()).glob("labkit-atomic-save-*")) == leftovers
