@@ -146,7 +146,7 @@ def _counts_message(counts: Counter, world_size: int) -> str:
 def _missing_message(g_forward: int, f_backward: int) -> str:
     """A missing or repeated all_reduce in g's forward or f's backward."""
     if not g_forward:
-        return ("your g's forward made no all_reduce: each rank returned its own partial sum X_r A_r B_r, only "
+        return ("your g's forward made no all_reduce: each rank returned its own partial sum GeLU(X A_r) B_r, only "
                 "its hidden features' share of Z. g's forward adds the partial sums over the ranks: "
                 "dist.all_reduce (SUM) of a copy of its input.")
     if not f_backward:
