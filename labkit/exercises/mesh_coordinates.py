@@ -31,12 +31,15 @@ import itertools
 import math
 import operator
 import sys
+import time
+from typing import NamedTuple
 
+from labkit.checks import timeout_seconds
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.parallel.mesh import AXES, Mesh, mesh_layout
 
-__all__ = ["LAYOUT", "SHAPES", "check_mesh_coordinates"]
+__all__ = ["LAYOUT", "SHAPES", "TIMEOUT_SECONDS", "check_mesh_coordinates"]
 
 # (dp, pp, tp): notebook 12's mesh first, then every shape of 1 to 4 ranks per axis, the smaller worlds first
 SHAPES = [(2, 2, 2)] + sorted((shape for shape in itertools.product(range(1, 5), repeat=3) if shape != (2, 2, 2)),
@@ -47,15 +50,25 @@ FORMULAS = {"dp": "rank // (pp * tp)", "pp": "(rank // tp) % pp", "tp": "rank % 
 _SIZES = {"1": (), "tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "pp * tp": ("pp", "tp"), "dp * tp": ("dp", "tp"),
           "dp * pp": ("dp", "pp"), "world_size": AXES}  # the sizes a student's formula may divide by or take modulo
 _READY_MADE = {mesh_layout.__code__: "labkit.parallel.mesh_layout", Mesh.__init__.__code__: "labkit.parallel.Mesh"}
+TIMEOUT_SECONDS = 20.0  # for all the student's calls together: right solutions take 0.1 to 1 s on 2 busy cores
 
 
-class _Refused(Exception):
-    """The student's function called the course's own layout."""
+class _Stopped(BaseException):
+    """The student's function was stopped: it called the course's own layout, or ran out of time. A BaseException,
+    so that the student's own `except Exception` cannot swallow it; its message is the verdict's."""
+
+
+class _Budget(NamedTuple):
+    """The time the student's calls have together: `seconds` in all, until time.monotonic() reaches `deadline`."""
+
+    seconds: float
+    deadline: float
 
 
 @graded("mesh_coordinates")
-def check_mesh_coordinates(coordinates, groups=None) -> Verdict:
-    """Grade `coordinates(rank, dp, pp, tp)` and `groups(rank, dp, pp, tp)` on every rank of 64 mesh shapes.
+def check_mesh_coordinates(coordinates, groups=None, timeout: float = TIMEOUT_SECONDS) -> Verdict:
+    """Grade `coordinates(rank, dp, pp, tp)` and `groups(rank, dp, pp, tp)` on every rank of 64 mesh shapes;
+    `timeout`: the seconds all their calls may take together (an endless loop is stopped, not waited for).
 
     >>> right = lambda rank, dp, pp, tp: (rank // (pp * tp), rank // tp % pp, rank % tp)
     >>> check_mesh_coordinates(right)
@@ -67,11 +80,12 @@ def check_mesh_coordinates(coordinates, groups=None) -> Verdict:
         if not callable(fn) and (fn is not None or name == "coordinates"):
             return Verdict(False, f"pass your functions themselves, e.g. check_mesh_coordinates(coordinates, "
                                   f"groups); {name} is {type(fn).__name__}.")
+    seconds = timeout_seconds("timeout", timeout)
+    budget = _Budget(seconds, time.monotonic() + seconds)
     try:
-        problem = _coordinates_problem(coordinates) or (_groups_problem(groups) if groups else None)
-    except _Refused as refused:
-        return Verdict(False, f"your function calls {refused}, the course's own layout: compute the coordinates and "
-                              f"groups from the rank and the sizes yourself ({LAYOUT}).")
+        problem = _coordinates_problem(coordinates, budget) or (_groups_problem(groups, budget) if groups else None)
+    except _Stopped as stopped:
+        problem = str(stopped)
     if problem:
         return Verdict(False, problem[0].upper() + problem[1:])
     checked = (f"on every rank of all {len(SHAPES)} shapes from 1 x 1 x 1 to 4 x 4 x 4 "
@@ -93,25 +107,28 @@ def _reference(shape: tuple[int, int, int]) -> tuple[list[tuple[int, ...]], list
             [{axis: list(place.groups[axis]) for axis in AXES} for place in places])
 
 
-def _watched_call(fn, name: str, rank: int, shape: tuple[int, int, int]):
-    """fn(rank, *shape), and the problem if it raised; _Refused if it called the course's layout."""
-    refused = []
-
-    def watch(frame, event, arg):
+def _watched_call(fn, name: str, rank: int, shape: tuple[int, int, int], budget: _Budget):
+    """fn(rank, *shape), and the problem if it raised. A tracer (sys.settrace) stops it with _Stopped when it calls
+    the course's own layout, or when the budget's deadline has passed."""
+    def trace(frame, event, arg):
         if event == "call" and frame.f_code in _READY_MADE:
-            refused.append(_READY_MADE[frame.f_code])
+            raise _Stopped(f"your {name} calls {_READY_MADE[frame.f_code]}, the course's own layout: compute the "
+                           f"coordinates and groups from the rank and the sizes yourself ({LAYOUT}).")
+        if time.monotonic() > budget.deadline:
+            raise _Stopped(f"{_call(name, rank, shape)} was still running when the {budget.seconds:g} s for all the "
+                           f"{sum(map(math.prod, SHAPES)):,} ranks' calls ran out, and was stopped: an endless loop? "
+                           "Each call needs only a few divisions (or a loop over the world's ranks).")
+        return trace
 
-    previous = sys.getprofile()
-    sys.setprofile(watch)
+    previous = sys.gettrace()
+    sys.settrace(trace)
     try:
         answer = fn(rank, *shape)
     except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
         return None, (f"{_call(name, rank, shape)} (rank={rank}, dp={shape[0]}, pp={shape[1]}, tp={shape[2]}) "
                       f"raised {type(error).__name__}: {error}")
     finally:
-        sys.setprofile(previous)
-    if refused:
-        raise _Refused(refused[0])
+        sys.settrace(previous)
     return answer, None
 
 
@@ -138,13 +155,13 @@ def _whole(value) -> int | str:
 
 # ---- coordinates ---------------------------------------------------------------------------------------------
 
-def _coordinates_problem(coordinates) -> str | None:
+def _coordinates_problem(coordinates, budget: _Budget) -> str | None:
     """What is wrong with `coordinates` on the first shape it gets wrong, or None."""
     answers = {}
     for shape in SHAPES:
         answers[shape] = []
         for rank in range(math.prod(shape)):
-            answer, problem = _watched_call(coordinates, "coordinates", rank, shape)
+            answer, problem = _watched_call(coordinates, "coordinates", rank, shape, budget)
             triple = problem or _triple(answer)
             if isinstance(triple, str):
                 return triple if problem else f"{_call('coordinates', rank, shape)} returned {answer!r}: {triple}"
@@ -275,13 +292,13 @@ def _unexplained(got: list[tuple[int, int, int]], shape: tuple[int, int, int]) -
 
 # ---- groups --------------------------------------------------------------------------------------------------
 
-def _groups_problem(groups) -> str | None:
+def _groups_problem(groups, budget: _Budget) -> str | None:
     """What is wrong with `groups` on the first rank and axis it gets wrong, or None."""
     answers = {}
     for shape in SHAPES:
         answers[shape] = []
         for rank in range(math.prod(shape)):
-            answer, problem = _watched_call(groups, "groups", rank, shape)
+            answer, problem = _watched_call(groups, "groups", rank, shape, budget)
             read = problem or _read_groups(answer)
             if isinstance(read, str):
                 return read if problem else f"{_call('groups', rank, shape)} returned {_short(answer)}: {read}"

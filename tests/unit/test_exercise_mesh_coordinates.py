@@ -5,6 +5,8 @@ against the real Mesh (torch's DeviceMesh) on real ranks."""
 
 import itertools
 import math
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ import torch
 
 from labkit.exercises import Verdict
 from labkit.exercises.mesh_coordinates import SHAPES, check_mesh_coordinates
-from labkit.parallel import mesh_layout
+from labkit.parallel import Mesh, mesh_layout
 
 # ---- right solutions, three ways -------------------------------------------------------------------------
 
@@ -120,7 +122,7 @@ WRONG_COORDINATES = {
     "shared places": (lambda r, dp, pp, tp: (0 if r == 4 else r // (pp * tp), r // tp % pp, r % tp),
                       ["rank 4 is at (dp 1, pp 0, tp 0)", "Ranks 0 and 4 both get (0, 0, 0)"]),
     "ready-made": (lambda r, dp, pp, tp: mesh_layout(dp * pp * tp, dp, pp, tp)[r].coordinate,
-                   ["calls labkit.parallel.mesh_layout, the course's own layout"]),
+                   ["Your coordinates calls labkit.parallel.mesh_layout, the course's own layout"]),
 }
 
 
@@ -197,3 +199,39 @@ def test_wrong_groups_are_rejected_with_their_mistake_named(name):
 def test_other_arguments_are_refused_showing_what_came_back():
     assert "pass your functions themselves" in check_mesh_coordinates("coordinates").message
     assert "groups is str" in check_mesh_coordinates(divmod_coordinates, "groups").message
+
+
+def test_an_endless_loop_is_stopped_within_the_timeout():
+    def endless(rank, dp, pp, tp):
+        while True:
+            pass
+
+    def swallowing(rank, dp, pp, tp):
+        """An endless loop that catches every Exception: the grader's stop is not one."""
+        while True:
+            try:
+                pass
+            except Exception:  # noqa: BLE001
+                pass
+
+    for fn in (endless, swallowing):
+        started = time.monotonic()
+        verdict = check_mesh_coordinates(divmod_coordinates, fn, timeout=0.5)
+        assert not verdict and time.monotonic() - started < 5, verdict
+        assert "Your groups(0, 2, 2, 2) was still running when the 0.5 s for all the 1,000 ranks' calls ran out, " \
+               "and was stopped: an endless loop?" in verdict.message
+
+
+def test_the_ready_made_mesh_is_refused_too():
+    verdict = check_mesh_coordinates(divmod_coordinates, lambda r, dp, pp, tp: Mesh(dp, pp, tp))
+    assert "Your groups calls labkit.parallel.Mesh, the course's own layout" in verdict.message, verdict
+
+
+def test_the_grader_restores_a_tracer_that_was_set():
+    tracer = lambda frame, event, arg: None  # noqa: E731
+    sys.settrace(tracer)
+    try:
+        check_mesh_coordinates(divmod_coordinates, divmod_groups, record=False)
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)
