@@ -20,8 +20,10 @@ computed without processes; notebook 12 checks it against the real Mesh) on ever
 named where the grader recognises it: another axis order (tp outermost, pp and tp swapped, ...), an axis's formula
 (which one the student's numbers follow, on every shape: world_size where a product of sizes belongs, a missing
 modulo, the wrong axis's size), coordinates or ranks counted from 1, true division; groups without the rank,
-unsorted, holding ranks that differ on another axis too, or stepping by the wrong stride. Calling the course's own
-`mesh_layout` or `Mesh` is refused: the exercise is to compute the layout.
+unsorted, holding ranks off the mesh or ranks that differ on another axis too, or stepping by the wrong stride.
+Calling the course's own `mesh_layout` or `Mesh` is refused: the exercise is to compute the layout. The student's
+calls run under a tracer (sys.settrace) that stops them after `timeout` seconds in all: an endless loop fails,
+it does not hang the notebook.
 """
 
 from __future__ import annotations
@@ -346,6 +348,10 @@ def _group_mistake(answers: dict, shape: tuple[int, int, int], rank: int, axis: 
     if rank not in mine:
         return where + (f"Yours does not hold rank {rank} itself: a group lists all its members, the rank included "
                         "(torch.distributed.new_group takes every member's global rank).")
+    outside = [other for other in mine if not 0 <= other < len(coordinates)]
+    if outside:
+        return where + (f"Yours holds rank {outside[0]}, which is not on this mesh: its ranks are 0 to "
+                        f"{len(coordinates) - 1} (range(n) runs from 0 to n - 1).")
     if len(set(mine)) < len(mine):
         return where + f"Yours holds rank {next(r for r in mine if mine.count(r) > 1)} twice."
     if sorted(mine) == want:

@@ -166,6 +166,12 @@ def pp_consecutive(rank, dp, pp, tp):
     return divmod_groups(rank, dp, pp, tp) | {"pp": list(range(start, start + pp))}
 
 
+def dp_one_too_many(rank, dp, pp, tp):
+    """The dp group over range(dp + 1): one replica past the mesh."""
+    d, p, t = divmod_coordinates(rank, dp, pp, tp)
+    return divmod_groups(rank, dp, pp, tp) | {"dp": [(i * pp + p) * tp + t for i in range(dp + 1)]}
+
+
 WRONG_GROUPS = {
     "without the rank": (without_rank, ['groups(0, 2, 2, 2)["dp"] is [4]', "does not hold rank 0 itself"]),
     "unsorted": (rank_first, ['rank 1 is at (dp 0, pp 0, tp 1); your groups(1, 2, 2, 2)["tp"] is [1, 0]',
@@ -179,6 +185,9 @@ WRONG_GROUPS = {
                                                        "The tp group is the opposite"]),
     "pp consecutive": (pp_consecutive, ['["pp"] is [0, 1]', "Yours steps by 1 rank;",
                                         "consecutive pp coordinates are tp = 2 ranks apart"]),
+    "range(dp + 1)": (dp_one_too_many,
+                      ['groups(0, 2, 2, 2)["dp"] is [0, 4, 8]', "holds rank 8, which is not on this mesh: its ranks "
+                       "are 0 to 7"]),
     "a set": (lambda r, dp, pp, tp: divmod_groups(r, dp, pp, tp) | {"tp": set(divmod_groups(r, dp, pp, tp)["tp"])},
               ['groups["tp"] is a set: return a sorted list']),
     "twice": (lambda r, dp, pp, tp: divmod_groups(r, dp, pp, tp) | {"tp": [r] + divmod_groups(r, dp, pp, tp)["tp"]},
