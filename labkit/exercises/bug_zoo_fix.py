@@ -1,0 +1,287 @@
+"""The grader of notebook 13's "your turn": fix a broken data-parallel training loop, on real ranks.
+
+`check_fixed_training(fn)` calls the student's `fn(model, x, y, steps, lr)` on 3 and then 2 ranks. Each rank's
+`model` starts from its own random initialisation (seed 100 + rank, as a script that seeds by rank does) and
+(x, y) is its own equal shard of one batch. `fn` must train `steps` SGD steps (p -= lr x p.grad) so that every
+rank ends where one process trained on the whole batch from rank 0's initial model ends: broadcast rank 0's
+parameters before the first step, then, after each backward, all-reduce every gradient and divide it by N
+(Li et al., "PyTorch Distributed", VLDB 2020, 3.2.1 and 3.2.2's "broadcast model states from one process").
+
+The grader sees each rank's parameters at every forward (a forward pre-hook) and at the end, and compares them,
+in float64 within 1e-9, with one process's: where the first step goes wrong, the update a rank applied,
+(p_k - p_k+1) / lr, says what is wrong with it (summed and not divided, divided by N - 1, not averaged,
+gradients piling up without zero_grad, some parameters only). torch's DistributedDataParallel and
+labkit.parallel's broadcast_parameters and average_gradients do the fix for you and are switched off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import labkit
+from labkit.checks import timeout_seconds as checked_timeout
+from labkit.exercises.allreduce import TIMEOUT_SECONDS
+from labkit.exercises.average_guard import BATCH, average_batch, ready_made_caller
+from labkit.exercises.guard import Guard, first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.progress import graded
+from labkit.exercises.verdict import Verdict
+from labkit.models import mlp
+
+__all__ = ["FIX_CASES", "FIX_LR", "FIX_STEPS", "FixGuard", "FixOutcome", "attempt_fix", "check_fixed_training",
+           "fix_model"]
+
+FIX_CASES = (3, 2)  # three first: N, N - 1 and rank + 1 differ there
+FIX_STEPS, FIX_LR = 3, 0.1
+TOLERANCE = 1e-9  # float64: a right fix is within 1e-15; every mistake is off by far more
+
+
+def fix_model(rank: int, device=None) -> torch.nn.Module:
+    """Rank `rank`'s model before the fix: 6 -> 8 -> 3, float64, seeded by the rank (replicas differ)."""
+    return mlp(features=6, hidden=8, classes=3, layers=1, seed=100 + rank, dtype=torch.float64).to(device)
+
+
+_NAMES = [name for name, _ in fix_model(0).named_parameters()]
+
+
+class FixGuard(Guard):
+    """While the student's training runs on a rank: every collective allowed, but torch's DDP and labkit.parallel's
+    broadcast_parameters and average_gradients (found on the call stack) refused."""
+
+    def __enter__(self) -> FixGuard:
+        try:
+            self._replace(torch.nn.parallel.DistributedDataParallel, "__init__",
+                          "torch.nn.parallel.DistributedDataParallel")
+            for name in ("allreduce", "broadcast"):
+                self._refuse_ready_made(name)
+        except BaseException:
+            self._restore()
+            raise
+        return self
+
+    def _refuse_ready_made(self, name: str) -> None:
+        original = vars(dist.ProcessGroup)[name]
+
+        def watched(group, *args, **kwargs):
+            ready_made = ready_made_caller()
+            if ready_made:
+                self.refuse(f"labkit.parallel's {ready_made}")
+            return original(group, *args, **kwargs)
+
+        self._saved.append((dist.ProcessGroup, name, original))
+        setattr(dist.ProcessGroup, name, watched)
+
+
+@dataclass
+class FixOutcome:
+    """One rank's run: its parameters (flattened per parameter) at each forward and at the end."""
+
+    starts: list[list[list[float]]] = field(default_factory=list)
+    final: list[list[float]] = field(default_factory=list)
+
+
+def _flat(model: torch.nn.Module) -> list[list[float]]:
+    return [p.detach().reshape(-1).tolist() for p in model.parameters()]
+
+
+def attempt_fix(fn) -> FixOutcome:
+    """On a rank: fn(model, x, y, FIX_STEPS, FIX_LR) on this rank's model and shard, under the guard."""
+    rank, world_size = labkit.rank(), labkit.world_size()
+    model, (x, y) = fix_model(rank, labkit.device()), average_batch(labkit.device())
+    rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
+    outcome = FixOutcome()
+    hook = model.register_forward_pre_hook(lambda module, args: outcome.starts.append(_flat(module)))
+    try:
+        with FixGuard():
+            fn(model, x[rows], y[rows], FIX_STEPS, FIX_LR)
+    finally:
+        hook.remove()
+    outcome.final = _flat(model)
+    return outcome
+
+
+@dataclass
+class _Reference:
+    """One process on the whole batch from rank 0's model: parameters before each step and at the end, the
+    whole batch's gradient at each step, and each rank's own (shard) gradient there."""
+
+    params: list[list[list[float]]]
+    grads: list[list[torch.Tensor]]
+    local: list[list[list[torch.Tensor]]]  # [rank][step][parameter]
+
+
+def _reference(world_size: int) -> _Reference:
+    model, (x, y) = fix_model(0), average_batch()
+    shards = [slice(r * BATCH // world_size, (r + 1) * BATCH // world_size) for r in range(world_size)]
+    ref = _Reference([], [], [[] for _ in range(world_size)])
+    for _ in range(FIX_STEPS):
+        ref.params.append(_flat(model))
+        for rank, rows in enumerate(shards):
+            ref.local[rank].append(_gradients(model, x[rows], y[rows]))
+        ref.grads.append(_gradients(model, x, y))
+        with torch.no_grad():
+            for p, g in zip(model.parameters(), ref.grads[-1], strict=True):
+                p -= FIX_LR * g.view_as(p)
+    ref.params.append(_flat(model))
+    return ref
+
+
+def _gradients(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    return [p.grad.detach().reshape(-1).clone() for p in model.parameters()]
+
+
+@graded("bug_zoo_fix")
+def check_fixed_training(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
+    """Grade `fn(model, x, y, steps, lr)`: the broken training loop fixed (module docstring).
+
+    Example::
+
+        >>> import torch.distributed as dist, torch.nn.functional as F, torch
+        >>> def summed(model, x, y, steps, lr):       # broadcast, but the gradients never divided by N
+        ...     for p in model.parameters():
+        ...         dist.broadcast(p.data, src=0)
+        ...     for _ in range(steps):
+        ...         model.zero_grad()
+        ...         F.cross_entropy(model(x), y).backward()
+        ...         with torch.no_grad():
+        ...             for p in model.parameters():
+        ...                 dist.all_reduce(p.grad)
+        ...                 p -= lr * p.grad
+        >>> check_fixed_training(summed, record=False)
+        Not yet. On 3 ranks (...), ...summed over the ranks but not divided by N = 3...
+    """
+    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
+    if not callable(fn):
+        return Verdict(False, "pass your function itself, e.g. check_fixed_training(train), not "
+                              f"{type(fn).__name__}.")
+    for world_size in FIX_CASES:
+        problem = _case_problem(fn, world_size, timeout_seconds)
+        if problem:
+            return Verdict(False, f"On {world_size} ranks (a batch of {BATCH} rows, {BATCH // world_size} per "
+                                  f"rank), {problem}")
+    return Verdict(True, f"on 3 and 2 ranks, every replica started from rank 0's parameters and took, at each of "
+                         f"{FIX_STEPS} steps, the update of one process on the whole batch: the run is one "
+                         "process's, spread over the ranks. A broadcast at the start and an average (all_reduce, "
+                         "then divide by N) after every backward is all data parallelism needs.")
+
+
+def _case_problem(fn, world_size: int, timeout_seconds: float) -> str | None:
+    try:
+        outcomes = labkit.run(attempt_fix, fn, world_size=world_size, timeout=timeout_seconds)
+    except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
+        return (f"the ranks did not finish within {timeout_seconds:g} s: {where_ranks_waited(hang, world_size)}. "
+                "A collective returns only when every rank of the group calls it: call each broadcast and "
+                "all_reduce on every rank, in the same order (dist.broadcast(p.data, src=0) on rank 0 too).")
+    except labkit.RankError as error:
+        if "pool was stopped" not in error.headline:
+            stop_pool(world_size)  # a rank that raised may have left the others' collectives unmatched
+        return _error_message(error)
+    return _values_problem(outcomes, _reference(world_size))
+
+
+def _error_message(error: labkit.RankError) -> str:
+    failure, spelling = first_failure(error)
+    if spelling:
+        return (f"rank {failure.rank} called {spelling}, which does the fix for you and is switched off here. "
+                "Write the broadcast and the average yourself with dist.broadcast and dist.all_reduce.")
+    if "NotImplementedError" in failure.summary:
+        return "your function raised NotImplementedError: replace the `raise` with your fix."
+    return f"rank {failure.rank} raised {failure.summary}"
+
+
+def _gap(a: list[float], b) -> float:
+    return (torch.as_tensor(a, dtype=torch.float64) - torch.as_tensor(b, dtype=torch.float64)).abs().max().item()
+
+
+def _named(indices: list[int]) -> str:
+    return ", ".join(_NAMES[i] for i in indices)
+
+
+def _values_problem(outcomes: list[FixOutcome], ref: _Reference) -> str | None:
+    """The first rank and step where the parameters leave one process's path, and why."""
+    for rank, outcome in enumerate(outcomes):
+        if len(outcome.starts) != FIX_STEPS:
+            return (f"rank {rank} ran {len(outcome.starts)} forward passes for steps={FIX_STEPS}: train exactly "
+                    "`steps` steps, one forward and one backward each.")
+    for rank, outcome in enumerate(outcomes):
+        problem = _start_problem(rank, outcome.starts[0], ref.params[0], outcomes)
+        if problem:
+            return problem
+    for step in range(FIX_STEPS):
+        for rank, outcome in enumerate(outcomes):
+            after = outcome.starts[step + 1] if step + 1 < FIX_STEPS else outcome.final
+            problem = _update_problem(rank, step, outcome.starts[step], after, ref)
+            if problem:
+                return f"at step {step + 1} of {FIX_STEPS}, {problem}"
+    return None
+
+
+def _start_problem(rank: int, start, rank0_init, outcomes) -> str | None:
+    """Before the first step every replica must hold rank 0's initial parameters."""
+    wrong = [i for i, (got, want) in enumerate(zip(start, rank0_init, strict=True)) if _gap(got, want) > TOLERANCE]
+    if not wrong:
+        return None
+    own = _flat(fix_model(rank))
+    kept = [i for i in wrong if _gap(start[i], own[i]) <= TOLERANCE]
+    if len(kept) == len(start):
+        return (f"rank {rank} began training from its own random initialisation: the replicas were never made "
+                "identical, so they follow different paths however well the gradients are averaged. Before the "
+                "first step, broadcast every parameter from rank 0: dist.broadcast(p.data, src=0).")
+    if kept:
+        return (f"rank {rank}'s {_named(kept)} still held their own initial values at the first step, while "
+                f"{_named([i for i in range(len(start)) if i not in kept])} came from rank 0: broadcast every "
+                "parameter of model.parameters(), biases too.")
+    same = all(_gap(o.starts[0][i], start[i]) <= TOLERANCE for o in outcomes for i in range(len(start)))
+    if same:
+        return ("the replicas began identical, but not with rank 0's initial parameters (the reference run starts "
+                "from rank 0's model): broadcast from rank 0, dist.broadcast(p.data, src=0), rather than from "
+                "another rank or averaging the parameters.")
+    return (f"rank {rank}'s parameters at the first step ({_named(wrong)}) are neither rank 0's nor its own: "
+            "broadcast p.data from src=0 and leave it unchanged until the first step.")
+
+
+def _update_problem(rank: int, step: int, before, after, ref: _Reference) -> str | None:
+    """The update rank `rank` applied at `step`, (before - after) / lr, against the average gradient there."""
+    if all(_gap(a, b) <= TOLERANCE for a, b in zip(after, ref.params[step + 1], strict=True)):
+        return None
+    applied = [(torch.tensor(b, dtype=torch.float64) - torch.tensor(a, dtype=torch.float64)) / FIX_LR
+               for b, a in zip(before, after, strict=True)]
+    average, local = ref.grads[step], ref.local[rank][step]
+    wrong = [i for i, (g, want) in enumerate(zip(applied, average, strict=True)) if _gap(g, want) > TOLERANCE]
+    kept = [i for i in wrong if _gap(applied[i], local[i]) <= TOLERANCE]
+    world_size = len(ref.local)
+    if kept and len(kept) < len(applied):
+        return (f"rank {rank} updated {_named(kept)} with its own gradient, not the average: all-reduce and "
+                "divide the gradient of every parameter, biases too.")
+    if kept:
+        return (f"rank {rank} updated its parameters with its own gradient: all-reduce every p.grad "
+                f"(dist.all_reduce(p.grad)) and divide by N = {world_size} before the update.")
+    if step and all(_gap(g, a + p) <= TOLERANCE * 10 for g, a, p in zip(applied, average, ref.grads[step - 1],
+                                                                     strict=True)):
+        return ("the update is this step's average gradient plus the last step's: the gradients pile up from "
+                "step to step. Zero them before each backward (model.zero_grad()).")
+    return _scaled_message(rank, applied, average, world_size)
+
+
+def _scaled_message(rank: int, applied, average, world_size: int) -> str:
+    """The applied update as a multiple of the average gradient, named when it is one students get."""
+    g, a = torch.cat(applied), torch.cat(average)
+    factor = (g @ a / (a @ a)).item()
+    if _gap(g.tolist(), factor * a) > 1e-6 * a.abs().max().item():
+        return (f"rank {rank}'s update is not -lr x the average gradient (the largest gap is "
+                f"{_gap(g.tolist(), a):.3g}): after the backward, all_reduce each p.grad, divide it by N, then "
+                "p -= lr * p.grad.")
+    known = {world_size: f"summed over the ranks but not divided by N = {world_size}: divide each gradient by "
+                         "dist.get_world_size() after the all_reduce",
+             world_size / (world_size - 1): f"divided by N - 1 = {world_size - 1}, not by N = {world_size}",
+             1 / world_size: "divided by N twice (or averaged and then divided again)"}
+    name = next((text for f, text in known.items() if abs(factor - f) < 1e-6), None)
+    if name:
+        return f"rank {rank}'s gradients were {name}."
+    return (f"rank {rank}'s update is {factor:.4g} x the average gradient's: use the average itself (all_reduce, "
+            f"then divide by N = {world_size}) and the learning rate you were given, p -= lr * p.grad.")

@@ -1,0 +1,75 @@
+"""Notebook 13's diagnosis widget: one card per broken run, a drop-down of causes, "Check", and why.
+
+Only the interface lives here; the runs, their causes and the answers are course content, in
+`labkit.exercises.bug_zoo`. Each card offers the six causes and two distractors chosen for its run, sorted by
+their text, so neither a position nor a default gives the answer away. A card keeps its last verdict; the line
+at the top counts the runs diagnosed right, and every "Check" is recorded in the student's progress file
+(exercise "bug_zoo_diagnoses"), passed once all six are right at the same time.
+"""
+
+from __future__ import annotations
+
+import html
+
+import ipywidgets as widgets
+
+from labkit.exercises.bug_zoo import ANSWERS, CAUSES, DISTRACTORS
+from labkit.exercises.progress import record_attempt
+
+__all__ = ["DiagnosisCard", "diagnosis_widget"]
+
+PROMPT = "choose a cause"
+
+
+class DiagnosisCard(widgets.VBox):
+    """Run `letter`'s question: its causes in a drop-down, a "Check" button, and the feedback, kept."""
+
+    def __init__(self, letter: str, on_check):
+        self.letter, self.right = letter, None
+        keys = sorted({*ANSWERS.values(), *DISTRACTORS[letter]}, key=lambda key: CAUSES[key].label)
+        self.dropdown = widgets.Dropdown(options=[(PROMPT, None), *((CAUSES[k].label, k) for k in keys)],
+                                         value=None, layout=widgets.Layout(width="100%", max_width="640px"))
+        self.button = widgets.Button(description="Check", button_style="primary")
+        self.feedback = widgets.HTML(layout=widgets.Layout(width="100%"))
+        self._on_check = on_check
+        self.button.on_click(lambda _: self.check())
+        title = widgets.HTML(f"<b>Run {letter}</b>: what went wrong?")
+        super().__init__([title, widgets.HBox([self.dropdown, self.button]), self.feedback],
+                         layout=widgets.Layout(width="100%", margin="0 0 10px 0"))
+        self.add_class("labkit-diagnosis")
+
+    def choose(self, key: str) -> None:
+        """Pick cause `key` and press "Check" (what a student does with the mouse)."""
+        self.dropdown.value = key
+        self.check()
+
+    def check(self) -> None:
+        """Grade the chosen cause: say why it is right, or what it would have shown instead."""
+        key = self.dropdown.value
+        if key is None:
+            self.feedback.value = "Choose a cause in the list first."
+            return
+        self.right = key == ANSWERS[self.letter]
+        cause = CAUSES[key]
+        if self.right:
+            text = f"<b>✅ Right.</b> This run shows {html.escape(cause.shows)}."
+        else:
+            text = (f"<b>❌ Not this one.</b> {html.escape(cause.label.capitalize())} would show "
+                    f"{html.escape(cause.shows)}. Look again at run {self.letter}'s symptoms above.")
+        self.feedback.value = f"<div style='line-height:1.4;white-space:normal'>{text}</div>"
+        self._on_check()
+
+
+def diagnosis_widget() -> widgets.VBox:
+    """The six runs' cards under a line that counts those diagnosed right."""
+    score = widgets.HTML()
+    cards: list[DiagnosisCard] = []
+
+    def on_check() -> None:
+        right = sum(bool(card.right) for card in cards)
+        score.value = f"<b>{right} of {len(cards)} runs diagnosed right</b>"
+        record_attempt("bug_zoo_diagnoses", right == len(cards))
+
+    cards.extend(DiagnosisCard(letter, on_check) for letter in ANSWERS)
+    score.value = f"<b>0 of {len(cards)} runs diagnosed right</b>"
+    return widgets.VBox([score, *cards], layout=widgets.Layout(width="100%"))

@@ -1,0 +1,282 @@
+"""Notebook 13's bug zoo: each broken run shows its own symptom on real ranks, the diagnosis widget grades and
+records the answers, and check_fixed_training rejects a catalogue of wrong fixes, each with a message that names
+the mistake, and accepts right ones written differently."""
+
+import importlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import labkit
+from labkit.exercises import Verdict
+from labkit.exercises.bug_zoo import ANSWERS, BATCH, CAUSES, Symptoms, reference_run, zoo_run
+from labkit.exercises.bug_zoo_fix import check_fixed_training
+from labkit.exercises.progress import load_progress
+from labkit.parallel import average_gradients, broadcast_parameters
+from labkit.widgets.zoo_diagnosis import DiagnosisCard, diagnosis_widget
+
+HANG_SECONDS = 2.0  # a deadlocked fix is stopped after this long (a right one takes milliseconds)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_pools():
+    """Start the pools of 2 and 3 ranks with the grader's rank side imported, so no timeout is spent starting."""
+    for world_size in (2, 3):
+        labkit.run(importlib.import_module, "labkit.exercises.bug_zoo_fix", world_size=world_size)
+
+
+# ---- the zoo: every run shows its symptom, on 3 ranks ---------------------------------------------------
+
+def symptoms(letter):
+    return Symptoms(labkit.run(zoo_run, letter, world_size=3), reference_run(batch_norm=letter == "C"))
+
+
+def test_each_broken_run_shows_its_symptom_and_a_healthy_run_none():
+    healthy = symptoms("healthy")
+    assert healthy.reference_gap() < 1e-6 and len(set(healthy.end_checksums())) == 1
+    same_shard = symptoms("A")                                                  # one loss on every rank
+    assert len({round(r.losses[-1], 9) for r in same_shard.records}) == 1
+    assert same_shard.reference_gap(reference_run(rows=slice(0, BATCH // 3))) < 1e-6
+    assert symptoms("B").first_step_ratio() == pytest.approx(3, rel=1e-4)      # no divide: N x the step
+    batch_norm = symptoms("C")
+    assert len(set(batch_norm.end_checksums())) == 1                            # parameters agree ...
+    assert len({round(r.buffer_checksum, 4) for r in batch_norm.records}) == 3  # ... running stats do not
+    bf16 = symptoms("D")
+    assert 1e-5 < bf16.reference_gap() < 1e-2
+    assert bf16.records[0].allreduce_nbytes * 2 == bf16.parameter_nbytes()
+    no_broadcast = symptoms("F")
+    assert len(set(no_broadcast.start_checksums())) == 3
+    assert "identical" not in str(no_broadcast).splitlines()[0]
+
+
+@pytest.mark.parametrize(("barrier", "expected"), [(None, "rank 2 still running"),
+                                                   ("monitored", "Rank 2 failed to pass monitoredBarrier"),
+                                                   ("detail", "Detected mismatch between collectives")])
+def test_the_extra_batch_hangs_and_each_tool_names_the_rank(barrier, expected):
+    with pytest.raises(labkit.RankError) as caught:
+        labkit.run(zoo_run, "E", barrier, world_size=3, timeout=3)
+    assert expected in str(caught.value)
+
+
+# ---- the diagnosis widget ------------------------------------------------------------------------------
+
+def test_the_widget_says_why_keeps_the_state_and_records_six_right(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_PROGRESS", str(tmp_path / "progress.json"))
+    widget = diagnosis_widget()
+    cards = [c for c in widget.children if isinstance(c, DiagnosisCard)]
+    assert [c.letter for c in cards] == list("ABCDEF")
+    first = cards[0]
+    first.choose("learning_rate")
+    assert "Not this one" in first.feedback.value and CAUSES["learning_rate"].shows in first.feedback.value
+    assert load_progress()["bug_zoo_diagnoses"] == {"passed": False, "attempts": 1, "passed_at": None}
+    for card in cards:
+        card.choose(ANSWERS[card.letter])
+        assert "Right" in card.feedback.value
+    assert "6 of 6" in widget.children[0].value
+    assert load_progress()["bug_zoo_diagnoses"]["passed"]
+    first.choose("learning_rate")                      # a later slip is shown, and the pass stays recorded
+    assert "5 of 6" in widget.children[0].value and load_progress()["bug_zoo_diagnoses"]["passed"]
+
+
+def test_every_run_offers_its_answer_and_two_distractors_in_alphabetical_order():
+    for card in diagnosis_widget().children[1:]:
+        labels, keys = zip(*card.dropdown.options[1:], strict=True)
+        assert card.dropdown.value is None and ANSWERS[card.letter] in keys
+        assert len(keys) == 8 and list(labels) == sorted(labels)
+
+
+# ---- the fix: right solutions ---------------------------------------------------------------------------
+
+def sgd(model, lr):
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+
+
+def fixed_loop(model, x, y, steps, lr):
+    """The broken loop with its two lines added: broadcast first, divide after the all_reduce."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        sgd(model, lr)
+
+
+def flat_and_async(model, x, y, steps, lr):
+    """One flat broadcast, then async all_reduces, each waited, and the division folded into the step."""
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    dist.broadcast(flat, src=0)
+    with torch.no_grad():
+        for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.copy_(piece.view_as(p))
+    for _ in range(steps):
+        for p in params:
+            p.grad = None
+        F.cross_entropy(model(x), y).backward()
+        handles = [dist.all_reduce(p.grad, async_op=True) for p in params]
+        for handle in handles:
+            handle.wait()
+        with torch.no_grad():
+            for p in params:
+                p -= lr / dist.get_world_size() * p.grad
+
+
+def broadcast_in_first_step(model, x, y, steps, lr):
+    """The broadcast inside the loop, before the first forward, and ReduceOp.AVG."""
+    for step in range(steps):
+        if step == 0:
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, 0)
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        sgd(model, lr)
+
+
+@pytest.mark.parametrize("fix", [fixed_loop, flat_and_async, broadcast_in_first_step], ids=lambda f: f.__name__)
+def test_right_fixes_pass(fix):
+    verdict = check_fixed_training(fix, record=False, timeout_seconds=20)
+    assert isinstance(verdict, Verdict) and verdict, verdict
+
+
+# ---- the fix: wrong solutions, each named --------------------------------------------------------------
+
+def broken(model, x, y, steps, lr):
+    """The notebook's broken loop as it is: no broadcast, no divide."""
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        sgd(model, lr)
+
+
+def no_divide(model, x, y, steps, lr):
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    broken(model, x, y, steps, lr)
+
+
+def weights_only_broadcast(model, x, y, steps, lr):
+    for name, p in model.named_parameters():
+        if name.endswith("weight"):
+            dist.broadcast(p.data, src=0)
+    fixed_loop_without_broadcast(model, x, y, steps, lr)
+
+
+def fixed_loop_without_broadcast(model, x, y, steps, lr):
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        sgd(model, lr)
+
+
+def averaged_parameters(model, x, y, steps, lr):
+    for p in model.parameters():
+        dist.all_reduce(p.data)
+        p.data /= dist.get_world_size()
+    fixed_loop_without_broadcast(model, x, y, steps, lr)
+
+
+def divide_by_n_minus_one(model, x, y, steps, lr):
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size() - 1
+        sgd(model, lr)
+
+
+def no_zero_grad(model, x, y, steps, lr):
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        sgd(model, lr)
+
+
+def weights_only_averaged(model, x, y, steps, lr):
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for name, p in model.named_parameters():
+            if name.endswith("weight"):
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
+        sgd(model, lr)
+
+
+def only_rank_zero_broadcasts(model, x, y, steps, lr):
+    if dist.get_rank() == 0:
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+    fixed_loop_without_broadcast(model, x, y, steps, lr)
+
+
+def ready_made(model, x, y, steps, lr):
+    broadcast_parameters(model)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        average_gradients(model)
+        sgd(model, lr)
+
+
+def stub(model, x, y, steps, lr):
+    raise NotImplementedError("your turn")
+
+
+def extra_step(model, x, y, steps, lr):
+    fixed_loop(model, x, y, steps + 1, lr)
+
+
+WRONG = [
+    (broken, "own random initialisation"),
+    (fixed_loop_without_broadcast, "own random initialisation"),
+    (no_divide, "not divided by N = 3"),
+    (weights_only_broadcast, "biases too"),
+    (averaged_parameters, "not with rank 0's initial parameters"),
+    (divide_by_n_minus_one, "divided by N - 1 = 2"),
+    (no_zero_grad, "pile up"),
+    (weights_only_averaged, "with its own gradient, not the average"),
+    (ready_made, "broadcast_parameters"),
+    (stub, "NotImplementedError"),
+    (extra_step, "4 forward passes"),
+]
+
+
+@pytest.mark.parametrize(("fix", "phrase"), WRONG, ids=[f.__name__ for f, _ in WRONG])
+def test_wrong_fixes_are_named(fix, phrase):
+    verdict = check_fixed_training(fix, record=False, timeout_seconds=20)
+    assert not verdict and phrase in verdict.message, verdict
+
+
+def test_a_deadlocked_fix_is_stopped_and_named():
+    verdict = check_fixed_training(only_rank_zero_broadcasts, record=False, timeout_seconds=HANG_SECONDS)
+    assert not verdict and "did not finish within 2 s" in verdict.message and "on every rank" in verdict.message
+    assert check_fixed_training(fixed_loop, record=False), "the pools work again after the hang"
+
+
+def test_the_grader_records_an_attempt(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_PROGRESS", str(tmp_path / "progress.json"))
+    check_fixed_training(stub)
+    assert load_progress()["bug_zoo_fix"]["attempts"] == 1
