@@ -34,6 +34,7 @@ from labkit.exercises.accumulation_guard import (
     accumulation_model,
     attempt_accumulation,
     step_batch,
+    warm_up,
 )
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
@@ -45,6 +46,7 @@ __all__ = ["ACCUMULATION_CASES", "TOLERANCE", "check_no_sync_accumulation", "ref
 ACCUMULATION_CASES = ((2, 3), (3, 2))  # (world_size, micro-batches per rank): N != k, so /N and /k differ
 TOLERANCE = 1e-9  # float64: a right step is within 1e-15; every mistake is off by far more
 BUCKETS = 1  # the graded model's gradients fit DDP's first bucket: one synchronisation is one all_reduce
+STARTUP_SECONDS = 120.0  # starting a pool of ranks and torch's first DDP, however loaded the machine
 
 
 @graded("no_sync_accumulation")
@@ -107,6 +109,7 @@ def _gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[
 def _case_problem(fn, world_size: int, microbatches: int, timeout_seconds: float) -> str | None:
     """What is wrong with fn on `world_size` ranks with `microbatches` each, or None. A run whose ranks
     all-reduced different numbers of buckets stops the pool, or the next case's collectives would meet them."""
+    labkit.run(warm_up, world_size=world_size, timeout=STARTUP_SECONDS)  # starting ranks does not eat the timeout
     try:
         records = labkit.run(attempt_accumulation, fn, microbatches, world_size=world_size, timeout=timeout_seconds)
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out

@@ -24,12 +24,14 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import labkit
 from labkit.models import mlp
 
 __all__ = ["CLASSES", "FEATURES", "LR", "ROWS_PER_STEP", "STEPS", "StepRecord", "Watch", "accumulation_model",
-           "attempt_accumulation", "counting_allreduces", "flat_grads", "rank_microbatches", "step_batch"]
+           "attempt_accumulation", "counting_allreduces", "flat_grads", "rank_microbatches", "step_batch",
+           "warm_up"]
 
 FEATURES, HIDDEN, CLASSES = 4, 8, 3
 ROWS_PER_STEP = 24  # the large batch of one optimizer step, shared by the ranks and cut into micro-batches
@@ -95,8 +97,6 @@ class Watch:
 
     def _sync(self, state, bucket):
         """DDP's default reduction (divide by N, all_reduce), counted."""
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
         self.current.syncs += 1
         return default_hooks.allreduce_hook(None, bucket)
 
@@ -114,6 +114,12 @@ def flat_grads(model: torch.nn.Module) -> list[float]:
     """Every parameter's gradient, flattened into one list (zeros where .grad is None)."""
     return [v for p in model.parameters() for v in (p.grad if p.grad is not None else torch.zeros_like(p))
             .flatten().tolist()]
+
+
+def warm_up() -> None:
+    """On a rank: wrap the model in DDP once, so that what torch imports on DDP's first use is imported before a
+    graded call's timeout starts."""
+    torch.nn.parallel.DistributedDataParallel(accumulation_model(labkit.device()))
 
 
 def attempt_accumulation(fn, microbatches: int) -> list[StepRecord]:

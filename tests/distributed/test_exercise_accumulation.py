@@ -7,7 +7,6 @@ catches them.
 """
 
 import contextlib
-import importlib
 
 import pytest
 import torch.distributed as dist
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 
 import labkit
 from labkit.exercises.accumulation import check_no_sync_accumulation
+from labkit.exercises.accumulation_guard import warm_up
 from labkit.exercises.verdict import Verdict
 
 HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
@@ -22,10 +22,10 @@ HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right 
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_pools():
-    """Start the pools of 2 and 3 ranks and import the grader's rank side in them, so that no case's timeout is
-    spent starting processes on a loaded machine."""
+    """Start the pools of 2 and 3 ranks and wrap a model in DDP once in each, as the grader does before every case:
+    then the first test's time is not the pools' start."""
     for world_size in (2, 3):
-        labkit.run(importlib.import_module, "labkit.exercises.accumulation_guard", world_size=world_size)
+        labkit.run(warm_up, world_size=world_size)
 
 
 def loss_of(ddp_model, x, y, k):
