@@ -112,6 +112,12 @@ def _calls_problem(outcomes, world_size: int) -> str | None:
     for rank, outcome in enumerate(outcomes):
         if outcome.mutated:
             return _mutated_message(rank, outcome.mutated[0])
+        late = next((c for c in outcome.calls if c.returned_before_wait), None)
+        if late:
+            return (f"rank {rank}: your {late.operator}'s {late.direction} started an all_reduce with async_op=True "
+                    "and returned without calling wait() on its handle: what it returned was read before the sum "
+                    "arrived (right, if at all, by luck of timing). Call handle.wait() before you return the "
+                    "tensor, or leave out async_op.")
         counts = Counter((c.operator, c.direction) for c in outcome.calls)
         if counts != _EXPECTED:
             return f"rank {rank}: {_counts_message(counts, world_size)}"

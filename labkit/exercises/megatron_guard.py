@@ -80,11 +80,14 @@ def reference_mlp() -> dict[str, torch.Tensor]:
 @dataclass
 class AllReduceCall:
     """One all_reduce made while the student's operators ran: by which ("f", "g", or None when neither's forward
-    or backward was running), in which direction ("forward" or "backward"), of how many elements."""
+    or backward was running), in which direction ("forward" or "backward"), of how many elements; whether its
+    work handle was waited (a blocking all_reduce waits itself), and whether that operator returned first."""
 
     operator: str | None
     direction: str
     numel: int
+    waited: bool = True
+    returned_before_wait: bool = False
 
 
 class MegatronGuard(Guard):
@@ -96,17 +99,30 @@ class MegatronGuard(Guard):
         self.calls: list[AllReduceCall] = []
         self.direction = "forward"
         self.operator: str | None = None  # "f" or "g" while its forward or backward runs
+        self._works: list[tuple[object, AllReduceCall]] = []
 
     def running(self, name: str | None):
-        """A hook that notes that `name` ("f", "g", or None: neither) runs now; for autograd's node hooks."""
+        """A hook that notes that `name` ("f", "g", or None: neither) runs now; for autograd's node hooks.
+        When an operator's backward ends (None), its all_reduces left unwaited are noted (see `returned`)."""
         def note(*_):
+            if name is None:
+                self.returned()
             self.operator = name
         return note
+
+    def returned(self) -> None:
+        """The running operator returned: its all_reduces whose handle nobody waited for are marked, then waited
+        for here, so that the ranks stay in step."""
+        for work, call in self._works:
+            if not call.waited and not call.returned_before_wait:
+                call.returned_before_wait = True
+                work.wait()
 
     def __enter__(self) -> MegatronGuard:
         try:
             self.switch_off_torch_distributed(_TORCH_FUNCTIONS, _GROUP_METHODS, _BACKEND_METHODS)
             self._record_allreduce()
+            self._watch_work()
         except BaseException:
             self._restore()
             raise
@@ -126,11 +142,30 @@ class MegatronGuard(Guard):
             if op != "SUM":
                 self.refuse(f"dist.all_reduce with ReduceOp.{op}")
             tensor = tensors[0] if isinstance(tensors, list | tuple) else tensors
-            self.calls.append(AllReduceCall(self.operator, self.direction, tensor.numel()))
-            return original(group, tensors, *args, **kwargs)
+            call = AllReduceCall(self.operator, self.direction, tensor.numel(),
+                                 waited=not getattr(options, "asyncOp", True))  # a blocking one waits itself
+            self.calls.append(call)
+            work = original(group, tensors, *args, **kwargs)
+            self._works.append((work, call))
+            return work
 
         self._saved.append((dist.ProcessGroup, "allreduce", original))
         dist.ProcessGroup.allreduce = recorded
+
+    def _watch_work(self) -> None:
+        """Mark an all_reduce waited when its handle's wait() or get_future() is called."""
+        import torch.distributed as dist
+
+        for name in ("wait", "get_future"):
+            original = vars(dist.Work)[name]
+
+            def marked(work, *args, _original=original, **kwargs):
+                for handle, call in self._works:
+                    call.waited = call.waited or handle is work
+                return _original(work, *args, **kwargs)
+
+            self._saved.append((dist.Work, name, original))
+            setattr(dist.Work, name, marked)
 
 
 
@@ -201,6 +236,7 @@ def _apply(name: str, operator, tensor: torch.Tensor, guard: MegatronGuard, outc
     before = tensor.detach().clone()
     guard.operator = name
     result = operator.apply(tensor)
+    guard.returned()
     guard.operator = None
     if not isinstance(result, torch.Tensor):
         raise TypeError(f"your {name}'s forward returned {type(result).__name__}, not a tensor")

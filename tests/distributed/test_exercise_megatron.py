@@ -175,6 +175,29 @@ class GInPlace(torch.autograd.Function):
         return grad
 
 
+class GInPlaceReturned(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class FAsyncNoWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total, async_op=True)
+        return total
+
+
 class FNone(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -248,6 +271,8 @@ class Stub(torch.autograd.Function):
     (FDividing, G, "X's gradient is the right one divided by N = 2: an average over the ranks, not their sum"),
     (F, GAverage, "called dist.all_reduce with ReduceOp.AVG"),
     (F, GInPlace, "your g's forward changed its input in place"),
+    (F, GInPlaceReturned, "your g's forward changed its input in place"),
+    (FAsyncNoWait, G, "your f's backward started an all_reduce with async_op=True and returned without calling wait()"),
     (FNone, G, "X got no gradient: your f's backward returned None"),
     (F, GNone, "your g, whose backward returned None"),
     (F, LabkitG, "called labkit.parallel's reduce_from_tensor_parallel"),
