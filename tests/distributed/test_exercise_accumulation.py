@@ -237,6 +237,19 @@ def test_the_stub_fails_kindly():
     assert not verdict and "raised NotImplementedError: your turn" in verdict.message, verdict
 
 
+def rank_one_runs_out_of_data(ddp_model, optimizer, microbatches):
+    """Rank 1 raises before its last micro-batch, while rank 0 waits in DDP's all_reduce for it."""
+    if labkit.rank() == 1:
+        raise ValueError("rank 1 ran out of data")
+    if_else(ddp_model, optimizer, microbatches)
+
+
+def test_a_rank_that_raises_is_named_while_the_other_waits():
+    verdict = check_no_sync_accumulation(rank_one_runs_out_of_data)
+    assert not verdict and "rank 1 raised ValueError: rank 1 ran out of data" in verdict.message, verdict
+    assert check_no_sync_accumulation(if_else), "the ranks after the failed run must be usable again"
+
+
 def rank_zero_syncs_every_time(ddp_model, optimizer, microbatches):
     """Rank 0 leaves no_sync() out: it all-reduces three times, the other rank once, and waits for ever."""
     inside = (lambda i, k: False) if labkit.rank() == 0 else all_but_last
