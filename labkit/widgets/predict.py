@@ -2,7 +2,7 @@
 
 Committing to a number before seeing the result is what makes a result stick, and a wrong guess is the most
 useful one: the widget names the typical wrong guesses and says why each is wrong. (Predict-observe-explain:
-White & Gunstone, "Probing Understanding", 1992, chapter 3.)
+White & Gunstone, "Probing Understanding", 1992.)
 
 A notebook makes one `PredictThenRun` before its key experiment: a question, a control whose starting value is the
 default prediction, and the experiment. Pressing the button runs the experiment once (a second press compares a
