@@ -13,8 +13,9 @@ conjugate operators are
 A solution passes only if, on 2 and 3 ranks, on every rank:
 
 - it communicated through dist.all_reduce (SUM) only: exactly one in the forward, in g, and one in the backward,
-  in f; labkit.parallel's own f and g and torch.distributed.nn.functional's autograd collectives do the
-  exercise for you and are switched off;
+  in f, each waited for before its operator returned (async_op=True needs handle.wait()); labkit.parallel's
+  own f and g and torch.distributed.nn.functional's autograd collectives do the exercise for you and are
+  switched off;
 - neither operator changed its input in place without telling autograd (torch.autograd.Function's rule: an
   input modified in forward must be passed to ctx.mark_dirty);
 - the output and the gradients of X, of this rank's shards of A, b1 and B, and of b2 equal one process's whole

@@ -286,6 +286,19 @@ def test_wrong_solutions_are_rejected_naming_the_mistake(f, g, named):
     assert verdict.message.startswith("On 2 ranks (the MLP's 12 hidden features split 6 per rank), "), verdict
 
 
+def test_the_guard_goes_away_after_a_refused_call():
+    """After labkit's g was refused inside the guard, the same ranks' all_reduce and wait() are torch's own again,
+    and labkit's g works."""
+    assert not check_megatron_f_g(F, LabkitG, record=False)
+
+    def untouched():
+        t = torch.ones(1, device=labkit.device(), requires_grad=True)
+        dist.all_reduce(t.detach().clone(), async_op=True).wait()
+        return reduce_from_tensor_parallel(t).item(), dist.ProcessGroup.allreduce.__name__, dist.Work.wait.__name__
+
+    assert labkit.run(untouched, world_size=2) == [(2.0, "allreduce", "wait")] * 2
+
+
 def test_the_grader_wants_the_classes_themselves():
     verdict = check_megatron_f_g(F, G.apply, record=False)
     assert not verdict and "pass your two classes themselves" in verdict.message, verdict
