@@ -174,7 +174,7 @@ def _rank_calls_problem(rank: int, outcome) -> str | None:
         return (f"attach returned {outcome.returned}, not a function: end attach with `return finish`, the "
                 "function (no arguments) that the training loop calls after each backward().")
     if outcome.hooks.get("register_hook") and not outcome.hooks.get("register_post_accumulate_grad_hook"):
-        return f"rank {rank}'s gradients were not all averaged in time. {_WRONG_HOOK}"
+        return f"on rank {rank}: {_WRONG_HOOK}"
     if not outcome.launches:
         return (f"rank {rank} made no all_reduce: each rank kept its own gradient. Start dist.all_reduce(flat, "
                 "async_op=True) on each full bucket, from the hooks.")
@@ -183,7 +183,8 @@ def _rank_calls_problem(rank: int, outcome) -> str | None:
         return (f"rank {rank} all-reduced with ReduceOp.{op}: that keeps the {op.lower()} over the ranks, not their "
                 "sum. Use dist.all_reduce(flat, async_op=True) (ReduceOp.SUM, the default), then divide by N.")
     if outcome.unwaited:
-        return (f"rank {rank} started {outcome.unwaited} all_reduce(s) with async_op=True and never called wait() "
+        return (f"rank {rank} started {outcome.unwaited} all_reduce(s) in {STEPS} steps with async_op=True and "
+                "never called wait() "
                 "on the handle: the bucket was read before the reduction finished. Keep every handle and, in "
                 "finish(), call handle.wait() before you copy the bucket back.")
     if any(launch.waited_in_backward for launch in outcome.launches):
@@ -225,7 +226,8 @@ def _buckets_problem(rank: int, step: int, outcome) -> str | None:
     if sum(numels) > total:
         return (f"{where}: {sum(numels)} numbers, more than the {total} of the gradients: a gradient went out "
                 f"twice. Empty the bucket after sending it, and start each step with an empty one. {rule}")
-    return f"{where}, not the buckets. {rule} Send a bucket as soon as it holds at least bucket_nbytes."
+    return (f"{where}, not the buckets. {rule} Send a bucket as soon as it holds at least bucket_nbytes, counting "
+            "a gradient's bytes as p.grad.numel() * p.grad.element_size() (8 for each float64 number).")
 
 
 def _values_problem(outcomes, ddp) -> str | None:

@@ -282,6 +282,22 @@ def _finish(bucket, in_flight, send_rest, copy_back=True, divide=True):
     return finish
 
 
+def four_bytes_a_number(model, bucket_nbytes):
+    """Bytes counted as if every gradient were float32 (numel x 4): the buckets come out twice too large."""
+    bucket, in_flight = [], []
+
+    def hook(p):
+        bucket.append(p)
+        if sum(q.grad.numel() * 4 for q in bucket) >= bucket_nbytes:
+            flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+            in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
+            bucket.clear()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return _finish(bucket, in_flight, send_rest=True)
+
+
 def rank_dependent_buckets(model, bucket_nbytes):
     """Buckets fixed in advance from the parameters' order, which odd ranks take the other way round."""
     params = list(model.parameters())
@@ -339,6 +355,7 @@ def returns_nothing(model, bucket_nbytes):
     (never_waits, "never called wait() on the handle"),
     (last_bucket_never_sent, "The last bucket, not full when the backward ended (56 numbers), was never sent"),
     (no_copy_back, "gradients are still its own, not the average: finish() must copy"),
+    (four_bytes_a_number, "not the buckets. With bucket_nbytes = 480 bytes (60 float64 numbers)"),
     (rank_dependent_buckets, "the ranks' buckets went out in different orders or sizes"),
     (torch_ddp, "called torch.nn.parallel.DistributedDataParallel"),
     (labkit_bucketed, "called labkit.parallel's BucketedDDP"),
@@ -348,6 +365,24 @@ def test_wrong_solutions_are_rejected_naming_the_mistake(attach, named):
     verdict = check_bucketed_ddp_hook(attach, record=False)
     assert not verdict and named in verdict.message, verdict
     assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank), "), verdict
+
+
+def test_the_guard_goes_away_after_a_graded_run():
+    """After a refused DDP and a run with register_hook, the ranks' all_reduce, wait(), DDP and tensor hooks are
+    torch's own again."""
+    assert not check_bucketed_ddp_hook(torch_ddp, record=False)
+    assert not check_bucketed_ddp_hook(tensor_hook, record=False)
+
+    def untouched():
+        t = torch.ones(1, device=labkit.device())
+        dist.all_reduce(t, async_op=True).wait()
+        return (t.item(), dist.ProcessGroup.allreduce.__name__, dist.Work.wait.__name__,
+                torch.nn.parallel.DistributedDataParallel.__init__.__qualname__,
+                torch.Tensor.register_hook.__qualname__, torch.Tensor.register_post_accumulate_grad_hook.__qualname__)
+
+    assert labkit.run(untouched, world_size=3) == [(3.0, "allreduce", "wait", "DistributedDataParallel.__init__",
+                                                     "Tensor.register_hook",
+                                                     "Tensor.register_post_accumulate_grad_hook")] * 3
 
 
 def test_a_grader_wants_the_function_itself():
