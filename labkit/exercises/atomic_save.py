@@ -145,6 +145,7 @@ def _error_text(error: dict, events: list, deleted_hint: bool = False) -> str:
 
 
 def _names(names) -> str:
+    """File names as the student reads them: 'a.tmp', 'b.tmp'."""
     return ", ".join(repr(name) for name in names)
 
 

@@ -95,6 +95,7 @@ class Report:
     grader can read it after the process was killed."""
 
     def __init__(self, scratch):
+        """An empty report, to be kept in `scratch`/report.json."""
         self.path, self.phases = Path(scratch) / "report.json", {}
 
     def phase(self, name: str) -> dict:
@@ -156,11 +157,12 @@ class Watch:
                  on_start=None):
         self.target, self.elsewhere = os.path.realpath(target), str(elsewhere)
         self.report, self.record = report, record
-        self.on_write, self.on_replace, self.on_start = on_write, on_replace, on_start
+        self.on_write, self.on_replace, self.on_start = on_write, on_replace, on_start  # each takes no argument
         self.synced: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> the file's bytes when fsync'ed
         self.saved: list = []
 
     def __enter__(self) -> Watch:
+        """Install the wrappers, send tempfile and the working directory elsewhere, then run on_start."""
         self.saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self._wrappers()]
         self.limits = [(limit, resource.getrlimit(limit)) for limit in (resource.RLIMIT_FSIZE, resource.RLIMIT_CORE)]
         self.saved_xfsz, self.saved_cwd, self.saved_tempdir = signal.getsignal(signal.SIGXFSZ), os.getcwd(), \
@@ -174,6 +176,7 @@ class Watch:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        """Put back everything __enter__ and arm changed: the rank goes on to run other calls."""
         for owner, name, original in self.saved:
             setattr(owner, name, original)
         tempfile.tempdir = self.saved_tempdir
@@ -193,6 +196,7 @@ class Watch:
         return wrapped
 
     def _event(self, kind: str, **details) -> None:
+        """Record one thing the save did to the target, at once on disk (the process may be killed next)."""
         self.record["events"].append({"kind": kind, **details})
         self.report.flush()
 
@@ -203,21 +207,25 @@ class Watch:
             self.on_write()
 
     def _open(self, file, mode="r", *args, **kwargs):
+        """open() and io.open(): note the target opened for writing, by shutil's copy or by the save itself."""
         if _path_text(file) == self.target and isinstance(mode, str) and any(c in mode for c in "wax+"):
             self._wrote("copy" if _called_from((_SHUTIL,)) else "open")
         return _OPEN(file, mode, *args, **kwargs)
 
     def _os_open(self, path, flags, *args, **kwargs):
+        """os.open(): note the target opened for writing."""
         if _path_text(path) == self.target and flags & _WRITING:
             self._wrote("os.open")
         return _OS["open"](path, flags, *args, **kwargs)
 
     def _torch_save(self, obj, f, *args, **kwargs):
+        """torch.save(): note the target given as the file (torch's C++ writer opens it, not Python's open)."""
         if _path_text(f) == self.target:
             self._wrote("torch.save")
         return _SAVE(obj, f, *args, **kwargs)
 
     def _rename(self, original):
+        """os.replace or os.rename (`original`), noting a rename onto the target, or of the target away."""
         def renamed(src, dst, *args, **kwargs):
             if _path_text(dst) == self.target:
                 self._onto_target(src)
@@ -246,6 +254,7 @@ class Watch:
             self.on_replace()
 
     def _remove(self, original):
+        """os.remove or os.unlink (`original`), noting the target removed."""
         def removed(path, *args, **kwargs):
             if _path_text(path) == self.target:
                 self._event("removed")
@@ -253,6 +262,8 @@ class Watch:
         return removed
 
     def _fsync(self, original):
+        """os.fsync or os.fdatasync (`original`), noting how many bytes the file had (or which directory it was):
+        a rename onto the target is durable only if its source was fsync'ed with all the bytes it has."""
         def synced(fd):
             original(fd)
             info = os.fstat(fd if isinstance(fd, int) else fd.fileno())

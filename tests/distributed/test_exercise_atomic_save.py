@@ -80,10 +80,12 @@ def test_right_saves_written_differently_pass(save):
 # ---- wrong saves ------------------------------------------------------------------------------------------
 
 def straight_to_path(state_dict, path):
+    """torch.save straight to path: a crash midway leaves half a file."""
     torch.save(state_dict, path)
 
 
 def open_path_then_write(state_dict, path):
+    """open(path, "wb") then write: path is emptied at once."""
     with open(path, "wb") as file:
         torch.save(state_dict, file)
         file.flush()
@@ -91,6 +93,7 @@ def open_path_then_write(state_dict, path):
 
 
 def write_then_copy(state_dict, path):
+    """A temporary file, then shutil.copy over path: the copy rewrites path in place."""
     temporary = path + ".tmp"
     with open(temporary, "wb") as file:
         torch.save(state_dict, file)
@@ -101,6 +104,7 @@ def write_then_copy(state_dict, path):
 
 
 def replace_without_fsync(state_dict, path):
+    """os.replace without fsync: the rename may reach the disk before the data."""
     fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
     with os.fdopen(fd, "wb") as file:
         torch.save(state_dict, file)
@@ -108,6 +112,7 @@ def replace_without_fsync(state_dict, path):
 
 
 def temporary_in_tmp(state_dict, path):
+    """NamedTemporaryFile without dir=: the temporary file is in /tmp, another directory."""
     with tempfile.NamedTemporaryFile(delete=False) as file:  # no dir=: tempfile's default directory
         torch.save(state_dict, file)
         file.flush()
@@ -116,6 +121,7 @@ def temporary_in_tmp(state_dict, path):
 
 
 def remove_then_rename(state_dict, path):
+    """os.remove(path), then the rename: a moment with no checkpoint."""
     fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
     with os.fdopen(fd, "wb") as file:
         torch.save(state_dict, file)
@@ -127,6 +133,7 @@ def remove_then_rename(state_dict, path):
 
 
 def backup_then_rename(state_dict, path):
+    """path renamed to a backup, then the new file renamed onto path: a moment with no checkpoint."""
     fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
     with os.fdopen(fd, "wb") as file:
         torch.save(state_dict, file)
@@ -138,6 +145,7 @@ def backup_then_rename(state_dict, path):
 
 
 def fixed_name_exclusive(state_dict, path):
+    """A fixed temporary name opened with "xb": taken forever by a crashed save's leftover."""
     with open(path + ".tmp", "xb") as file:  # a fixed name, never cleaned up after a crash
         torch.save(state_dict, file)
         file.flush()
@@ -146,6 +154,7 @@ def fixed_name_exclusive(state_dict, path):
 
 
 def fixed_name_reused(state_dict, path):
+    """A fixed temporary name opened with "wb": two saves at once write the same file."""
     with open(path + ".tmp", "wb") as file:  # a fixed name, overwritten by whichever save comes next
         torch.save(state_dict, file)
         file.flush()
@@ -154,6 +163,7 @@ def fixed_name_reused(state_dict, path):
 
 
 def fsync_before_flush(state_dict, path):
+    """os.fsync while the last small writes still sit in Python's buffer."""
     buffer = __import__("io").BytesIO()
     torch.save(state_dict, buffer)
     data = buffer.getvalue()
@@ -166,10 +176,12 @@ def fsync_before_flush(state_dict, path):
 
 
 def course_atomic_write(state_dict, path):
+    """labkit.checkpoint's own atomic write: the course's answer, refused."""
     files.write_atomically(Path(path), state_dict)
 
 
 def delete_on_close(state_dict, path):
+    """NamedTemporaryFile(delete=True), renamed inside the with: its close cannot find the file."""
     with tempfile.NamedTemporaryFile(dir=os.path.dirname(path)) as file:  # delete=True: it removes it at close
         torch.save(state_dict, file)
         file.flush()
@@ -178,6 +190,7 @@ def delete_on_close(state_dict, path):
 
 
 def temporary_named_like_a_checkpoint(state_dict, path):
+    """A temporary file named *.pt: a killed save leaves what looks like a checkpoint."""
     path = Path(path)
     temporary = path.with_name(f"new-{secrets.token_hex(4)}-{path.name}")  # new-1a2b3c4d-model.pt
     with open(temporary, "xb") as file:
@@ -188,10 +201,12 @@ def temporary_named_like_a_checkpoint(state_dict, path):
 
 
 def not_written_yet(state_dict, path):
+    """The notebook's stub."""
     raise NotImplementedError("your turn")
 
 
 def waits_forever(state_dict, path):
+    """A save that never returns."""
     time.sleep(60)
 
 
