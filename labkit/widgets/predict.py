@@ -58,14 +58,15 @@ class PredictThenRun(widgets.VBox):
         self.runs, self._result = 0, None
         self.button = widgets.Button(description=button, button_style="primary",
                                      layout=widgets.Layout(width="auto", min_width="180px"))
-        self.feedback = widgets.HTML(_WAITING, layout=widgets.Layout(width="100%"))
+        self.feedback = widgets.HTML(_WAITING, layout=widgets.Layout(width="auto"))
         if "description_width" in control.style.keys:
             control.style.description_width = "initial"  # the whole description, never cut
         control.layout.width = control.layout.width or CONTROL_WIDTH
         self.button.on_click(lambda _: self._press())
+        # the parts take the column's width less their margins ("auto"): 100% plus a margin would stick out
         header = widgets.HTML(f"<div style='line-height:1.4'><b>Predict first.</b> {question}</div>",
-                              layout=widgets.Layout(width="100%"))
-        row = widgets.HBox([control, self.button], layout=widgets.Layout(flex_flow="row wrap", width="100%"))
+                              layout=widgets.Layout(width="auto"))
+        row = widgets.HBox([control, self.button], layout=widgets.Layout(flex_flow="row wrap", width="auto"))
         super().__init__([header, row, self.feedback], layout=widgets.Layout(width="100%"))
 
     @property
