@@ -11,14 +11,16 @@ that hangs is stopped and a killed one does not take the notebook with it; labki
 it there), every file inside one temporary directory, and checks, in this order:
 
 1. a normal save, into an empty directory and over a previous checkpoint, loads back with torch.load equal to
-   the state_dict (labkit.checkpoint's own save is refused);
+   the state_dict (labkit.checkpoint's own save is refused), and leaves no other non-empty file beside path;
 2. killed just before its rename onto path, or midway through any write once it opened path itself (torch.save
    straight to path, open(path, "wb"), shutil.copy onto path), path still loads as the previous checkpoint, and
    was never removed or moved away;
-3. the file renamed onto path was fsync'ed with all its bytes first, and lay in path's own directory;
+3. the file renamed onto path was fsync'ed (os.fsync, os.fdatasync or os.sync) with all its bytes first, and
+   lay in path's own directory;
 4. a save beside the temporary file of a killed one works;
-5. two saves at once (a second one runs whole while the first is about to rename) both succeed and leave one of
-   the two checkpoints, and no temporary file;
+5. two saves at once (a second one, in another thread, runs whole while the first is about to rename; one that
+   waits for a lock the first holds goes on after it) both succeed and leave one of the two checkpoints, and no
+   temporary file (an empty file, such as a lock file, may stay);
 6. killed at the first write past half its bytes, path still holds the previous checkpoint, and what the killed
    save left behind cannot be taken for a checkpoint (no name ending like path's).
 """
@@ -242,12 +244,13 @@ def _stale_message(stale: dict, leftovers: list) -> str:
 
 def _concurrent_problem(record: dict) -> str | None:
     """Check 5: two saves at once to the same path; None when both worked and one of the two states is at path."""
-    intro = ("two saves to the same path at once (a second save ran from start to end while the first was about "
-             "to rename its temporary file onto path): ")
+    intro = ("two saves to the same path at once (a second save, in another thread, ran from start to end while "
+             "the first was about to rename its temporary file onto path): ")
     temporaries = [e["source"] for e in record["events"] if e["kind"] == "replace"]
     shared = ("Both saves used the same temporary file name, so the second overwrote the first's file and "
               "renamed it away. Make a fresh name for every save (tempfile.mkstemp(dir=...) or "
-              "NamedTemporaryFile(dir=..., delete=False)).") if len(set(temporaries)) < len(temporaries) or any(
+              "NamedTemporaryFile(dir=..., delete=False)); a name from os.getpid() alone is the same for two saves "
+              "in one process.") if len(set(temporaries)) < len(temporaries) or any(
                   error and error["filename"] in temporaries for error in (record["error"],
                                                                            record.get("second_error"))) else ""
     for which, error in (("first", record["error"]), ("second", record.get("second_error"))):

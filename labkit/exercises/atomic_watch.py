@@ -29,6 +29,7 @@ import signal
 import stat
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -36,13 +37,14 @@ import torch
 import labkit.checkpoint
 from labkit.exercises import progress
 
-__all__ = ["TARGET", "RefusedSave", "Report", "Watch", "arm", "first_run", "nbytes_of", "saved_state",
-           "second_run", "state_problem"]
+__all__ = ["OVERTAKE_SECONDS", "TARGET", "RefusedSave", "Report", "Watch", "arm", "first_run", "nbytes_of",
+           "saved_state", "second_run", "state_problem"]
 
 TARGET = "model.pt"  # the checkpoint's name in each of the grader's directories
+OVERTAKE_SECONDS = 3.0  # how long a first save waits for a second one to overtake it (a right one takes ms)
 _OPEN, _SAVE = builtins.open, torch.save  # the real ones: the grader's own files, and what the wrappers call
-_OS = {name: getattr(os, name) for name in ("open", "replace", "rename", "remove", "unlink", "fsync", "fdatasync")
-       if hasattr(os, name)}
+_OS = {name: getattr(os, name) for name in ("open", "replace", "rename", "remove", "unlink", "fsync", "fdatasync",
+                                             "sync") if hasattr(os, name)}
 _READY_MADE = (str(Path(labkit.checkpoint.__file__).parent) + os.sep, progress.__file__)  # the course's atomic writes
 _SHUTIL = os.path.dirname(shutil.__file__) + os.sep + "shutil.py"
 _WRITING = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND
@@ -97,6 +99,7 @@ class Report:
     def __init__(self, scratch):
         """An empty report, to be kept in `scratch`/report.json."""
         self.path, self.phases = Path(scratch) / "report.json", {}
+        self.lock = threading.RLock()  # a second save runs in a thread (the "concurrent" phase)
 
     def phase(self, name: str) -> dict:
         """A new phase's record: its events, and later its error, problem and leftovers."""
@@ -106,7 +109,7 @@ class Report:
 
     def flush(self) -> None:
         """Rewrite the report file (with the real open: the watched one would record it)."""
-        with _OPEN(self.path, "w") as file:
+        with self.lock, _OPEN(self.path, "w") as file:
             json.dump(self.phases, file)
 
     @staticmethod
@@ -193,12 +196,15 @@ class Watch:
                    (os, "unlink", self._remove(_OS["unlink"])), (os, "fsync", self._fsync(_OS["fsync"]))]
         if "fdatasync" in _OS:
             wrapped.append((os, "fdatasync", self._fsync(_OS["fdatasync"])))
+        if "sync" in _OS:
+            wrapped.append((os, "sync", self._sync_all))
         return wrapped
 
     def _event(self, kind: str, **details) -> None:
         """Record one thing the save did to the target, at once on disk (the process may be killed next)."""
-        self.record["events"].append({"kind": kind, **details})
-        self.report.flush()
+        with self.report.lock:
+            self.record["events"].append({"kind": kind, **details})
+            self.report.flush()
 
     def _wrote(self, how: str) -> None:
         """The target was opened for writing (or torch.save was given it)."""
@@ -253,6 +259,15 @@ class Watch:
         if self.on_replace:
             self.on_replace()
 
+    def _sync_all(self) -> None:
+        """os.sync(): every file is on disk afterwards, so note the bytes of those the save may rename."""
+        _OS["sync"]()
+        for directory in {os.path.dirname(self.target), os.path.realpath(self.elsewhere)}:
+            for entry in os.scandir(directory):
+                if entry.is_file(follow_symlinks=False):
+                    info = entry.stat(follow_symlinks=False)
+                    self.synced[(info.st_dev, info.st_ino)] = info.st_size
+
     def _remove(self, original):
         """os.remove or os.unlink (`original`), noting the target removed."""
         def removed(path, *args, **kwargs):
@@ -275,22 +290,32 @@ class Watch:
         return synced
 
 
-def _call(save, directory: Path, seed: int, watch: Watch) -> None:
-    """save(saved_state(seed), str(path)) under `watch`; its exception (if any) goes into the watch's record."""
+def _call(save, directory: Path, seed: int, watch: Watch, then=None) -> None:
+    """save(saved_state(seed), str(path)) under `watch`, then `then()` (still watched); the save's exception (if
+    any) goes into the watch's record."""
     with watch:
         try:
             save(saved_state(seed), str(directory / TARGET))
         except Exception as error:  # noqa: BLE001 - the student's error, reported by the grader
-            watch.record["error"] = {"type": type(error).__name__, "message": str(error)[:300],
-                                     "filename": os.path.basename(os.fsdecode(getattr(error, "filename", "") or ""))}
+            watch.record["error"] = _error_record(error)
+        if then:
+            then()
     watch.record["finished"] = True
 
 
+def _error_record(error: Exception) -> dict:
+    """An exception as the report keeps it: its type, message, and the file it names (OSError's filename)."""
+    return {"type": type(error).__name__, "message": str(error)[:300],
+            "filename": os.path.basename(os.fsdecode(getattr(error, "filename", "") or ""))}
+
+
 def _finish(record: dict, report: Report, directory: Path, seed: int | None) -> bool:
-    """After a phase's save: what path holds and what else is in its directory; whether the phase went well."""
+    """After a phase's save: what path holds and what else is in its directory (an empty file, a lock file say,
+    does no harm); whether the phase went well."""
     if record["error"] is None and seed is not None:
         record["problem"] = state_problem(directory / TARGET, seed)
-    record["leftovers"] = sorted(name for name in os.listdir(directory) if name != TARGET)
+    record["leftovers"] = sorted(entry.name for entry in os.scandir(directory) if entry.name != TARGET
+                                 and not (entry.is_file() and entry.stat().st_size == 0))
     report.flush()
     return record["error"] is None and record["problem"] is None
 
@@ -326,8 +351,10 @@ def second_run(save, scratch) -> None:
         return
     _SAVE(saved_state(6), together / TARGET)
     record = report.phase("concurrent")
-    _call(save, together, 7, Watch(together / TARGET, elsewhere, report, record,
-                                   on_replace=_second_save(save, together, record)))
+    record["second_error"] = None
+    overtaker = _Overtaker(save, together, record)
+    _call(save, together, 7, Watch(together / TARGET, elsewhere, report, record, on_replace=overtaker),
+          then=overtaker.finish)
     _finish(record, report, together, None)
     record["problem"] = state_problem(together / TARGET, 7) and state_problem(together / TARGET, 8)
     record = report.phase("killed while writing")
@@ -336,17 +363,30 @@ def second_run(save, scratch) -> None:
     _finish(record, report, crash, None)
 
 
-def _second_save(save, directory: Path, record: dict):
-    """An on_replace that, the first time, runs a whole second save of saved_state(8) to the same path (its error
-    goes into record["second_error"]): two saves at once, the second overtaking the first."""
-    def overtake():
-        if "second_error" in record:
-            return
-        record["second_error"] = None
+class _Overtaker:
+    """An on_replace that, the first time, starts a second save of saved_state(8) to the same path, in a thread,
+    and waits for it: two saves at once, the second overtaking the first. A second save that waits for a lock the
+    first one holds goes on once the first has renamed (after OVERTAKE_SECONDS); `finish` waits for it then."""
+
+    def __init__(self, save, directory: Path, record: dict):
+        self.save, self.path, self.record, self.thread = save, str(directory / TARGET), record, None
+
+    def __call__(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._second, daemon=True)
+            self.thread.start()
+            self.thread.join(OVERTAKE_SECONDS)
+
+    def _second(self) -> None:
         try:
-            save(saved_state(8), str(directory / TARGET))
+            self.save(saved_state(8), self.path)
         except Exception as error:  # noqa: BLE001 - the student's error, reported by the grader
-            record["second_error"] = {"type": type(error).__name__, "message": str(error)[:300],
-                                      "filename": os.path.basename(os.fsdecode(getattr(error, "filename", "")
-                                                                               or ""))}
-    return overtake
+            self.record["second_error"] = _error_record(error)
+
+    def finish(self) -> None:
+        """Wait for the second save (still watched); one that never ends counts as its error."""
+        if self.thread is not None:
+            self.thread.join(OVERTAKE_SECONDS)
+            if self.thread.is_alive():
+                self.record["second_error"] = {"type": "TimeoutError", "filename": "", "message": (
+                    f"the second save had not returned {2 * OVERTAKE_SECONDS:g} s after it started")}

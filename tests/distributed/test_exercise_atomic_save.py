@@ -5,6 +5,7 @@ The grader runs each save in a process of its own (labkit.run on 1 rank) and kil
 case here is a real crash: a save that writes into path itself loses the previous checkpoint for real.
 """
 
+import fcntl
 import os
 import resource
 import secrets
@@ -69,12 +70,40 @@ def with_suffix_and_directory_fsync(state_dict, path):
         os.close(directory)
 
 
+def fixed_name_under_a_lock(state_dict, path):
+    """A fixed temporary name, but saves take turns: flock(2) on a lock file beside path (a second save waits for
+    the first to rename), and "wb" overwrites a crashed save's leftover."""
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        with open(path + ".tmp", "wb") as file:
+            torch.save(state_dict, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(path + ".tmp", path)
+
+
+def os_sync_instead_of_fsync(state_dict, path):
+    """os.sync() (every file system's dirty data to disk) in place of os.fsync: heavy-handed, but durable."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+    os.sync()
+    os.rename(temporary, path)
+
+
 @pytest.mark.parametrize("save", [named_temporary_file, mkstemp_with_cleanup, with_suffix_and_directory_fsync])
 def test_right_saves_written_differently_pass(save):
     verdict = check_atomic_save(save, record=False)
     assert verdict, verdict
     assert "killed just before its rename" in verdict.message
     assert ("You fsync the directory too" in verdict.message) == (save is with_suffix_and_directory_fsync)
+
+
+@pytest.mark.parametrize("save", [fixed_name_under_a_lock, os_sync_instead_of_fsync])
+def test_less_usual_right_saves_pass(save):
+    """Not what the notebook teaches, but atomic all the same: the grader must not refuse them."""
+    verdict = check_atomic_save(save, record=False)
+    assert verdict, verdict
 
 
 # ---- wrong saves ------------------------------------------------------------------------------------------
@@ -175,6 +204,16 @@ def fsync_before_flush(state_dict, path):
     os.replace(temporary, path)
 
 
+def pid_only_name(state_dict, path):
+    """A temporary name from the process id alone: two saves in one process share it."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
 def course_atomic_write(state_dict, path):
     """labkit.checkpoint's own atomic write: the course's answer, refused."""
     files.write_atomically(Path(path), state_dict)
@@ -220,6 +259,7 @@ WRONG = [
     (backup_then_rename, "moved path away before renaming"),
     (fixed_name_exclusive, "Your temporary file has a fixed name"),
     (fixed_name_reused, "Both saves used the same temporary file name"),
+    (pid_only_name, "Both saves used the same temporary file name", "os.getpid() alone"),
     (fsync_before_flush, "still sat in Python's buffer"),
     (course_atomic_write, "labkit.checkpoint's own atomic save"),
     (delete_on_close, "unless you pass delete=False"),
