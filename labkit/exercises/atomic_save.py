@@ -33,7 +33,7 @@ from pathlib import Path
 
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
-from labkit.exercises.atomic_watch import TARGET, Report, first_run, nbytes_of, second_run, state_problem
+from labkit.exercises.atomic_watch import CAN_KILL, TARGET, Report, first_run, nbytes_of, second_run, state_problem
 from labkit.exercises.guard import first_failure, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
@@ -59,6 +59,9 @@ def check_atomic_save(save, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verd
     timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
     if not callable(save):
         return Verdict(False, f"pass your function itself, e.g. check_atomic_save(save), not {type(save).__name__}.")
+    if not CAN_KILL:
+        return Verdict(False, "this grader kills your save with setrlimit(2) and SIGKILL, which Windows lacks: run "
+                              "the course under WSL (see the README), as for labkit.run.")
     with tempfile.TemporaryDirectory(prefix="labkit-atomic-save-") as scratch:
         for folder in ("normal", "crash", "concurrent", "elsewhere"):
             (Path(scratch) / folder).mkdir()
@@ -66,7 +69,8 @@ def check_atomic_save(save, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verd
         if problem is None:
             problem = _second_run_problem(save, Path(scratch), timeout_seconds)
         if problem:
-            problem = problem.replace(scratch + os.sep, "")  # the grader's temporary directory says nothing
+            for shown in (scratch, os.path.realpath(scratch)):  # the grader's temporary directory says nothing
+                problem = problem.replace(shown + os.sep, "")
             return Verdict(False, problem[0].upper() + problem[1:])
         synced_directory = any(e["kind"] == "fsync_directory" and e["same_directory"]
                                for e in Report.read(scratch)["stale"]["events"])
@@ -94,7 +98,8 @@ def _run(function, save, scratch: Path, timeout_seconds: float) -> tuple[dict, s
         last = list(report)[-1] if report else None
         if last is None or not last.startswith("killed") or report[last]["finished"]:
             failure, _ = first_failure(error)
-            return report, f"the process running your save died ({failure.summary}) during the {last} save."
+            return report, (f"the process running your save died ({failure.summary}) during the {last or 'first'} "
+                            "save: a save must return, or raise an exception, and never end its process.")
     return Report.read(scratch), None
 
 
@@ -126,7 +131,7 @@ def _normal_problem(normal: dict) -> str | None:
         return ("your save calls labkit.checkpoint's own atomic save (labkit/checkpoint/files.py), the course's "
                 "answer; it is switched off while this exercise is graded. Write the steps yourself. " + _RECIPE)
     if normal["error"]:
-        return "save(state_dict, path) " + _error_text(normal["error"], events, deleted_hint=True) + "."
+        return "your save(state_dict, path) " + _error_text(normal["error"], events, deleted_hint=True) + "."
     if normal["problem"]:
         return (f"after save(state_dict, path), {normal['problem']}. torch.load(path) must give back the "
                 "state_dict you were given: torch.save it whole.")

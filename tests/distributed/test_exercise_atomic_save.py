@@ -244,6 +244,11 @@ def not_written_yet(state_dict, path):
     raise NotImplementedError("your turn")
 
 
+def exits_the_process(state_dict, path):
+    """A save that ends its own process (os._exit skips every cleanup)."""
+    os._exit(3)
+
+
 def waits_forever(state_dict, path):
     """A save that never returns."""
     time.sleep(60)
@@ -265,6 +270,7 @@ WRONG = [
     (delete_on_close, "unless you pass delete=False"),
     (temporary_named_like_a_checkpoint, "can be mistaken for a checkpoint"),
     (not_written_yet, "Write the body of save"),
+    (exits_the_process, "process running your save died", "during the normal save"),
 ]
 
 
