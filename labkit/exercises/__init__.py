@@ -4,6 +4,16 @@
                 2, 3 and 4 real ranks, against torch's answer and the algorithm's traffic
     average     check_average_gradients (notebook 01): the student's gradient average after backward() on 2, 3
                 and 4 real ranks, against one process trained on the whole batch (average_guard: on each rank)
+    ddp_hook    check_bucketed_ddp_hook (notebook 04): the student's bucketed DDP from post-accumulate-grad hooks,
+                against torch's DDP, communication started inside backward (ddp_hook_guard: on each rank)
+    megatron    check_megatron_f_g (notebook 05): the student's f and g autograd functions in Megatron's MLP on
+                2 and 3 ranks, against one process, one all_reduce each way (megatron_guard: on each rank)
+    accumulation  check_no_sync_accumulation (notebook 07): accumulation with DDP's no_sync(), one AllReduce per
+                  optimizer step, equal to the large batch (accumulation_guard: on each rank)
+    atomic_save check_atomic_save (notebook 09): the student's checkpoint save killed midway, the previous one
+                must survive (atomic_watch: in the saving process)
+    mesh_coordinates  check_mesh_coordinates (notebook 12): a rank's (dp, pp, tp) coordinates and its three
+                      groups, against torch's DeviceMesh layout, no processes
     guard       on each rank while a grader runs: collectives switched off, messages counted
     diagnosis   what is wrong with a wrong answer: its values, its traffic (`ring_nbytes_per_rank`)
     verdict     Verdict, the grade every grader returns
@@ -21,10 +31,15 @@
 The widgets that show the quiz, the flashcards and the stack map are in `labkit.widgets`.
 """
 
+from labkit.exercises.accumulation import check_no_sync_accumulation
 from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, check_ring_allreduce
+from labkit.exercises.atomic_save import check_atomic_save
 from labkit.exercises.average import check_average_gradients
+from labkit.exercises.ddp_hook import check_bucketed_ddp_hook
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import ForbiddenCall, rank_input
+from labkit.exercises.megatron import check_megatron_f_g
+from labkit.exercises.mesh_coordinates import check_mesh_coordinates
 from labkit.exercises.progress import show_progress
 from labkit.exercises.quiz import (
     Feedback,
@@ -42,6 +57,7 @@ from labkit.exercises.step_guard import step_inputs
 from labkit.exercises.verdict import Verdict
 
 __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",
-           "check_1f1b_order", "check_naive_allreduce", "check_ring_allreduce", "check_sharded_step", "check_stack_map",
-           "load_distractor_families", "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank",
-           "show_progress", "step_inputs", "check_average_gradients"]
+           "check_1f1b_order", "check_atomic_save", "check_average_gradients", "check_bucketed_ddp_hook",
+           "check_megatron_f_g", "check_mesh_coordinates", "check_naive_allreduce", "check_no_sync_accumulation",
+           "check_ring_allreduce", "check_sharded_step", "check_stack_map", "load_distractor_families",
+           "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank", "show_progress", "step_inputs"]

@@ -22,7 +22,7 @@ named where the grader recognises it: another axis order (tp outermost, pp and t
 modulo, the wrong axis's size), coordinates or ranks counted from 1, true division; groups without the rank,
 unsorted, holding ranks off the mesh or ranks that differ on another axis too, or stepping by the wrong stride.
 Calling the course's own `mesh_layout` or `Mesh` is refused: the exercise is to compute the layout. The student's
-calls run under a tracer (sys.settrace) that stops them after `timeout` seconds in all: an endless loop fails,
+calls run under a tracer (sys.settrace) that stops them after `timeout_seconds` seconds in all: an endless loop fails,
 it does not hang the notebook.
 """
 
@@ -36,7 +36,7 @@ import sys
 import time
 from typing import NamedTuple
 
-from labkit.checks import timeout_seconds
+from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.parallel.mesh import AXES, Mesh, mesh_layout
@@ -68,9 +68,9 @@ class _Budget(NamedTuple):
 
 
 @graded("mesh_coordinates")
-def check_mesh_coordinates(coordinates, groups=None, timeout: float = TIMEOUT_SECONDS) -> Verdict:
+def check_mesh_coordinates(coordinates, groups=None, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     """Grade `coordinates(rank, dp, pp, tp)` and `groups(rank, dp, pp, tp)` on every rank of 64 mesh shapes;
-    `timeout`: the seconds all their calls may take together (an endless loop is stopped, not waited for).
+    `timeout_seconds`: the seconds all their calls may take together (an endless loop is stopped, not waited for).
 
     >>> right = lambda rank, dp, pp, tp: (rank // (pp * tp), rank // tp % pp, rank % tp)
     >>> check_mesh_coordinates(right)
@@ -82,7 +82,7 @@ def check_mesh_coordinates(coordinates, groups=None, timeout: float = TIMEOUT_SE
         if not callable(fn) and (fn is not None or name == "coordinates"):
             return Verdict(False, f"pass your functions themselves, e.g. check_mesh_coordinates(coordinates, "
                                   f"groups); {name} is {type(fn).__name__}.")
-    seconds = timeout_seconds("timeout", timeout)
+    seconds = checked_timeout("timeout_seconds", timeout_seconds)
     budget = _Budget(seconds, time.monotonic() + seconds)
     try:
         problem = _coordinates_problem(coordinates, budget) or (_groups_problem(groups, budget) if groups else None)

@@ -225,7 +225,7 @@ def test_an_endless_loop_is_stopped_within_the_timeout():
 
     for fn in (endless, swallowing):
         started = time.monotonic()
-        verdict = check_mesh_coordinates(divmod_coordinates, fn, timeout=0.5)
+        verdict = check_mesh_coordinates(divmod_coordinates, fn, timeout_seconds=0.5)
         assert not verdict and time.monotonic() - started < 5, verdict
         assert "Your groups(0, 2, 2, 2) was still running when the 0.5 s for all the 1,000 ranks' calls ran out, " \
                "and was stopped: an endless loop?" in verdict.message
