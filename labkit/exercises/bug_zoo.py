@@ -53,8 +53,8 @@ CAUSES = {
                              "identical parameters, but BatchNorm's running mean and variance (buffers, never "
                              "all-reduced) differ per rank, so eval-mode outputs differ per rank"),
     "same_shard": Cause("every rank trains on the same shard of the data",
-                        "every rank reports exactly the same loss at every step, and the run is one process "
-                        "trained on 1/N of the batch: the other shards are never seen"),
+                        "every rank reporting exactly the same loss at every step, and a run equal to one "
+                        "process trained on 1/N of the batch: the other shards are never seen"),
     "extra_batch": Cause("one rank has one batch more than the others",
                          "a hang: that rank waits in an all_reduce nobody else joins, and labkit's hang report "
                          "and monitored_barrier name it"),
@@ -251,7 +251,7 @@ class Symptoms:
             f"parameter checksum per rank, after {STEPS} steps: {_numbers(self.end_checksums())}",
             f"loss per rank at the last step: {_numbers([r.losses[-1] for r in self.records])}",
             f"largest parameter gap from one process on the whole batch: {self.reference_gap():.1e}",
-            f"first step's length over one process's: {self.first_step_ratio():.2f}",
+            f"first step's change of the checksum, over one process's: {self.first_step_ratio():.2f}",
             f"BatchNorm running statistics, checksum per rank: {_numbers([r.buffer_checksum for r in self.records])}",
             f"eval-mode outputs, checksum per rank: {_numbers([r.eval_checksum for r in self.records])}",
             f"all_reduce per step on rank 0: {r0.allreduce_calls} calls, {r0.allreduce_nbytes:,} bytes "

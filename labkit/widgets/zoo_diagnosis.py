@@ -18,7 +18,7 @@ from labkit.exercises.progress import record_attempt
 
 __all__ = ["DiagnosisCard", "diagnosis_widget"]
 
-PROMPT = "choose a cause"
+PROMPT = "choose a cause"  # the value "": a browser shows no text for a drop-down whose value is None
 
 
 class DiagnosisCard(widgets.VBox):
@@ -27,8 +27,8 @@ class DiagnosisCard(widgets.VBox):
     def __init__(self, letter: str, on_check):
         self.letter, self.right = letter, None
         keys = sorted({*ANSWERS.values(), *DISTRACTORS[letter]}, key=lambda key: CAUSES[key].label)
-        self.dropdown = widgets.Dropdown(options=[(PROMPT, None), *((CAUSES[k].label, k) for k in keys)],
-                                         value=None, layout=widgets.Layout(width="100%", max_width="640px"))
+        self.dropdown = widgets.Dropdown(options=[(PROMPT, ""), *((CAUSES[k].label, k) for k in keys)],
+                                         value="", layout=widgets.Layout(width="100%", max_width="640px"))
         self.button = widgets.Button(description="Check", button_style="primary")
         self.feedback = widgets.HTML(layout=widgets.Layout(width="100%"))
         self._on_check = on_check
@@ -46,7 +46,7 @@ class DiagnosisCard(widgets.VBox):
     def check(self) -> None:
         """Grade the chosen cause: say why it is right, or what it would have shown instead."""
         key = self.dropdown.value
-        if key is None:
+        if not key:
             self.feedback.value = "Choose a cause in the list first."
             return
         self.right = key == ANSWERS[self.letter]

@@ -83,7 +83,7 @@ def test_the_widget_says_why_keeps_the_state_and_records_six_right(tmp_path, mon
 def test_every_run_offers_its_answer_and_two_distractors_in_alphabetical_order():
     for card in diagnosis_widget().children[1:]:
         labels, keys = zip(*card.dropdown.options[1:], strict=True)
-        assert card.dropdown.value is None and ANSWERS[card.letter] in keys
+        assert card.dropdown.value == "" and ANSWERS[card.letter] in keys
         assert len(keys) == 8 and list(labels) == sorted(labels)
 
 
