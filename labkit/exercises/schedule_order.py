@@ -14,13 +14,16 @@ min(p - r - 1, m) warm-up forwards, then one forward and one backward in turn, t
 (the cool-down), every kind in micro-batch order. The first case that goes wrong is reported, with the
 mistake named where the grader recognises it: GPipe's order, a warm-up one too long or short, a warm-up counted
 from the last stage, backwards in reverse order, a missing cool-down, duplicated or missing micro-batches,
-m < p, a backward before its forward, and exceptions.
+m < p, a backward before its forward, and exceptions. Calling a ready-made schedule (labkit's `schedule`, which
+the grader compares with, or torch.distributed.pipelining's) is refused: a tracer sees the call.
 """
 
 from __future__ import annotations
 
 import operator
 import re
+import sys
+from pathlib import Path
 
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
@@ -43,6 +46,8 @@ def one_f_one_b(stage, stages, microbatches):
     return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]  # cool-down
 '''
 
+# Where ready-made schedules live: labkit's (the grader's reference) and torch.distributed.pipelining's.
+_READY_MADE = (schedule.__code__.co_filename, str(Path("torch", "distributed", "pipelining")))
 _ACTION_TEXT = re.compile(r"([FB])(\d+)")
 _FORMAT = 'write each action as ("F", i) or ("B", i) (an Action("F", i) or the string "F3" also work)'
 
@@ -76,8 +81,10 @@ def check_1f1b_order(fn) -> Verdict:
 def _case_problem(fn, r: int, p: int, m: int) -> str | None:
     """What is wrong with fn's order for stage r of p with m micro-batches, or None."""
     try:
-        returned = fn(r, p, m)
-        returned = list(returned) if hasattr(returned, "__next__") else returned  # a generator runs here
+        returned = _without_ready_made(fn, r, p, m)
+    except _ReadyMade as refused:
+        return (f"fn({r}, {p}, {m}) calls {refused}, a ready-made schedule: build the order yourself from the "
+                "warm-up, the steady state and the cool-down.")
     except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
         return f"fn({r}, {p}, {m}) (stage={r}, stages={p}, microbatches={m}) raised {type(error).__name__}: {error}"
     got, problem = _actions(returned)
@@ -93,6 +100,27 @@ def _case_problem(fn, r: int, p: int, m: int) -> str | None:
         return (f"action {k} is {_spelled([got[k]])}, 1F1B runs {_spelled([want[k]])} there (after the warm-up, "
                 f"one forward then one backward, in turn). Yours: {_spelled(got)}. 1F1B's: {_spelled(want)}.")
     return None
+
+
+class _ReadyMade(BaseException):
+    """The student's function called a ready-made schedule. A BaseException: their `except Exception` cannot
+    swallow it."""
+
+
+def _without_ready_made(fn, r: int, p: int, m: int):
+    """fn(r, p, m) (a generator run to its end), stopped with _ReadyMade if it calls into labkit's or torch's
+    schedules: a tracer (sys.settrace) sees every Python call's file."""
+    def trace(frame, event, arg):
+        filename = frame.f_code.co_filename
+        if event == "call" and (filename == _READY_MADE[0] or _READY_MADE[1] in filename):
+            raise _ReadyMade(f"{frame.f_globals.get('__name__', Path(filename).stem)}.{frame.f_code.co_name}()")
+    previous = sys.gettrace()
+    sys.settrace(trace)
+    try:
+        returned = fn(r, p, m)
+        return list(returned) if hasattr(returned, "__next__") else returned
+    finally:
+        sys.settrace(previous)
 
 
 def _actions(returned) -> tuple[list[tuple[str, int]], str | None]:

@@ -5,10 +5,11 @@ No processes: the grader compares lists."""
 from collections import deque
 
 import pytest
+from torch.distributed.pipelining import schedules
 
 from labkit.exercises import Verdict, check_1f1b_order
 from labkit.exercises.schedule_order import CASES, REFERENCE_SOLUTION
-from labkit.parallel.pipeline import Action
+from labkit.parallel.pipeline import Action, schedule
 
 
 def order(warmup, m, backwards=None, cooldown=True):
@@ -105,6 +106,10 @@ WRONG = {
                 "fn(0, 3, 1) (stage=0, stages=3, microbatches=1) raised IndexError: list index out of range"]),
     "bad format": (lambda r, p, m: [f"forward {i}" for i in range(m)],
                    ["action 0 is 'forward 0' (str)", '("F", i)']),
+    "the course's schedule": (lambda r, p, m: schedule("1f1b", p, m)[r],
+                              ["fn(0, 4, 8) calls labkit.parallel.pipeline.schedule.schedule(), a ready-made"]),
+    "torch's schedule": (lambda r, p, m: schedules._format_pipeline_order({}) or order(min(p - r - 1, m), m),
+                         ["calls torch.distributed.pipelining.schedules._format_pipeline_order(), a ready-made"]),
 }
 
 
