@@ -141,19 +141,10 @@ def check_fixed_training(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Ver
 
     Example::
 
-        >>> import torch.distributed as dist, torch.nn.functional as F, torch
-        >>> def summed(model, x, y, steps, lr):       # broadcast, but the gradients never divided by N
-        ...     for p in model.parameters():
-        ...         dist.broadcast(p.data, src=0)
-        ...     for _ in range(steps):
-        ...         model.zero_grad()
-        ...         F.cross_entropy(model(x), y).backward()
-        ...         with torch.no_grad():
-        ...             for p in model.parameters():
-        ...                 dist.all_reduce(p.grad)
-        ...                 p -= lr * p.grad
-        >>> check_fixed_training(summed, record=False)
-        Not yet. On 3 ranks (...), ...summed over the ranks but not divided by N = 3...
+        >>> def train(model, x, y, steps, lr):        # the notebook's stub, not yet filled in
+        ...     raise NotImplementedError("your turn")
+        >>> check_fixed_training(train, record=False)
+        Not yet. On 3 ranks (a batch of 24 rows, 8 per rank), your function raised NotImplementedError: ...
     """
     timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
     if not callable(fn):
@@ -213,12 +204,37 @@ def _values_problem(outcomes: list[FixOutcome], ref: _Reference) -> str | None:
         if problem:
             return problem
     for step in range(FIX_STEPS):
+        afters = [o.starts[step + 1] if step + 1 < FIX_STEPS else o.final for o in outcomes]
+        problem = _factors_problem([o.starts[step] for o in outcomes], afters, ref.grads[step])
         for rank, outcome in enumerate(outcomes):
-            after = outcome.starts[step + 1] if step + 1 < FIX_STEPS else outcome.final
-            problem = _update_problem(rank, step, outcome.starts[step], after, ref)
-            if problem:
-                return f"at step {step + 1} of {FIX_STEPS}, {problem}"
+            problem = problem or _update_problem(rank, step, outcome.starts[step], afters[rank], ref)
+        if problem:
+            return f"at step {step + 1} of {FIX_STEPS}, {problem}"
     return None
+
+
+def _applied(before, after) -> list[torch.Tensor]:
+    """The gradient an SGD step used: (parameters before - after) / lr, per parameter."""
+    return [(torch.as_tensor(b, dtype=torch.float64) - torch.as_tensor(a, dtype=torch.float64)) / FIX_LR
+            for b, a in zip(before, after, strict=True)]
+
+
+def _factor(applied, average) -> float | None:
+    """c when the applied update is c x the average gradient (to 1e-6 of its largest element), else None."""
+    g, a = torch.cat(applied), torch.cat(average)
+    factor = (g @ a / (a @ a)).item()
+    return factor if _gap(g.tolist(), factor * a) <= 1e-6 * a.abs().max().item() else None
+
+
+def _factors_problem(befores, afters, average) -> str | None:
+    """Ranks that scaled the average gradient by different factors (a divisor that depends on the rank)."""
+    factors = [_factor(_applied(b, a), average) for b, a in zip(befores, afters, strict=True)]
+    if None in factors or max(factors) - min(factors) < 1e-6:
+        return None
+    shown = ", ".join(f"rank {rank}: {factor:.3g} x" for rank, factor in enumerate(factors))
+    return (f"the ranks scaled the average gradient by different factors ({shown}), so the replicas drift apart: "
+            "divide by N = dist.get_world_size(), the same number on every rank, not by one that depends on the "
+            "rank.")
 
 
 def _start_problem(rank: int, start, rank0_init, outcomes) -> str | None:
@@ -249,8 +265,7 @@ def _update_problem(rank: int, step: int, before, after, ref: _Reference) -> str
     """The update rank `rank` applied at `step`, (before - after) / lr, against the average gradient there."""
     if all(_gap(a, b) <= TOLERANCE for a, b in zip(after, ref.params[step + 1], strict=True)):
         return None
-    applied = [(torch.tensor(b, dtype=torch.float64) - torch.tensor(a, dtype=torch.float64)) / FIX_LR
-               for b, a in zip(before, after, strict=True)]
+    applied = _applied(before, after)
     average, local = ref.grads[step], ref.local[rank][step]
     wrong = [i for i, (g, want) in enumerate(zip(applied, average, strict=True)) if _gap(g, want) > TOLERANCE]
     kept = [i for i in wrong if _gap(applied[i], local[i]) <= TOLERANCE]
@@ -270,12 +285,11 @@ def _update_problem(rank: int, step: int, before, after, ref: _Reference) -> str
 
 def _scaled_message(rank: int, applied, average, world_size: int) -> str:
     """The applied update as a multiple of the average gradient, named when it is one students get."""
-    g, a = torch.cat(applied), torch.cat(average)
-    factor = (g @ a / (a @ a)).item()
-    if _gap(g.tolist(), factor * a) > 1e-6 * a.abs().max().item():
+    factor = _factor(applied, average)
+    if factor is None:
         return (f"rank {rank}'s update is not -lr x the average gradient (the largest gap is "
-                f"{_gap(g.tolist(), a):.3g}): after the backward, all_reduce each p.grad, divide it by N, then "
-                "p -= lr * p.grad.")
+                f"{_gap(torch.cat(applied).tolist(), torch.cat(average)):.3g}): after the backward, all_reduce "
+                "each p.grad, divide it by N, then p -= lr * p.grad.")
     known = {world_size: f"summed over the ranks but not divided by N = {world_size}: divide each gradient by "
                          "dist.get_world_size() after the all_reduce",
              world_size / (world_size - 1): f"divided by N - 1 = {world_size - 1}, not by N = {world_size}",

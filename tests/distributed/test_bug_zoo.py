@@ -203,6 +203,18 @@ def divide_by_n_minus_one(model, x, y, steps, lr):
         sgd(model, lr)
 
 
+def divide_by_rank_plus_one(model, x, y, steps, lr):
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_rank() + 1
+        sgd(model, lr)
+
+
 def no_zero_grad(model, x, y, steps, lr):
     for p in model.parameters():
         dist.broadcast(p.data, src=0)
@@ -258,6 +270,7 @@ WRONG = [
     (weights_only_broadcast, "biases too"),
     (averaged_parameters, "not with rank 0's initial parameters"),
     (divide_by_n_minus_one, "divided by N - 1 = 2"),
+    (divide_by_rank_plus_one, "rank 0: 3 x, rank 1: 1.5 x, rank 2: 1 x"),
     (no_zero_grad, "pile up"),
     (weights_only_averaged, "with its own gradient, not the average"),
     (ready_made, "broadcast_parameters"),
