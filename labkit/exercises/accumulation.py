@@ -14,7 +14,9 @@ k shows). `ddp_model` is a small float64 model in torch's DistributedDataParalle
 - then optimizer.step() once, and zero the gradients once (after the step, or before the first micro-batch).
 
 A solution passes only if, in both cases, on every rank: each call ran one forward per micro-batch, all but the
-last inside no_sync(), and DDP all-reduced its one bucket once; optimizer.step() ran once, with the gradient of
+last inside no_sync(), each followed by its backward before the next forward (so that one micro-batch's
+activations are alive at a time: the memory accumulation saves), and DDP all-reduced its one bucket once, with
+no all_reduce of the solution's own; optimizer.step() ran once, with the gradient of
 the whole large batch (every rank's micro-batches) of one process (float64, within 1e-9); and the parameters
 after every step equal one process trained on the large batch, the same on every rank. The watching, on each
 rank, is in `labkit.exercises.accumulation_guard`.
@@ -63,7 +65,7 @@ def check_no_sync_accumulation(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) 
         ...     optimizer.step()
         ...     optimizer.zero_grad()
         >>> check_no_sync_accumulation(no_no_sync)
-        Not yet. On 2 ranks with 3 micro-batches each (a batch of 24 rows...after every micro-batch: 3 all_reduces...
+        Not yet. On 2 ranks with 3 micro-batches each (a batch of 24 rows...after every micro-batch (3 all_reduces...
     """
     timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
     if not callable(fn):
@@ -147,7 +149,23 @@ def _calls_problem(records, microbatches: int) -> str | None:
             if forwards != microbatches:
                 return (f"rank {rank} ran the model {forwards} times for {microbatches} micro-batches: one "
                         "forward and one backward per micro-batch.")
+            if any(call.backward_lags):
+                return _order_message(rank, call.backward_lags)
     return None
+
+
+def _order_message(rank: int, lags: list) -> str:
+    """The message for backward passes that came after later forwards (`lags`: per forward, how many forwards
+    ran before its backward reached it)."""
+    first = next(i for i, lag in enumerate(lags) if lag)
+    alive = lags[first] + 1
+    summed = all(lag == len(lags) - 1 - i for i, lag in enumerate(lags))
+    how = (f"all {len(lags)} forwards ran first, then one backward of their summed losses" if summed else
+           f"micro-batch {first + 1}'s backward came only after {lags[first]} more forward(s)")
+    return (f"on rank {rank} {how}: the activations of {alive} micro-batches were kept "
+            "in memory at once. That undoes what accumulation is for: the memory of one micro-batch at a time "
+            "for the gradient of the large batch. Call backward() on each micro-batch's loss right after its "
+            "forward, inside the loop.")
 
 
 def _sync_problem(records, microbatches: int) -> str | None:
@@ -159,11 +177,8 @@ def _sync_problem(records, microbatches: int) -> str | None:
             inside = call.no_sync_forwards
             if inside != wanted:
                 return _pattern_message(rank, call, microbatches, _drift(records))
-            if call.allreduces > call.syncs:
-                return (f"rank {rank} made {call.allreduces - call.syncs} all_reduce(s) of its own in one optimizer "
-                        f"step, besides DDP's {call.syncs}: DDP already all-reduces and averages the gradients in "
-                        "the last micro-batch's backward, so averaging them again by hand only sends them twice. "
-                        "Leave the communication to DDP.")
+            if call.own_allreduces:
+                return _own_allreduce_message(rank, call)
             if call.syncs != BUCKETS:
                 return (f"rank {rank}'s DDP all-reduced {call.syncs} buckets in one optimizer step, where one "
                         f"synchronisation is {BUCKETS}: run each micro-batch's forward and backward once, the "
@@ -171,19 +186,39 @@ def _sync_problem(records, microbatches: int) -> str | None:
     return None
 
 
+def _own_allreduce_message(rank: int, call) -> str:
+    """The message for all_reduces made by hand: of gradients (averaged twice), or of something else."""
+    own, said = call.own_allreduces, f"rank {rank} made {len(call.own_allreduces)} all_reduce(s) of its own"
+    others = sorted({held for held in own if held != "gradient"})
+    if not others:
+        return (f"{said} in one optimizer step, besides DDP's {call.syncs}: DDP already all-reduces and averages "
+                "the gradients in the last micro-batch's backward, so averaging them again by hand only sends "
+                "them twice. Leave the communication to DDP.")
+    return (f"{said} in one optimizer step, besides DDP's {call.syncs}, of {' and '.join(others)}: not a "
+            "gradient, so the training itself is not changed. But this exercise allows no collective of your "
+            "own: the grader counts every all_reduce to check that DDP synchronises once per optimizer step. "
+            "Logging a loss averaged over the ranks is fine in a real run; leave it out here.")
+
+
+def _syncs_text(call, microbatches: int) -> str:
+    """How often DDP all-reduced in one call, in words."""
+    if call.syncs == microbatches:
+        return f"after every micro-batch ({call.syncs} all_reduces in one optimizer step, where one is enough)"
+    return f"{call.syncs} time(s) in one optimizer step"
+
+
 def _pattern_message(rank: int, call, microbatches: int, drift: str) -> str:
     """The message for micro-batches run inside no_sync() in another pattern than all but the last."""
     inside, k = call.no_sync_forwards, microbatches
     if not any(inside) and not call.entered_no_sync:
-        return (f"DDP all-reduced the gradients after every micro-batch: {call.syncs} all_reduces in one optimizer "
-                f"step (rank {rank}), one per micro-batch, where one is enough. Run the first {k - 1} micro-batches "
-                "(forward and backward) inside `with ddp_model.no_sync():`, where the backward only adds to "
-                ".grad; the last one, outside it, all-reduces the accumulated sum.")
+        return (f"no forward ran inside no_sync() (rank {rank} never entered it), so DDP all-reduced the gradients "
+                f"{_syncs_text(call, k)}. Run the first {k - 1} micro-batches (forward and backward) inside "
+                "`with ddp_model.no_sync():`, where the backward only adds to .grad; the last one, outside it, "
+                "all-reduces the accumulated sum.")
     if not any(inside):
         return (f"rank {rank} entered ddp_model.no_sync(), but every forward ran outside it, so DDP still "
-                f"all-reduced after every micro-batch ({call.syncs} all_reduces in one optimizer step). DDP "
-                "decides at the forward whether its backward will synchronise: put the forward and the "
-                "backward inside the with block.")
+                f"all-reduced {_syncs_text(call, k)}. DDP decides at the forward whether its backward will "
+                "synchronise: put the forward and the backward inside the with block.")
     if all(inside):
         return (f"every micro-batch ran inside no_sync(), so DDP never all-reduced: each rank stepped with its "
                 f"own gradient, and {drift}. Leave the last micro-batch outside no_sync(): its backward "

@@ -9,9 +9,13 @@ switched off; everything is watched where DDP and the optimizer report it:
 - each forward of the DDP model, and whether it ran with DDP's gradient synchronisation off (inside
   `no_sync()`): DDP decides at the forward whether that backward will all-reduce (torch's
   DistributedDataParallel.no_sync documentation), so the forward is what counts;
+- when each forward's backward reached its output (a tensor hook, Tensor.register_hook), counted in forwards
+  run since: accumulation saves memory only if each micro-batch's backward runs before the next forward, so
+  that one micro-batch's activations are alive at a time;
 - each bucket DDP all-reduces, through a communication hook (`DistributedDataParallel.register_comm_hook`) that
   counts it and then does what DDP does by default (`default_hooks.allreduce_hook`: divide by N, all_reduce);
-- every all_reduce the process group receives (ProcessGroup.allreduce), so that one made by hand shows;
+- every all_reduce the process group receives (ProcessGroup.allreduce), so that one made by hand shows, and
+  what it held: a parameter's gradient (or a tensor of a parameter's shape), or another tensor (a loss, say);
 - the gradient at each `optimizer.step()` (a step pre-hook), and the parameters after each call.
 
 The model is small enough that DDP puts all its gradients in one bucket (its first bucket holds 1 MB), so one
@@ -21,6 +25,7 @@ synchronisation is one all_reduce.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -63,14 +68,16 @@ def rank_microbatches(step: int, rank: int, world_size: int, microbatches: int, 
 
 @dataclass
 class StepRecord:
-    """One call of the student's step on one rank: per forward of the DDP model, whether it ran inside no_sync();
-    forwards of the inner module; the buckets DDP all-reduced; all the all_reduces; the flat gradient at each
-    optimizer.step(); whether no_sync() was entered at all; the parameters after the call."""
+    """One call of the student's step on one rank: per forward of the DDP model, whether it ran inside no_sync()
+    and how many later forwards ran before its backward reached it; forwards of the inner module; the buckets DDP
+    all-reduced; what each all_reduce made by hand held; the flat gradient at each optimizer.step(); whether
+    no_sync() was entered at all; the parameters after the call."""
 
     no_sync_forwards: list[bool] = field(default_factory=list)
+    backward_lags: list[int | None] = field(default_factory=list)  # None: no backward reached that forward
     module_forwards: int = 0
     syncs: int = 0
-    allreduces: int = 0  # every all_reduce the process group received: DDP's syncs and any made by hand
+    own_allreduces: list[str] = field(default_factory=list)  # "gradient", or what else the tensor was
     step_grads: list[list[float]] = field(default_factory=list)
     entered_no_sync: bool = False
     params: list[float] = field(default_factory=list)
@@ -82,7 +89,9 @@ class Watch:
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer):
         self.current = StepRecord()
         self.ddp = ddp
+        self.in_sync = False  # True while DDP's own all_reduce runs (in the communication hook)
         ddp.register_forward_pre_hook(self._forward)
+        ddp.register_forward_hook(self._forward_done)
         ddp.module.register_forward_pre_hook(self._module_forward)
         ddp.register_comm_hook(None, self._sync)
         optimizer.register_step_pre_hook(self._step)
@@ -92,13 +101,25 @@ class Watch:
     def _forward(self, module, args) -> None:
         self.current.no_sync_forwards.append(not self.ddp.require_backward_grad_sync)
 
+    def _forward_done(self, module, args, output) -> None:
+        """Hook the forward's output, so that the record notes how many forwards had run when its backward
+        reached it."""
+        record, index = self.current, len(self.current.no_sync_forwards) - 1
+        record.backward_lags.append(None)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(functools.partial(_backward_reached, record, index))
+
     def _module_forward(self, module, args) -> None:
         self.current.module_forwards += 1
 
     def _sync(self, state, bucket):
         """DDP's default reduction (divide by N, all_reduce), counted."""
         self.current.syncs += 1
-        return default_hooks.allreduce_hook(None, bucket)
+        self.in_sync = True
+        try:
+            return default_hooks.allreduce_hook(None, bucket)
+        finally:
+            self.in_sync = False
 
     def _step(self, optimizer, args, kwargs) -> None:
         self.current.step_grads.append(flat_grads(self.ddp.module))
@@ -108,6 +129,12 @@ class Watch:
         self.current.entered_no_sync = True
         with self._no_sync():
             yield
+
+
+def _backward_reached(record: StepRecord, index: int, grad: torch.Tensor) -> None:
+    """A tensor hook: the backward reached forward `index`'s output; note how many forwards ran after it."""
+    if record.backward_lags[index] is None:
+        record.backward_lags[index] = len(record.no_sync_forwards) - 1 - index
 
 
 def flat_grads(model: torch.nn.Module) -> list[float]:
@@ -130,7 +157,7 @@ def attempt_accumulation(fn, microbatches: int) -> list[StepRecord]:
     watch, records = Watch(ddp, optimizer), []
     for step in range(STEPS):
         watch.current = StepRecord()
-        with counting_allreduces(watch.current):
+        with counting_allreduces(watch):
             fn(ddp, optimizer, rank_microbatches(step, labkit.rank(), labkit.world_size(), microbatches, device))
         watch.current.params = [v for p in ddp.module.parameters() for v in p.detach().flatten().tolist()]
         records.append(watch.current)
@@ -138,19 +165,30 @@ def attempt_accumulation(fn, microbatches: int) -> list[StepRecord]:
 
 
 @contextlib.contextmanager
-def counting_allreduces(record: StepRecord):
-    """Count in record.allreduces every all_reduce the process group receives inside the block
-    (ProcessGroup.allreduce, where dist.all_reduce and DDP's hook arrive), so that one made by hand shows."""
+def counting_allreduces(watch: Watch):
+    """Note in watch.current.own_allreduces every all_reduce the process group receives inside the block
+    (ProcessGroup.allreduce, where dist.all_reduce arrives) outside DDP's own hook, and what it held."""
     import torch.distributed as dist
 
     original = vars(dist.ProcessGroup)["allreduce"]
 
-    def counted(group, *args, **kwargs):
-        record.allreduces += 1
-        return original(group, *args, **kwargs)
+    def counted(group, tensors, *args, **kwargs):
+        if not watch.in_sync:
+            watch.current.own_allreduces.append(_held(tensors, list(watch.ddp.module.parameters())))
+        return original(group, tensors, *args, **kwargs)
 
     dist.ProcessGroup.allreduce = counted
     try:
         yield
     finally:
         dist.ProcessGroup.allreduce = original
+
+
+def _held(tensors, parameters: list) -> str:
+    """What an all_reduce made by hand held: "gradient" for a parameter's .grad or a tensor of a parameter's
+    shape (a copy of one), else the tensor's shape in words."""
+    tensor = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
+    if any(p.grad is not None and p.grad.data_ptr() == tensor.data_ptr() or p.shape == tensor.shape
+           for p in parameters):
+        return "gradient"
+    return "a scalar (a loss?)" if tensor.dim() == 0 else f"a tensor of shape {tuple(tensor.shape)}"

@@ -1,14 +1,17 @@
 """check_no_sync_accumulation (notebook 07's exercise) against a catalogue of wrong solutions, each rejected with a
 message that names the mistake, and right solutions written in different ways, all accepted.
 
-Three wrong ones reach the right parameters (no no_sync at all, the forward outside it, an average by hand on
-top of DDP's): only the count of all_reduces, DDP's through its communication hook and the process group's,
-catches them.
+Several wrong ones reach the right parameters (no no_sync at all, the forward outside it, an average by hand on
+top of DDP's, a loss all-reduced for a printout): only the count of all_reduces, DDP's through its communication
+hook and the process group's, catches them. Two more (every forward first, then one backward of the summed
+losses) are right in values and in syncs, but keep every micro-batch's activations alive at once: the order of
+forwards and backward passes catches them.
 """
 
 import contextlib
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
@@ -72,7 +75,7 @@ def summed_losses(ddp_model, optimizer, microbatches):
 
 @pytest.mark.parametrize("fn", [if_else, nullcontext_zero_first, summed_losses])
 def test_right_solutions_pass_and_say_what_was_checked(fn):
-    verdict = check_no_sync_accumulation(fn)
+    verdict = check_no_sync_accumulation(fn, record=False)
     assert verdict and isinstance(verdict, Verdict), verdict
     assert "all-reduced once per optimizer step" in verdict.message, verdict
     assert "equal one process trained on the large batch" in verdict.message, verdict
@@ -188,8 +191,40 @@ def averaged_by_hand_too(ddp_model, optimizer, microbatches):
     optimizer.zero_grad()
 
 
+def forwards_first_then_one_backward(ddp_model, optimizer, microbatches):
+    """Right values and one sync, but all k micro-batches' activations alive at once."""
+    k, losses = len(microbatches), []
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            losses.append(F.cross_entropy(ddp_model(x), y) / k)
+    sum(losses).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def mean_loss_one_backward(ddp_model, optimizer, microbatches):
+    """No no_sync: k forwards, one backward of the mean loss (DDP syncs once, in that one backward)."""
+    loss = sum(F.cross_entropy(ddp_model(x), y) for x, y in microbatches) / len(microbatches)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def loss_all_reduced_for_logging(ddp_model, optimizer, microbatches):
+    """Right accumulation, plus an all_reduce of the loss for a printout: a collective of its own."""
+    k, total = len(microbatches), torch.zeros((), dtype=torch.float64, device=labkit.device())
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            loss = F.cross_entropy(ddp_model(x), y) / k
+            loss.backward()
+        total += loss.detach()
+    dist.all_reduce(total)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 WRONG = [
-    (no_no_sync, "after every micro-batch: 3 all_reduces in one optimizer step"),
+    (no_no_sync, "after every micro-batch (3 all_reduces in one optimizer step"),
     (forward_outside_no_sync, "entered ddp_model.no_sync(), but every forward ran outside it"),
     (no_sync_around_all, "every micro-batch ran inside no_sync(), so DDP never all-reduced"),
     (no_sync_on_the_last, "wrapped the last 2 micro-batch(es) instead of the first 2"),
@@ -201,13 +236,18 @@ WRONG = [
     (never_zeroed, "still held the previous step's"),
     (step_in_the_loop, "called optimizer.step() 3 times in one call, once per micro-batch"),
     (around_ddp, "called ddp_model.module(x), the model inside DDP"),
-    (averaged_by_hand_too, "made 4 all_reduce(s) of its own in one optimizer step, besides DDP's 1"),
+    (averaged_by_hand_too, "made 4 all_reduce(s) of its own in one optimizer step, besides DDP's 1: DDP already"),
+    (forwards_first_then_one_backward, "all 3 forwards ran first, then one backward of their summed losses: the "
+                                       "activations of 3 micro-batches were kept in memory at once"),
+    (mean_loss_one_backward, "all 3 forwards ran first, then one backward of their summed losses"),
+    (loss_all_reduced_for_logging, "made 1 all_reduce(s) of its own in one optimizer step, besides DDP's 1, of a "
+                                   "scalar (a loss?): not a gradient"),
 ]
 
 
 @pytest.mark.parametrize(("fn", "named"), WRONG, ids=[fn.__name__ for fn, _ in WRONG])
 def test_wrong_solutions_are_rejected_naming_the_mistake(fn, named):
-    verdict = check_no_sync_accumulation(fn)
+    verdict = check_no_sync_accumulation(fn, record=False)
     assert not verdict and named in verdict.message, verdict
     assert verdict.message.startswith("On 2 ranks with 3 micro-batches each"), verdict
 
@@ -222,10 +262,10 @@ def test_the_second_case_divides_by_its_own_k_and_n():
 
 
 def test_a_grader_wants_the_function_itself():
-    verdict = check_no_sync_accumulation("train_step")
+    verdict = check_no_sync_accumulation("train_step", record=False)
     assert not verdict and "pass your function itself" in verdict.message
     with pytest.raises(ValueError, match="timeout_seconds=0"):
-        check_no_sync_accumulation(print, timeout_seconds=0)
+        check_no_sync_accumulation(print, timeout_seconds=0, record=False)
 
 
 def the_exercise_stub(ddp_model, optimizer, microbatches):
@@ -233,7 +273,7 @@ def the_exercise_stub(ddp_model, optimizer, microbatches):
 
 
 def test_the_stub_fails_kindly():
-    verdict = check_no_sync_accumulation(the_exercise_stub)
+    verdict = check_no_sync_accumulation(the_exercise_stub, record=False)
     assert not verdict and "raised NotImplementedError: your turn" in verdict.message, verdict
 
 
@@ -245,9 +285,9 @@ def rank_one_runs_out_of_data(ddp_model, optimizer, microbatches):
 
 
 def test_a_rank_that_raises_is_named_while_the_other_waits():
-    verdict = check_no_sync_accumulation(rank_one_runs_out_of_data)
+    verdict = check_no_sync_accumulation(rank_one_runs_out_of_data, record=False)
     assert not verdict and "rank 1 raised ValueError: rank 1 ran out of data" in verdict.message, verdict
-    assert check_no_sync_accumulation(if_else), "the ranks after the failed run must be usable again"
+    assert check_no_sync_accumulation(if_else, record=False), "the ranks after the failed run must be usable again"
 
 
 def rank_zero_syncs_every_time(ddp_model, optimizer, microbatches):
@@ -260,6 +300,7 @@ def rank_zero_syncs_every_time(ddp_model, optimizer, microbatches):
 
 def test_a_deadlock_is_stopped_and_said():
     """Last in the file: the hang stops the pool of 2 ranks."""
-    verdict = check_no_sync_accumulation(rank_zero_syncs_every_time, timeout_seconds=HANG_SECONDS)
+    verdict = check_no_sync_accumulation(rank_zero_syncs_every_time, timeout_seconds=HANG_SECONDS,
+                                         record=False)
     assert not verdict and f"it never finished (stopped after {HANG_SECONDS:g} s)" in verdict.message, verdict
     assert "whatever its rank" in verdict.message, verdict
