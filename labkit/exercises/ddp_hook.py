@@ -15,9 +15,16 @@ shard of one batch, a few SGD steps (`labkit.exercises.ddp_hook_guard`). A solut
 
 - it communicated through dist.all_reduce only (torch's DDP and labkit.parallel's BucketedDDP and
   average_gradients are switched off), with hooks from register_post_accumulate_grad_hook, not register_hook;
-- the first all_reduce of every step started while loss.backward() was still running (overlap), no handle was
-  waited before backward() returned, and every handle was waited;
 - its all_reduces are the buckets: as many as the gradients, in the order they became ready, make under the rule;
+- the first all_reduce of every step started while loss.backward() was still running, and every bucket's started
+  from the hooks as soon as the bucket was full, at the latest when the next gradient became ready (DDP's rule
+  sends a bucket then): an order counted in gradients, not a timing; so a hook that keeps every bucket until the
+  last gradient fails (overlap);
+- no handle was waited for before backward() returned, however: handle.wait(), an all_reduce without async_op,
+  the handle's future (handle.get_future().wait(), torch.futures.wait_all), a loop on handle.is_completed() or on
+  the future's done(), handle.result() or synchronize(), dist.barrier(); every handle was waited for, and none
+  used again in a later step (a finish() that never forgets its buckets re-waits and re-copies them). Not watched: a
+  stall that goes through none of these (time.sleep in the hook until the bucket has surely arrived, C++ code);
 - after finish(), every gradient equals torch's DistributedDataParallel's on the same rank, and the whole batch's
   in one process (float64, within 1e-9), at every step, and the trained parameters equal DDP's.
 """
@@ -82,10 +89,10 @@ def check_bucketed_ddp_hook(attach, *, timeout_seconds: float = TIMEOUT_SECONDS)
                                   f"rank), {problem}")
     cases = " and ".join(map(str, HOOK_CASES))
     return Verdict(True, f"on {cases} ranks your hooks all-reduced the gradients in buckets as the backward made "
-                         f"them, the first while loss.backward() was still running, and finish() waited for "
-                         f"every one; after it every gradient equals torch's DistributedDataParallel's and the "
-                         f"whole batch's in one process, at each of {STEPS} SGD steps. That is DDP's bucketing and "
-                         "overlap (Li et al. 2020, 3.2.2-3.2.3).")
+                         f"them, each as soon as it was full, the first while loss.backward() was still running, "
+                         f"and finish() waited for every one, once; after it every gradient equals torch's "
+                         f"DistributedDataParallel's and the whole batch's in one process, at each of {STEPS} SGD "
+                         "steps. That is DDP's bucketing and overlap (Li et al. 2020, 3.2.2-3.2.3).")
 
 
 def _case_problem(attach, world_size: int, alone, timeout_seconds: float) -> str | None:
@@ -187,11 +194,13 @@ def _rank_calls_problem(rank: int, outcome) -> str | None:
                 "never called wait() "
                 "on the handle: the bucket was read before the reduction finished. Keep every handle and, in "
                 "finish(), call handle.wait() before you copy the bucket back.")
-    if any(launch.waited_in_backward for launch in outcome.launches):
-        return (f"rank {rank} waited for an all_reduce while loss.backward() was still running (handle.wait() "
-                "right after starting it, or an all_reduce without async_op=True, inside the hook): the "
-                "backward stops until the network is done, so nothing overlaps. Keep the handles and wait for "
-                "them all in finish().")
+    return _overlap_problem(rank, outcome)
+
+
+def _overlap_problem(rank: int, outcome) -> str | None:
+    """A wait inside the backward, a step whose all_reduces all started after it, or handles used again later."""
+    if outcome.early:
+        return _early_message(rank, *outcome.early[0])
     for step in range(len(outcome.order)):
         first = next((launch for launch in outcome.launches if launch.step == step), None)
         if first is None or not first.in_backward:
@@ -200,16 +209,46 @@ def _rank_calls_problem(rank: int, outcome) -> str | None:
             return (f"at step {step + 1} rank {rank}'s first all_reduce started after loss.backward() returned"
                     f"{why}: nothing overlapped the backward. Start each bucket's all_reduce from the hook, as "
                     "soon as the bucket is full; finish() only sends the last one and waits.")
+    again = [launch for launch in outcome.launches if launch.again]
+    if again:
+        (step, call), first = again[0].again, again[0].step
+        count = sum(launch.step == first and launch.again[0] == step for launch in again)
+        return (f"at step {step + 1} rank {rank} called {call} again on {count} handle(s) of step {first + 1}: "
+                "the list of buckets in flight was never emptied, so every step waits for, divides and copies "
+                "back the old buckets once more (the values came out right here only because each step's own "
+                "buckets were copied last). At the end of finish(), empty it (in_flight.clear()), so that the "
+                "next step starts afresh.")
     return None
+
+
+_WHY_EARLY = {  # how each spelling of a wait inside the backward waits
+    "dist.all_reduce without async_op=True": "a blocking all_reduce waits for itself",
+    "handle.wait()": "handle.wait() right after starting the all_reduce",
+    "handle.get_future().wait()": "the handle's future waits just as the handle does",
+    "handle.result()": "it reads the bucket before finish() has waited for it",
+    "handle.synchronize()": "it waits for the all_reduce as handle.wait() does",
+    "dist.barrier()": "gloo's barrier first waits for every all_reduce started before it",
+}
+
+
+def _early_message(rank: int, step: int, call: str) -> str:
+    """Rank `rank` waited for an all_reduce (`call`) at step `step` while loss.backward() was still running."""
+    why = _WHY_EARLY.get(call, "asking whether it is done, again until it is, waits just as handle.wait() does")
+    return (f"rank {rank} waited for an all_reduce while loss.backward() was still running ({call} inside the "
+            f"hook at step {step + 1}: {why}): the backward stops until the network is done, so nothing overlaps. "
+            "Keep the handles and wait for them all in finish(), after the backward.")
 
 
 def _buckets_problem(rank: int, step: int, outcome) -> str | None:
     """The step's all_reduce sizes against the buckets that the order the gradients became ready makes."""
-    numels = [launch.numel for launch in outcome.launches if launch.step == step]
+    launches = [launch for launch in outcome.launches if launch.step == step]
+    numels = [launch.numel for launch in launches]
     ready = outcome.order[step]
     options = expected_buckets(ready)
-    if numels in [[_nbytes(b) // _ITEM_NBYTES for b in option] for option in options]:
-        return None
+    matching = [option for option in options if numels == [_nbytes(b) // _ITEM_NBYTES for b in option]]
+    if matching:
+        late = [_late_bucket(launches, option) for option in matching]
+        return None if None in late else _late_message(rank, step, *late[0])
     total, sizes = sum(n for _, n in _NAMED), sorted(n for _, n in _NAMED)
     where = f"at step {step + 1} rank {rank} all-reduced {len(numels)} tensor(s) of {numels} elements"
     rule = (f"With bucket_nbytes = {BUCKET_NBYTES} bytes ({BUCKET_NBYTES // _ITEM_NBYTES} float64 numbers) and the "
@@ -228,6 +267,28 @@ def _buckets_problem(rank: int, step: int, outcome) -> str | None:
                 f"twice. Empty the bucket after sending it, and start each step with an empty one. {rule}")
     return (f"{where}, not the buckets. {rule} Send a bucket as soon as it holds at least bucket_nbytes, counting "
             "a gradient's bytes as p.grad.numel() * p.grad.element_size() (8 for each float64 number).")
+
+
+def _late_bucket(launches, option: list[list[int]]) -> tuple[int, int, int, int] | None:
+    """The first bucket whose all_reduce started more than one gradient after the bucket was full, as (its number,
+    its elements, the gradients ready when it was full, those ready when it started), or None. One gradient
+    later is allowed: DDP's rule sends a bucket when the next gradient would overflow it."""
+    full = 0
+    for number, (launch, bucket) in enumerate(zip(launches, option, strict=True), 1):
+        full += len(bucket)
+        if launch.ready > full + 1:
+            return number, launch.numel, full, launch.ready
+    return None
+
+
+def _late_message(rank: int, step: int, number: int, numel: int, full: int, ready: int) -> str:
+    """Bucket `number` went out only once `ready` gradients were ready, though it was full after `full`."""
+    total = len(_NAMED)
+    when = "every gradient was ready" if ready == total else f"{ready} of the {total} gradients were ready"
+    return (f"at step {step + 1} rank {rank} started bucket {number} ({numel} numbers) only once {when}, though "
+            f"it was full once {full} were: it waited for gradients that are not in it, so it overlapped "
+            f"{'nothing' if ready == total else 'less'} of the backward. Start a bucket's all_reduce from the hook "
+            "of the gradient that fills it, so that it travels while the backward computes the earlier layers.")
 
 
 def _values_problem(outcomes, ddp) -> str | None:

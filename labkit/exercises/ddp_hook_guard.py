@@ -7,8 +7,10 @@ torch's DistributedDataParallel; `attempt_hook` with the student's `attach(model
 hooks and returns `finish`, called after each backward(). While the student's code runs (attach, every backward,
 every finish), a `HookGuard` is on: an `AverageGuard` (every all_reduce recorded where the process group receives
 it, the ready-made averages and every other collective refused, the ranks' all_reduces checked to be in step),
-and on top of it, for each all_reduce, whether loss.backward() was still running when it started and when its
-handle was waited, and which hooks attach registered on the parameters.
+and on top of it, for each all_reduce, whether loss.backward() was still running when it started and how many of
+the step's gradients were ready then; every wait for a handle while the backward ran, however it was spelled
+(handle.wait(), handle.get_future().wait(), a loop on handle.is_completed() or on the future's done(), a
+dist.barrier(), ...); a handle used again in a later step; and which hooks attach registered on the parameters.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from labkit.models import mlp
 __all__ = ["BUCKET_NBYTES", "STEPS", "HookGuard", "HookOutcome", "Launch", "attempt_hook", "ddp_reference",
            "hook_model", "last_hook_attempt", "one_process_run"]
 
-STEPS = 2  # the second step shows a finish() that does not start afresh
+STEPS = 2  # the second step shows a finish() that does not start afresh: it uses the first step's handles
 BUCKET_NBYTES = 480  # 60 float64 gradients: buckets of 99, 72 and a last partial 56 of the model's 227
 _MiB = 2 ** 20  # torch DDP's bucket_cap_mb counts MiB
 
@@ -75,36 +77,53 @@ def ddp_reference() -> tuple[list[list[list[float]]], list[list[float]]]:
     return grads, _weights(model.module)
 
 
+# What a rank may do with a handle only once the backward has returned: wait for it or ask after it (a loop on
+# is_completed() waits as wait() does). get_future() and get_future_result() are watched for a later step only.
+_WAITING = ("wait", "is_completed", "is_success", "exception", "result", "synchronize")
+_HANDLE_METHODS = (*_WAITING, "get_future", "get_future_result")
+_FUTURE_WAITING = ("wait", "done")  # of torch.futures.Future, as handle.get_future() returns
+
+
 @dataclass
 class Launch:
     """One all_reduce the student's code started: at which step, of how many elements, whether loss.backward()
-    was still running when it started, and whether its handle was waited while the backward still ran (a
-    blocking all_reduce waits at once)."""
+    was still running, how many of the step's gradients were ready then, and, if its handle was used again in a
+    later step, (that step, the call)."""
 
     step: int
     numel: int
     in_backward: bool
-    waited_in_backward: bool = False
+    ready: int
+    again: tuple[int, str] | None = None
 
 
 class HookGuard(AverageGuard):
     """An AverageGuard (all_reduce recorded, everything else refused) that also knows, for each all_reduce, whether
-    loss.backward() was running when it started and when it was waited, and which hooks went on the parameters.
-    The grader's loop sets `in_backward` around loss.backward() and `step` before each step."""
+    loss.backward() was running when it started and how many gradients were ready, every wait while the backward
+    ran, handles of a step used in a later one, and which hooks went on the parameters. The grader's loop sets
+    `in_backward` around loss.backward(), `step` before each step, and appends to `order` as gradients get ready."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, order: list[list[int]]):
         super().__init__(model)
         self.step, self.in_backward = 0, False
         self.launches: list[Launch] = []
+        self.early: list[tuple[int, str]] = []  # (step, the call) that waited while the backward ran
         self.hooks = {"register_post_accumulate_grad_hook": 0, "register_hook": 0}  # calls on the parameters
         self._handles: list[tuple[object, Launch]] = []
         self._parameters = {id(p) for p in model.parameters()}
+        self._order = order
 
     def __enter__(self) -> HookGuard:
+        import torch.distributed as dist
+
         super().__enter__()
         try:
             self._time_allreduce()
-            self._time_wait()
+            for name in _HANDLE_METHODS:
+                self._watch(dist.Work, name, self._handle_used)
+            for name in _FUTURE_WAITING:
+                self._watch(torch._C.Future, name, self._future_used)
+            self._watch(dist.ProcessGroup, "barrier", self._barrier_used)
             for name in self.hooks:
                 self._count_hooks(name)
         except BaseException:
@@ -112,8 +131,13 @@ class HookGuard(AverageGuard):
             raise
         return self
 
+    def unwaited(self) -> list:
+        """As AverageGuard's, once the student's code is done: the grader's own waits are no step's."""
+        self.step = None
+        return super().unwaited()
+
     def _time_allreduce(self) -> None:
-        """On top of AverageGuard's recording: note the step and whether the backward is running."""
+        """On top of AverageGuard's recording: the step, whether the backward runs, how many gradients are ready."""
         import torch.distributed as dist
 
         below = dist.ProcessGroup.allreduce
@@ -121,8 +145,9 @@ class HookGuard(AverageGuard):
         def timed(group, tensors, *args, **kwargs):
             tensor = tensors[0] if isinstance(tensors, list | tuple) else tensors
             options = args[0] if args else kwargs.get("opts")
-            launch = Launch(self.step, tensor.numel(), self.in_backward,
-                            waited_in_backward=self.in_backward and not getattr(options, "asyncOp", True))
+            if self.in_backward and not getattr(options, "asyncOp", True):
+                self.early.append((self.step, "dist.all_reduce without async_op=True"))
+            launch = Launch(self.step, tensor.numel(), self.in_backward, len(self._order[-1]) if self._order else 0)
             self.launches.append(launch)
             work = below(group, tensors, *args, **kwargs)
             self._handles.append((work, launch))
@@ -131,19 +156,36 @@ class HookGuard(AverageGuard):
         self._saved.append((dist.ProcessGroup, "allreduce", below))
         dist.ProcessGroup.allreduce = timed
 
-    def _time_wait(self) -> None:
-        """Note a student's handle waited while the backward is still running."""
-        import torch.distributed as dist
+    def _watch(self, owner, name: str, note) -> None:
+        """Call note(obj, name) before every owner.name(...), then owner's own method."""
+        below = vars(owner)[name]
 
-        below = dist.Work.wait
+        def watched(obj, *args, **kwargs):
+            note(obj, name)
+            return below(obj, *args, **kwargs)
 
-        def timed(work, *args, **kwargs):
-            for handle, launch in self._handles:
-                launch.waited_in_backward = launch.waited_in_backward or (handle is work and self.in_backward)
-            return below(work, *args, **kwargs)
+        self._saved.append((owner, name, below))
+        setattr(owner, name, watched)
 
-        self._saved.append((dist.Work, "wait", below))
-        dist.Work.wait = timed
+    def _handle_used(self, work, name: str) -> None:
+        """A student's handle waited (or asked after) while the backward runs, or used in a step after its own."""
+        launch = next((launch for handle, launch in self._handles if handle is work), None)
+        if launch is None:
+            return  # the guard's own handles (AverageGuard's check that the ranks are in step)
+        if self.in_backward and name in _WAITING:
+            self.early.append((self.step, f"handle.{name}()"))
+        if self.step is not None and launch.step < self.step and launch.again is None:
+            launch.again = (self.step, f"handle.{name}()")
+
+    def _barrier_used(self, _group, _name: str) -> None:
+        """dist.barrier() while the backward runs: gloo's barrier waits for every earlier all_reduce first."""
+        if self.in_backward:
+            self.early.append((self.step, "dist.barrier()"))
+
+    def _future_used(self, _future, name: str) -> None:
+        """A future waited for (or asked after) while the backward runs: only the student's code runs there."""
+        if self.in_backward:
+            self.early.append((self.step, f"handle.get_future().{name}()"))
 
     def _count_hooks(self, name: str) -> None:
         """Count torch.Tensor.<name> calls on the model's parameters (the grader registered its own before)."""
@@ -170,6 +212,7 @@ class HookOutcome:
     averaged: list[list[list[float]]] = field(default_factory=list)
     final: list[list[float]] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
+    early: list[tuple[int, str]] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     unwaited: int = 0
     hooks: dict = field(default_factory=dict)
@@ -187,7 +230,7 @@ def attempt_hook(attach) -> HookOutcome:
     outcome = HookOutcome()
     for index, p in enumerate(model.parameters()):  # before the student's, so it sees each gradient first
         p.register_post_accumulate_grad_hook(lambda _, index=index: outcome.order[-1].append(index))
-    guard = HookGuard(model)
+    guard = HookGuard(model, outcome.order)
     try:
         with guard:
             finish = attach(model, BUCKET_NBYTES)
@@ -199,7 +242,8 @@ def attempt_hook(attach) -> HookOutcome:
     finally:
         _last.clear()
         _last.update(hooks=dict(guard.hooks), numels=[launch.numel for launch in guard.launches])
-    outcome.final, outcome.launches, outcome.hooks = _weights(model), guard.launches, guard.hooks
+    outcome.final, outcome.launches, outcome.early = _weights(model), guard.launches, guard.early
+    outcome.hooks = guard.hooks
     outcome.ops, outcome.forbidden = [call.op for call in guard.calls], guard.forbidden
     return outcome
 

@@ -1,8 +1,10 @@
 """check_bucketed_ddp_hook (notebook 04's exercise) against a catalogue of wrong solutions, each rejected with a
 message that names the mistake, and right solutions written in different ways, all accepted.
 
-Several wrong ones give the right values (everything reduced in finish, waiting inside the hook, one all_reduce
-per parameter, torch's DDP): only the guard catches them, at the process-group level and by the backward's clock.
+Several wrong ones give the right values (everything reduced in finish, waiting inside the hook however it is
+spelled, every bucket held back to the last gradient, a finish() that never forgets its buckets, one all_reduce per
+parameter, torch's DDP): only the guard catches them, at the process-group level and by the order of the backward's
+events (which gradients were ready when each bucket left), never by a timing.
 """
 
 import importlib
@@ -123,7 +125,7 @@ def ddp_capped(model, bucket_nbytes):
         if state["bucket"]:
             send()
         for work, flat, params in state["works"]:
-            work.wait()
+            work.get_future().wait()
             offset = 0
             for p in params:
                 p.grad = (flat[offset:offset + p.numel()] / n()).view_as(p).clone()
@@ -133,7 +135,70 @@ def ddp_capped(model, bucket_nbytes):
     return finish
 
 
-@pytest.mark.parametrize("attach", [closures, as_a_class, ddp_capped])
+def accumulate_grad_nodes(model, bucket_nbytes):
+    """Old DDP's way: hooks on each parameter's AccumulateGrad node (they run once p.grad is accumulated); a
+    dict keyed by parameter counts the bucket's bytes."""
+    bucket, in_flight, nodes = {}, [], []
+
+    def send():
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
+        bucket.clear()
+
+    def ready(p):
+        bucket[p] = nbytes([p.grad])
+        if sum(bucket.values()) >= bucket_nbytes:
+            send()
+
+    for p in model.parameters():
+        node = p.view_as(p).grad_fn.next_functions[0][0]  # AccumulateGrad, kept alive with its hooks
+        nodes.append(node)
+        node.register_hook(lambda grad_inputs, grad_outputs, p=p: ready(p))
+
+    def finish():
+        if bucket:
+            send()
+        while in_flight:
+            work, flat, params = in_flight.pop()  # any order: each bucket's own slice goes back
+            work.wait()
+            for p, piece in zip(params, flat.div(n()).split([p.numel() for p in params]), strict=True):
+                p.grad.copy_(piece.view_as(p))
+
+    finish.nodes = nodes  # the nodes, and so their hooks, live as long as finish
+    return finish
+
+
+def divide_first_send_late(model, bucket_nbytes):
+    """Each gradient divided by N before it goes out (DDP's own order); the full bucket is sent by the hook of the
+    NEXT gradient, before that gradient joins: one gradient late, as DDP's rule, still in time."""
+    bucket, in_flight = [], []
+
+    def send():
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket]).div_(n())
+        in_flight.append((dist.all_reduce(flat, async_op=True), flat, bucket[:]))
+        del bucket[:]
+
+    def hook(p):
+        if nbytes(q.grad for q in bucket) >= bucket_nbytes:
+            send()
+        bucket.append(p)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        if bucket:
+            send()
+        for work, flat, params in in_flight:
+            work.wait()
+            for p, piece in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params]), strict=True):
+                p.grad.copy_(piece)
+        in_flight.clear()
+
+    return finish
+
+
+@pytest.mark.parametrize("attach", [closures, as_a_class, ddp_capped, accumulate_grad_nodes, divide_first_send_late])
 def test_right_solutions_pass_and_say_what_was_checked(attach):
     verdict = check_bucketed_ddp_hook(attach, record=False)
     assert verdict and isinstance(verdict, Verdict), verdict
@@ -246,25 +311,29 @@ def no_copy_back(model, bucket_nbytes):
     return _hooked(model, bucket_nbytes, send_rest=True, copy_back=False)
 
 
-def _fill(p, bucket, in_flight, bucket_nbytes):
-    """The hook of the wrong solutions below: add p, start the bucket's all_reduce once it is full."""
+def _fill(p, bucket, in_flight, bucket_nbytes, then=None):
+    """The hook of the wrong solutions below: add p, start the bucket's all_reduce once it is full, and call
+    then(handle) if given (what a wrong solution does with the handle inside the backward)."""
     bucket.append(p)
     if nbytes(q.grad for q in bucket) >= bucket_nbytes:
         flat = torch.cat([q.grad.reshape(-1) for q in bucket])
         in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
         bucket.clear()
+        if then:
+            then(in_flight[-1][0])
 
 
-def _hooked(model, bucket_nbytes, send_rest, copy_back=True, divide=True):
+def _hooked(model, bucket_nbytes, send_rest, copy_back=True, divide=True, then=None, forget=True):
     """Hooks by _fill, and _finish's finish."""
     bucket, in_flight = [], []
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: _fill(p, bucket, in_flight, bucket_nbytes))
-    return _finish(bucket, in_flight, send_rest, copy_back, divide)
+        p.register_post_accumulate_grad_hook(lambda p: _fill(p, bucket, in_flight, bucket_nbytes, then))
+    return _finish(bucket, in_flight, send_rest, copy_back, divide, forget)
 
 
-def _finish(bucket, in_flight, send_rest, copy_back=True, divide=True):
-    """finish() of the wrong solutions: send the rest or not, divide or not, copy back or not."""
+def _finish(bucket, in_flight, send_rest, copy_back=True, divide=True, forget=True):
+    """finish() of the wrong solutions: send the rest or not, divide or not, copy back or not, forget the step's
+    buckets or not."""
     def finish():
         if send_rest and bucket:
             flat = torch.cat([q.grad.reshape(-1) for q in bucket])
@@ -277,9 +346,57 @@ def _finish(bucket, in_flight, send_rest, copy_back=True, divide=True):
             for p, piece in zip(params, flat.split([p.numel() for p in params]), strict=True):
                 if copy_back:
                     p.grad.copy_(piece.view_as(p))
-        in_flight.clear()
+        if forget:
+            in_flight.clear()
 
     return finish
+
+
+def future_wait_in_hook(model, bucket_nbytes):
+    """The wait moved to the handle's future, still inside the hook."""
+    return _hooked(model, bucket_nbytes, send_rest=True, then=lambda work: work.get_future().wait())
+
+
+def wait_all_in_hook(model, bucket_nbytes):
+    return _hooked(model, bucket_nbytes, send_rest=True,
+                   then=lambda work: torch.futures.wait_all([work.get_future()]))
+
+
+def spin_in_hook(model, bucket_nbytes):
+    """No wait() at all: a loop on is_completed() inside the hook, which waits all the same."""
+    def spin(work):
+        while not work.is_completed():
+            pass
+
+    return _hooked(model, bucket_nbytes, send_rest=True, then=spin)
+
+
+def barrier_in_hook(model, bucket_nbytes):
+    """A barrier after each bucket 'so that the ranks stay together': gloo's waits for the all_reduce first."""
+    return _hooked(model, bucket_nbytes, send_rest=True, then=lambda work: dist.barrier())
+
+
+def finish_never_forgets(model, bucket_nbytes):
+    """finish() never empties in_flight: each step waits for, divides and copies back every earlier bucket
+    again, before its own (whose copies come last and win, so the values are right)."""
+    return _hooked(model, bucket_nbytes, send_rest=True, forget=False)
+
+
+def every_bucket_at_the_last_gradient(model, bucket_nbytes):
+    """Hooks that only collect the parameters and, when the last gradient arrives, send every bucket: they start
+    inside backward(), but nothing is left to overlap."""
+    params, ready, bucket, in_flight = list(model.parameters()), [], [], []
+
+    def hook(p):
+        ready.append(p)
+        if len(ready) == len(params):
+            for q in ready:
+                _fill(q, bucket, in_flight, bucket_nbytes)
+            ready.clear()
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+    return _finish(bucket, in_flight, send_rest=True)
 
 
 def four_bytes_a_number(model, bucket_nbytes):
@@ -351,7 +468,15 @@ def returns_nothing(model, bucket_nbytes):
     (one_per_parameter, "one all_reduce per parameter, no buckets"),
     (all_in_finish, "first all_reduce started after loss.backward() returned (attach registered no hook"),
     (tensor_hook, "You registered p.register_hook(...)"),
-    (wait_in_hook, "waited for an all_reduce while loss.backward() was still running"),
+    (wait_in_hook, "waited for an all_reduce while loss.backward() was still running (handle.wait() inside"),
+    (future_wait_in_hook, "still running (handle.get_future().wait() inside the hook at step 1: the handle's future"),
+    (wait_all_in_hook, "still running (handle.get_future().wait() inside the hook at step 1"),
+    (spin_in_hook, "still running (handle.is_completed() inside the hook at step 1: asking whether it is done"),
+    (barrier_in_hook, "still running (dist.barrier() inside the hook at step 1: gloo's barrier first waits"),
+    (finish_never_forgets, "at step 2 rank 0 called handle.wait() again on 3 handle(s) of step 1: the list of "
+                           "buckets in flight was never emptied"),
+    (every_bucket_at_the_last_gradient, "started bucket 1 (99 numbers) only once every gradient was ready, though "
+                                        "it was full once 4 were"),
     (never_waits, "never called wait() on the handle"),
     (last_bucket_never_sent, "The last bucket, not full when the backward ended (56 numbers), was never sent"),
     (no_copy_back, "gradients are still its own, not the average: finish() must copy"),
@@ -368,20 +493,24 @@ def test_wrong_solutions_are_rejected_naming_the_mistake(attach, named):
 
 
 def test_the_guard_goes_away_after_a_graded_run():
-    """After a refused DDP and a run with register_hook, the ranks' all_reduce, wait(), DDP and tensor hooks are
-    torch's own again."""
+    """After a refused DDP, a run with register_hook and one that spun on is_completed(), the ranks' all_reduce,
+    barrier, handles, futures, DDP and tensor hooks are torch's own again."""
     assert not check_bucketed_ddp_hook(torch_ddp, record=False)
     assert not check_bucketed_ddp_hook(tensor_hook, record=False)
+    assert not check_bucketed_ddp_hook(spin_in_hook, record=False)
 
     def untouched():
         t = torch.ones(1, device=labkit.device())
-        dist.all_reduce(t, async_op=True).wait()
-        return (t.item(), dist.ProcessGroup.allreduce.__name__, dist.Work.wait.__name__,
+        dist.all_reduce(t, async_op=True).get_future().wait()
+        return (t.item(), dist.ProcessGroup.allreduce.__name__, dist.ProcessGroup.barrier.__name__,
+                [getattr(dist.Work, name).__name__ for name in ("wait", "is_completed", "get_future", "result")],
+                [getattr(torch._C.Future, name).__name__ for name in ("wait", "done")],
                 torch.nn.parallel.DistributedDataParallel.__init__.__qualname__,
                 torch.Tensor.register_hook.__qualname__, torch.Tensor.register_post_accumulate_grad_hook.__qualname__)
 
-    assert labkit.run(untouched, world_size=3) == [(3.0, "allreduce", "wait", "DistributedDataParallel.__init__",
-                                                     "Tensor.register_hook",
+    assert labkit.run(untouched, world_size=3) == [(3.0, "allreduce", "barrier",
+                                                     ["wait", "is_completed", "get_future", "result"], ["wait", "done"],
+                                                     "DistributedDataParallel.__init__", "Tensor.register_hook",
                                                      "Tensor.register_post_accumulate_grad_hook")] * 3
 
 
