@@ -12,6 +12,8 @@
                   optimizer step, equal to the large batch (accumulation_guard: on each rank)
     atomic_save check_atomic_save (notebook 09): the student's checkpoint save killed midway, the previous one
                 must survive (atomic_watch: in the saving process)
+    bug_zoo     notebook 13's six broken training runs (zoo_run), their symptoms and causes (the widget is
+                labkit.widgets.zoo_diagnosis); bug_zoo_fix: check_fixed_training, the student's repair of one
     mesh_coordinates  check_mesh_coordinates (notebook 12): a rank's (dp, pp, tp) coordinates and its three
                       groups, against torch's DeviceMesh layout, no processes
     guard       on each rank while a grader runs: collectives switched off, messages counted
@@ -35,6 +37,7 @@ from labkit.exercises.accumulation import check_no_sync_accumulation
 from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, check_ring_allreduce
 from labkit.exercises.atomic_save import check_atomic_save
 from labkit.exercises.average import check_average_gradients
+from labkit.exercises.bug_zoo_fix import check_fixed_training
 from labkit.exercises.ddp_hook import check_bucketed_ddp_hook
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import ForbiddenCall, rank_input
@@ -58,6 +61,7 @@ from labkit.exercises.verdict import Verdict
 
 __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",
            "check_1f1b_order", "check_atomic_save", "check_average_gradients", "check_bucketed_ddp_hook",
-           "check_megatron_f_g", "check_mesh_coordinates", "check_naive_allreduce", "check_no_sync_accumulation",
-           "check_ring_allreduce", "check_sharded_step", "check_stack_map", "load_distractor_families",
-           "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank", "show_progress", "step_inputs"]
+           "check_fixed_training", "check_megatron_f_g", "check_mesh_coordinates", "check_naive_allreduce",
+           "check_no_sync_accumulation", "check_ring_allreduce", "check_sharded_step", "check_stack_map",
+           "load_distractor_families", "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank",
+           "show_progress", "step_inputs"]
