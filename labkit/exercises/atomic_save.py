@@ -14,9 +14,10 @@ it there), every file inside one temporary directory, and checks, in this order:
    the state_dict (labkit.checkpoint's own save is refused), and leaves no other non-empty file beside path;
 2. killed just before its rename onto path, or midway through any write once it opened path itself (torch.save
    straight to path, open(path, "wb"), shutil.copy onto path), path still loads as the previous checkpoint, and
-   was never removed or moved away;
-3. the file renamed onto path was fsync'ed (os.fsync, os.fdatasync or os.sync) with all its bytes first, and
-   lay in path's own directory;
+   was never removed or moved away (a save that wrote path in place through a call not watched, io.FileIO say,
+   is never killed: it is told so);
+3. the file renamed onto path was fsync'ed (os.fsync, os.fdatasync or os.sync) with all its bytes first, after
+   its last write, and lay in path's own directory;
 4. a save beside the temporary file of a killed one works;
 5. two saves at once (a second one, in another thread, runs whole while the first is about to rename; one that
    waits for a lock the first holds goes on after it) both succeed and leave one of the two checkpoints, and no
@@ -114,7 +115,10 @@ def _first_run_problem(save, scratch: Path, timeout_seconds: float) -> str | Non
         return problem
     damage = state_problem(scratch / "crash" / TARGET, 3)
     if damage:
-        return _damage_message(report["killed before rename"]["events"], damage, nbytes_of(4) // 2)
+        killed = report["killed before rename"]
+        if killed["finished"] and state_problem(scratch / "crash" / TARGET, 4) is None:
+            damage = "it held the new one"
+        return _damage_message(killed["events"], damage, nbytes_of(4) // 2, finished=killed["finished"])
     problem = _rename_problem(normal["events"], scratch)
     if problem is None and normal["leftovers"]:
         return (f"after a save that succeeded, {_names(normal['leftovers'])} remained beside path. A save that "
@@ -156,29 +160,37 @@ def _names(names) -> str:
     return ", ".join(repr(name) for name in names)
 
 
-def _damage_message(events: list, damage: str, nbytes: int, armed: bool = False) -> str:
+def _damage_message(events: list, damage: str, nbytes: int, armed: bool = False, finished: bool = False) -> str:
     """A killed save left path damaged (`damage`): say when it was killed (`armed`: from its start, at the first
-    write past `nbytes`) and what it did to path, from its `events`."""
+    write past `nbytes`) and what it did to path, from its `events`; or, when it `finished` unkilled without a
+    watched write or rename, that it wrote path in place some other way."""
     kinds = [e.get("how", e["kind"]) for e in events if e["kind"] in ("write", "removed", "moved")]
     writes = any(e["kind"] == "write" for e in events)
+    if finished and not writes and not armed and not any(e["kind"] == "replace" for e in events):
+        return ("your save never renamed a file onto path, nor opened path with open(), os.open or torch.save, "
+                f"yet path no longer held the previous checkpoint when it returned ({damage}). It wrote into path "
+                "in place by another way (io.FileIO(path, \"w\"), say), so our kill, set for a rename onto path, "
+                "never came. Writing in place empties path first: a crash midway leaves a half-written file. "
+                + _RECIPE)
     when = (f"at the first write past {nbytes:,} bytes, half the checkpoint" if armed else
             f"once it had opened path itself for writing, at the first write past {nbytes:,} bytes (half the "
             "checkpoint)" if writes else "with SIGKILL, just before it renamed a file onto path")
     if "torch.save" in kinds:
-        why = ("torch.save(state_dict, path) writes straight into path: it empties the previous checkpoint first, "
-               "and until its last byte path is a half-written file.")
+        why = ("Your save's torch.save(state_dict, path) writes straight into path: it empties the previous "
+               "checkpoint first, and until its last byte path is a half-written file.")
     elif "copy" in kinds:
-        why = ("copying onto path (shutil.copy or copyfile) rewrites path in place: it empties path, then writes "
+        why = ("Copying onto path (shutil.copy or copyfile) rewrites path in place: it empties path, then writes "
                "the copy into it, so a crash during the copy leaves a half-copied file. A copy is not a rename.")
     elif "open" in kinds or "os.open" in kinds:
-        why = ("your save opened path itself for writing (open(path, \"wb\")), which empties the previous "
-               "checkpoint at once; until the last byte is written, path is a half-written file.")
+        call = "open(path, \"wb\")" if "open" in kinds else "os.open(path, os.O_WRONLY | ...)"
+        why = (f"Your save opened path itself for writing ({call}), which empties the previous checkpoint at "
+               "once; until the last byte is written, path is a half-written file.")
     elif "removed" in kinds or "moved" in kinds:
         how = "removed path (os.remove)" if "removed" in kinds else "moved path away"
-        why = (f"your save {how} before renaming the new file onto it: in between there is no checkpoint at all. "
+        why = (f"Your save {how} before renaming the new file onto it: in between there is no checkpoint at all. "
                "os.replace replaces an existing path in one step; there is no need to remove it first.")
     else:
-        why = "your save wrote into path itself."
+        why = "Your save wrote into path itself."
     return (f"we killed your save {when}, as a crash would. Afterwards {damage}: the previous checkpoint is "
             f"lost. {why} {_RECIPE}")
 
@@ -198,15 +210,25 @@ def _rename_problem(events: list, scratch: Path) -> str | None:
                     "Invalid cross-device link) and shutil.move falls back to a copy, which is not atomic. Make it "
                     "beside path: tempfile.mkstemp(dir=os.path.dirname(path)).")
         if rename["fsync"] == "unflushed":
-            return (f"your save called os.fsync when {rename['synced_nbytes']:,} bytes of {rename['source']!r} had "
-                    f"reached the file and {rename['nbytes']:,} were renamed onto path: the rest still sat in "
-                    "Python's buffer, which fsync does not see. Call f.flush() first, then os.fsync(f.fileno()).")
+            return _early_sync_message(rename)
         if rename["fsync"] == "no":
             return (f"your save renamed {rename['source']!r} onto path with os.replace without fsync: the rename "
                     "is atomic, but the new bytes may still be only in the page cache. After a power cut or a "
                     "kernel crash the rename can reach the disk before the data, and path is then empty or "
                     "partial. Call f.flush() and os.fsync(f.fileno()) before os.replace.")
     return None
+
+
+def _early_sync_message(rename: dict) -> str:
+    """The message for a file fsync'ed (or os.sync'ed) before all the bytes renamed onto path had reached it."""
+    said = f"your save called {rename['synced_by']} when {rename['source']!r}"
+    after = (" fsync(2) makes durable only what the file holds when it is called: write everything (torch.save), "
+             "f.flush(), then os.fsync(f.fileno()), and only then os.replace.")
+    if not rename["synced_nbytes"]:
+        return (f"{said} was still empty, before anything was written into it, and then renamed it onto path "
+                f"with {rename['nbytes']:,} bytes: none of them were made durable.{after}")
+    return (f"{said} held {rename['synced_nbytes']:,} bytes, and renamed it onto path with {rename['nbytes']:,}: "
+            "the rest was written after it, or still sat in Python's buffer, which fsync does not see." + after)
 
 
 def _second_run_problem(save, scratch: Path, timeout_seconds: float) -> str | None:

@@ -168,7 +168,7 @@ class Watch:
         self.target, self.elsewhere = os.path.realpath(target), str(elsewhere)
         self.report, self.record = report, record
         self.on_write, self.on_replace, self.on_start = on_write, on_replace, on_start  # each takes no argument
-        self.synced: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> the file's bytes when fsync'ed
+        self.synced: dict[tuple[int, int], tuple[int, str]] = {}  # (st_dev, st_ino) -> (bytes, by which call)
         self.saved: list = []
 
     def __enter__(self) -> Watch:
@@ -258,11 +258,11 @@ class Watch:
             info = os.stat(source)
         except OSError:
             return  # the rename itself will fail, and the student sees its error
-        synced = self.synced.get((info.st_dev, info.st_ino))
+        synced, synced_by = self.synced.get((info.st_dev, info.st_ino), (None, None))
         self._event("replace", source=os.path.basename(source), directory=os.path.dirname(source),
                     same_directory=os.path.dirname(source) == os.path.dirname(self.target),
                     fsync="yes" if synced == info.st_size else "no" if synced is None else "unflushed",
-                    synced_nbytes=synced, nbytes=info.st_size)
+                    synced_nbytes=synced, synced_by=synced_by, nbytes=info.st_size)
         if self.on_replace:
             self.on_replace()
 
@@ -273,7 +273,7 @@ class Watch:
             for entry in os.scandir(directory):
                 if entry.is_file(follow_symlinks=False):
                     info = entry.stat(follow_symlinks=False)
-                    self.synced[(info.st_dev, info.st_ino)] = info.st_size
+                    self.synced[(info.st_dev, info.st_ino)] = (info.st_size, "os.sync()")
 
     def _remove(self, original):
         """os.remove or os.unlink (`original`), noting the target removed."""
@@ -293,7 +293,7 @@ class Watch:
                 self._event("fsync_directory", same_directory=os.path.samestat(info, os.stat(os.path.dirname(
                     self.target))))
             else:
-                self.synced[(info.st_dev, info.st_ino)] = info.st_size
+                self.synced[(info.st_dev, info.st_ino)] = (info.st_size, f"os.{original.__name__}")
         return synced
 
 

@@ -6,6 +6,7 @@ case here is a real crash: a save that writes into path itself loses the previou
 """
 
 import fcntl
+import io
 import os
 import resource
 import secrets
@@ -204,6 +205,30 @@ def fsync_before_flush(state_dict, path):
     os.replace(temporary, path)
 
 
+def fsync_before_writing(state_dict, path):
+    """os.fsync on the empty temporary file, before torch.save writes into it."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as file:
+        os.fsync(file.fileno())
+        torch.save(state_dict, file)
+    os.replace(temporary, path)
+
+
+def os_sync_before_writing(state_dict, path):
+    """os.sync() before the temporary file is written: it makes nothing of the new checkpoint durable."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    os.sync()
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+    os.replace(temporary, path)
+
+
+def file_io_in_place(state_dict, path):
+    """io.FileIO(path, "w"): writes path in place, through a call the grader does not watch."""
+    with io.FileIO(path, "w") as file:
+        torch.save(state_dict, file)
+
+
 def pid_only_name(state_dict, path):
     """A temporary name from the process id alone: two saves in one process share it."""
     temporary = f"{path}.{os.getpid()}.tmp"
@@ -256,16 +281,20 @@ def waits_forever(state_dict, path):
 
 WRONG = [
     (straight_to_path, "torch.save(state_dict, path) writes straight into path", "torch.load(path) fails"),
-    (open_path_then_write, "opened path itself for writing"),
-    (write_then_copy, "A copy is not a rename"),
+    (open_path_then_write, "the previous checkpoint is lost. Your save opened path itself for writing"),
+    (write_then_copy, "is lost. Copying onto path", "A copy is not a rename"),
     (replace_without_fsync, "with os.replace without fsync"),
     (temporary_in_tmp, "tempfile's default directory"),
     (remove_then_rename, "removed path (os.remove) before renaming", "there is no file at path"),
-    (backup_then_rename, "moved path away before renaming"),
+    (backup_then_rename, "is lost. Your save moved path away before renaming"),
     (fixed_name_exclusive, "Your temporary file has a fixed name"),
     (fixed_name_reused, "Both saves used the same temporary file name"),
     (pid_only_name, "Both saves used the same temporary file name", "os.getpid() alone"),
-    (fsync_before_flush, "still sat in Python's buffer"),
+    (fsync_before_flush, "still sat in Python's buffer", "called os.fsync when"),
+    (fsync_before_writing, "called os.fsync when", "was still empty, before anything was written into it"),
+    (os_sync_before_writing, "called os.sync() when", "was still empty, before anything was written into it"),
+    (file_io_in_place, "never renamed a file onto path, nor opened path with open()", "io.FileIO(path, \"w\")",
+     "never came"),
     (course_atomic_write, "labkit.checkpoint's own atomic save"),
     (delete_on_close, "unless you pass delete=False"),
     (temporary_named_like_a_checkpoint, "can be mistaken for a checkpoint"),
