@@ -20,6 +20,9 @@ PIP_PROGRESS := $(shell [ -t 2 ] && [ -z "$$CI" ] && echo on || echo off)
 # yours, and `git pull` never conflicts with them. `make refresh NOTEBOOK=03_ring_allreduce` resets one.
 LAB_DIR ?= my-notebooks
 CELL_TIMEOUT ?= 180
+# pytest-xdist workers for `make unit`: most distributed tests wait on process starts and rendezvous, so two
+# share 2 cores well; more only help with more cores (each test starts up to 8 ranks).
+TEST_WORKERS ?= 2
 ARTIFACTS := test-artifacts
 # The tests' exercise progress (labkit.exercises.progress) goes here, never into the student's ~/.labkit.
 unit notebooks browser: export LABKIT_PROGRESS ?= $(CURDIR)/$(ARTIFACTS)/progress.json
@@ -63,17 +66,17 @@ refresh: ## make refresh NOTEBOOK=03_ring_allreduce: your copy back to the cours
 			echo "make: your version is kept as $$backup"; fi; \
 		cp "notebooks/$(NOTEBOOK:.ipynb=).ipynb" "$$mine" && echo "make: $$mine is the course's version again"
 
-test: test-fast browser ## everything: lint, unit and distributed tests, every notebook (nbval and browser)
+test: lint unit browser ## everything: lint, unit and distributed tests, every notebook (papermill and browser)
 	@echo "make test: all checks passed. Screenshots of every notebook: $(ARTIFACTS)/screenshots/"
 
-test-fast: lint unit notebooks ## the same without the browser, for quick loops
+test-fast: lint unit notebooks ## without the browser: every notebook through nbval instead, for quick loops
 
 lint: setup ## ruff on code and notebooks; notebooks must be committed without outputs
 	$(BIN)/ruff check labkit tests benchmarks notebooks
 	$(BIN)/nbstripout --verify notebooks/*.ipynb
 
-unit: setup ## unit and distributed tests (real processes over gloo)
-	$(BIN)/python -m pytest tests --ignore=tests/browser
+unit: setup ## unit and distributed tests (real processes over gloo), TEST_WORKERS at a time
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests --ignore=tests/browser
 
 notebooks: setup ## run every notebook top to bottom (nbval)
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) \
