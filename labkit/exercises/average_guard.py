@@ -24,7 +24,8 @@ from labkit.exercises.guard import Guard
 from labkit.models import mlp
 
 __all__ = ["BATCH", "LR", "STEPS", "AverageGuard", "AverageOutcome", "OutOfStep", "Reduction", "attempt_average",
-           "average_batch", "average_model", "calls_of_last_average", "ready_made_caller", "reference_run", "sgd_step"]
+           "average_batch", "average_model", "calls_of_last_average", "ready_made_caller", "reference_run", "sgd_step",
+           "watch_waits"]
 
 BATCH, STEPS, LR = 24, 3, 0.1  # 24 rows: 2, 3 and 4 ranks all get equal shards
 # What the student may not call: every way into torch.distributed's communication but all_reduce and barrier.
@@ -97,6 +98,24 @@ class Reduction:
     op: str
     waited: bool = False
     called_by: str | None = None  # the ready-made average on the call stack, if any
+
+
+def watch_waits(works: list, saved: list) -> None:
+    """Mark a recorded all_reduce waited (its `.waited`) when its handle's wait() or get_future() is called.
+    `works` holds (handle, call) pairs as they are launched; the replaced methods go to `saved`, which the guard
+    puts back when it ends."""
+    import torch.distributed as dist
+
+    for name in ("wait", "get_future"):
+        original = vars(dist.Work)[name]
+
+        def marked(work, *args, _original=original, **kwargs):
+            for handle, call in works:
+                call.waited = call.waited or handle is work
+            return _original(work, *args, **kwargs)
+
+        saved.append((dist.Work, name, original))
+        setattr(dist.Work, name, marked)
 
 
 class AverageGuard(Guard):
@@ -183,19 +202,7 @@ class AverageGuard(Guard):
             f"a tensor of {numel} elements"
 
     def _watch_work(self) -> None:
-        """Mark an all_reduce waited when its handle's wait() or get_future() is called."""
-        import torch.distributed as dist
-
-        for name in ("wait", "get_future"):
-            original = vars(dist.Work)[name]
-
-            def marked(work, *args, _original=original, **kwargs):
-                for handle, call in self._works:
-                    call.waited = call.waited or handle is work
-                return _original(work, *args, **kwargs)
-
-            self._saved.append((dist.Work, name, original))
-            setattr(dist.Work, name, marked)
+        watch_waits(self._works, self._saved)
 
     def _target(self, tensor: torch.Tensor) -> str:
         pointer = tensor.untyped_storage().data_ptr()

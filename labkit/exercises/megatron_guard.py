@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit
+from labkit.exercises.average_guard import watch_waits
 from labkit.exercises.guard import Guard
 
 __all__ = ["BATCH", "HIDDEN", "WIDTH", "AllReduceCall", "MegatronGuard", "MegatronOutcome", "attempt_megatron",
@@ -153,19 +154,7 @@ class MegatronGuard(Guard):
         dist.ProcessGroup.allreduce = recorded
 
     def _watch_work(self) -> None:
-        """Mark an all_reduce waited when its handle's wait() or get_future() is called."""
-        import torch.distributed as dist
-
-        for name in ("wait", "get_future"):
-            original = vars(dist.Work)[name]
-
-            def marked(work, *args, _original=original, **kwargs):
-                for handle, call in self._works:
-                    call.waited = call.waited or handle is work
-                return _original(work, *args, **kwargs)
-
-            self._saved.append((dist.Work, name, original))
-            setattr(dist.Work, name, marked)
+        watch_waits(self._works, self._saved)
 
 
 
