@@ -23,6 +23,9 @@ CELL_TIMEOUT ?= 180
 # pytest-xdist workers for `make unit`: most distributed tests wait on process starts and rendezvous, so two
 # share 2 cores well; more only help with more cores (each test starts up to 8 ranks).
 TEST_WORKERS ?= 2
+# Every notebook run by papermill at 2 ranks: one at a time, alone, since notebooks time what they teach (a
+# bubble, a bandwidth fit) and a test running beside them on the same cores would be in their measurements.
+PAPERMILL_TESTS := tests/notebooks/test_papermill.py
 ARTIFACTS := test-artifacts
 # The tests' exercise progress (labkit.exercises.progress) goes here, never into the student's ~/.labkit.
 unit notebooks browser: export LABKIT_PROGRESS ?= $(CURDIR)/$(ARTIFACTS)/progress.json
@@ -75,8 +78,9 @@ lint: setup ## ruff on code and notebooks; notebooks must be committed without o
 	$(BIN)/ruff check labkit tests benchmarks notebooks
 	$(BIN)/nbstripout --verify notebooks/*.ipynb
 
-unit: setup ## unit and distributed tests (real processes over gloo), TEST_WORKERS at a time
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests --ignore=tests/browser
+unit: setup ## unit and distributed tests (real processes over gloo), TEST_WORKERS at a time; then papermill
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests --ignore=tests/browser --ignore=$(PAPERMILL_TESTS)
+	$(BIN)/python -m pytest $(PAPERMILL_TESTS)
 
 notebooks: setup ## run every notebook top to bottom (nbval)
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) \
