@@ -28,7 +28,7 @@ TEST_WORKERS ?= 2
 PAPERMILL_TESTS := tests/notebooks/test_papermill.py
 ARTIFACTS := test-artifacts
 # The tests' exercise progress (labkit.exercises.progress) goes here, never into the student's ~/.labkit.
-unit notebooks browser: export LABKIT_PROGRESS ?= $(CURDIR)/$(ARTIFACTS)/progress.json
+unit notebooks browser: export LABKIT_PROGRESS = $(CURDIR)/$(ARTIFACTS)/progress.json
 
 .DEFAULT_GOAL := help
 .PHONY: help setup lab copy refresh test test-fast lint unit notebooks browser bench gpu-test gpu-wheels gpu-check clean

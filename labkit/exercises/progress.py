@@ -46,17 +46,35 @@ def progress_path() -> Path:
 
 def load_progress() -> dict:
     """The recorded attempts, {exercise: {"passed": bool, "attempts": int, "passed_at": str | None}}; {} when there
-    is no file yet. An unreadable file is reported and treated as empty, never raised into a grader."""
+    is no file yet. Entries of exercises this labkit does not know (another version's) are kept as they are. A
+    file that cannot be read as such is moved aside to progress.json.unreadable-<time>, never lost, and never
+    raised into a grader: its content is the student's."""
     path = progress_path()
     try:
         recorded = json.loads(path.read_text())
+        if not isinstance(recorded, dict):
+            raise ValueError(f"a JSON {type(recorded).__name__}, not an object")
+        return {name: _entry(entry) if name in EXERCISES else entry for name, entry in recorded.items()}
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as error:
-        warnings.warn(f"labkit: could not read your progress file {path} ({error}); starting a new one",
+    except (OSError, ValueError, TypeError) as error:
+        kept = path.with_name(f"{path.name}.unreadable-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")
+        try:
+            path.replace(kept)
+            where = f"it is kept as {kept}"
+        except OSError:
+            where = "it is left where it is"
+        warnings.warn(f"labkit: could not read your progress file {path} ({error}); {where}, and a new one starts",
                       stacklevel=2)
         return {}
-    return {name: entry for name, entry in recorded.items() if name in EXERCISES and isinstance(entry, dict)}
+
+
+def _entry(entry) -> dict:
+    """One exercise's record, checked: TypeError or ValueError when it is not one (the file is then set aside)."""
+    if not isinstance(entry, dict):
+        raise TypeError(f"an entry is a {type(entry).__name__}, not an object")
+    return {"passed": bool(entry.get("passed")), "attempts": int(entry.get("attempts") or 0),
+            "passed_at": entry.get("passed_at")}
 
 
 def record_attempt(exercise: str, passed: bool) -> None:
@@ -66,8 +84,8 @@ def record_attempt(exercise: str, passed: bool) -> None:
         raise ValueError(f"unknown exercise {exercise!r}; the course's exercises are {', '.join(EXERCISES)}")
     progress = load_progress()
     entry = progress.setdefault(exercise, {"passed": False, "attempts": 0, "passed_at": None})
-    entry["attempts"] = int(entry.get("attempts", 0)) + 1
-    if passed and not entry.get("passed"):
+    entry["attempts"] += 1
+    if passed and not entry["passed"]:
         entry["passed"], entry["passed_at"] = True, datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
         _write_atomically(progress_path(), json.dumps(progress, indent=1, sort_keys=True) + "\n")
@@ -95,11 +113,17 @@ def graded(exercise: str):
         @functools.wraps(check)
         def check_and_record(*args, record: bool = True, **kwargs):
             verdict = check(*args, **kwargs)
-            if record:
+            if record and not _untouched_stub(verdict):
                 record_attempt(exercise, bool(verdict))
             return verdict
         return check_and_record
     return wrap
+
+
+def _untouched_stub(verdict) -> bool:
+    """The notebook's stub, run as it stands (`raise NotImplementedError("your turn")`): not an attempt, so that
+    running a whole notebook does not count as trying its exercise."""
+    return not verdict and "NotImplementedError" in verdict.message and "your turn" in verdict.message
 
 
 class Progress:
@@ -109,7 +133,7 @@ class Progress:
         self.recorded, self.notebook = recorded, notebook
 
     def rows(self) -> list[tuple[str, str, str]]:
-        """(notebook, exercise, status) for every exercise, in course order."""
+        """(notebook, exercise, status) for every exercise of this labkit, in course order."""
         rows = []
         for name, (notebook, title) in EXERCISES.items():
             entry = self.recorded.get(name, {})

@@ -60,14 +60,47 @@ def test_the_table_lists_every_exercise_in_course_order_with_its_status():
     assert [row[0] for row in shown.rows()] == sorted(row[0] for row in shown.rows())
 
 
-def test_a_broken_or_unwritable_file_warns_and_never_breaks_grading(progress_file, monkeypatch):
+@pytest.mark.parametrize("content", ["{not json", "[]", '{"atomic_save": {"attempts": "many"}}',
+                                     '{"atomic_save": 3}'])
+def test_an_unreadable_file_is_kept_aside_and_never_breaks_grading(progress_file, content):
     progress_file.parent.mkdir()
-    progress_file.write_text("{not json")
-    with pytest.warns(UserWarning, match="could not read your progress file"):
-        assert load_progress() == {}
+    progress_file.write_text(content)
+    with pytest.warns(UserWarning, match="could not read your progress file .* it is kept as .*unreadable-"):
+        record_attempt("atomic_save", True)
+    kept = [p for p in progress_file.parent.iterdir() if ".unreadable-" in p.name]
+    assert len(kept) == 1 and kept[0].read_text() == content          # nothing the student had is lost
+    assert load_progress()["atomic_save"]["passed"]
+
+
+def test_an_unwritable_file_warns_and_never_breaks_grading(monkeypatch):
     monkeypatch.setenv("LABKIT_PROGRESS", os.devnull + "/progress.json")        # a directory that cannot exist
     with pytest.warns(UserWarning, match="was not saved"):
         record_attempt("atomic_save", True)
+
+
+def test_exercises_of_another_labkit_version_are_kept(progress_file):
+    progress_file.parent.mkdir()
+    progress_file.write_text(json.dumps({"renamed_exercise": {"passed": True, "attempts": 2}}))
+    record_attempt("atomic_save", False)
+    assert json.loads(progress_file.read_text())["renamed_exercise"] == {"passed": True, "attempts": 2}
+
+
+def test_running_an_untouched_stub_is_not_an_attempt(progress_file):
+    @graded("megatron_f_g")
+    def check(fn):
+        try:
+            fn()
+        except NotImplementedError as error:
+            return Verdict(False, f"rank 0 raised NotImplementedError: {error}.")
+        return Verdict(False, "wrong")
+
+    def stub():
+        raise NotImplementedError("your turn")
+
+    check(stub)
+    assert not progress_file.exists()
+    check(lambda: None)
+    assert load_progress()["megatron_f_g"]["attempts"] == 1
 
 
 def test_unknown_exercises_are_refused_with_the_list():
