@@ -15,13 +15,13 @@ can still predict before reading it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 
 import ipywidgets as widgets
 
 from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED
 
-__all__ = ["CONTROL_WIDTH", "PredictThenRun"]
+__all__ = ["CONTROL_WIDTH", "PredictThenRun", "distinct_wrong_guesses"]
 
 CONTROL_WIDTH = "440px"  # the control and the button side by side fit a 1280 px window with the file browser open
 _BAR_PIXELS = 260  # the longest bar: with its label and value, well inside the narrowest notebook column
@@ -34,8 +34,9 @@ class PredictThenRun(widgets.VBox):
 
     - `theory`, `formula`: the value theory gives and how it is written, shown beside the measurement;
     - `why`: why the measurement is what it is, always shown with the comparison;
-    - `wrong_guesses`: {value: why that guess is wrong} for the typical wrong predictions; the one within
-      `tolerance` of the student's prediction is shown;
+    - `wrong_guesses`: (value, why that guess is wrong) pairs, or a dict, for the typical wrong predictions;
+      the one within `tolerance` of the student's prediction is shown. Guesses that coincide at this size
+      (with theory or with an earlier guess) are dropped: see `distinct_wrong_guesses`;
     - `show`: how a value is written ("1.5 x S", "27%"); `measured_label`: "measured", or "labkit.plan" where
       the experiment reveals arithmetic rather than runs something.
     A prediction within `tolerance` (relative) of the measurement counts as right.
@@ -49,12 +50,14 @@ class PredictThenRun(widgets.VBox):
 
     def __init__(self, question: str, control: widgets.ValueWidget, experiment: Callable[[], object], *,
                  measure: Callable[[object], float] = lambda result: result, theory: float | None = None,
-                 formula: str = "", why: str = "", wrong_guesses: dict[float, str] | None = None,
+                 formula: str = "", why: str = "",
+                 wrong_guesses: Mapping[float, str] | Iterable[tuple[float, str]] = (),
                  show: Callable[[float], str] = "{:g}".format, measured_label: str = "measured",
                  tolerance: float = 0.05, button: str = "Run the experiment"):
         self.control, self.experiment, self.measure, self.show = control, experiment, measure, show
-        self.theory, self.formula, self.why, self.wrong_guesses = theory, formula, why, dict(wrong_guesses or {})
-        self.measured_label, self.tolerance = measured_label, tolerance
+        self.theory, self.formula, self.why, self.tolerance = theory, formula, why, tolerance
+        self.wrong_guesses = distinct_wrong_guesses(wrong_guesses, theory, tolerance)
+        self.measured_label = measured_label
         self.runs, self._result = 0, None
         self.button = widgets.Button(description=button, button_style="primary",
                                      layout=widgets.Layout(width="auto", min_width="180px"))
@@ -137,6 +140,25 @@ class PredictThenRun(widgets.VBox):
             reason = (f"{self.show(prediction)} is {direction} the {self.measured_label} "
                       f"{self.show(measured)}.")
         return f"<b style='color:{RED}'>❌ Not quite</b>: {reason}"
+
+
+def distinct_wrong_guesses(guesses: Mapping[float, str] | Iterable[tuple[float, str]], right: float | None,
+                           tolerance: float = 0.05) -> dict[float, str]:
+    """{value: why} from (value, why) pairs, first come first kept: a guess within `tolerance` of `right` or of
+    a guess kept before is dropped. Why: typical wrong guesses are formulas in N, and at a small N two of them
+    (or one and the answer) can be the same number; a dict literal would silently keep the later text, and a
+    "wrong" guess that equals the answer would be explained as wrong.
+
+    >>> distinct_wrong_guesses([(1, "the hub"), (1, "one tensor"), (0.5, "one phase"), (2, "hops")], right=1)
+    {0.5: 'one phase', 2: 'hops'}
+    """
+    pairs = guesses.items() if isinstance(guesses, Mapping) else guesses
+    kept: dict[float, str] = {}
+    for value, why in pairs:
+        taken = [*kept, right] if right is not None else list(kept)
+        if not any(math.isclose(value, other, rel_tol=tolerance, abs_tol=1e-12) for other in taken):
+            kept[value] = why
+    return kept
 
 
 def _bars(rows: list[tuple[str, float, str]], show: Callable[[float], str]) -> str:

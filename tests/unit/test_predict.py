@@ -6,7 +6,7 @@ import ipywidgets as widgets
 import pytest
 
 from labkit.widgets import PredictThenRun
-from labkit.widgets.predict import CONTROL_WIDTH
+from labkit.widgets.predict import CONTROL_WIDTH, distinct_wrong_guesses
 
 
 def ring_bytes_app(default: float = 3.0, experiment=None) -> PredictThenRun:
@@ -94,3 +94,19 @@ def test_without_theory_or_typical_guesses_the_comparison_still_reads():
     app.control.value = 4.2                                                 # within 10%
     app.button.click()
     assert "Right" in app.feedback.value
+
+
+def test_wrong_guesses_that_coincide_at_a_small_size_are_kept_once_and_never_equal_the_answer():
+    """Notebook 03 at N = 2: the hub's (N-1) x S and 'one tensor, S' both equal the ring's 2(N-1)/N = 1, and
+    2(N-1) hops equals the large-N limit 2. The first text for a value is kept; the answer is never 'wrong'."""
+    n = 2
+    guesses = [(n - 1, "the hub"), ((n - 1) / n, "one phase"), (2 * (n - 1), "hops"), (1, "once"), (2, "limit")]
+    assert distinct_wrong_guesses(guesses, right=2 * (n - 1) / n) == {0.5: "one phase", 2: "hops"}
+    assert distinct_wrong_guesses({1.0: "a", 1.02: "b", 3: "c"}, right=None) == {1.0: "a", 3: "c"}  # 5 %
+    app = PredictThenRun("Bytes?", widgets.FloatSlider(value=2, min=0, max=2), lambda: 1.0, theory=1.0,
+                         wrong_guesses=guesses)
+    app.button.click()
+    assert "hops" in app.feedback.value and "limit" not in app.feedback.value
+    app.control.value = 1.0                                                 # the hub's value is the answer here
+    app.button.click()
+    assert "Right" in app.feedback.value and "hub" not in app.feedback.value
