@@ -44,8 +44,9 @@ class Cause:
 
 CAUSES = {
     "no_divide": Cause("the gradients are summed over the ranks but never divided by N",
-                       "identical replicas, but every update N times one process's: the first step is N x as "
-                       "long and the loss jumps about or climbs"),
+                       "identical replicas, a first step N x as long as one process's, and a loss that falls "
+                       "faster than one process's: every update uses N x the averaged gradient, so the run "
+                       "trains with N x the learning rate it was given"),
     "no_broadcast": Cause("the replicas were never broadcast at the start",
                           "different parameter checksums on every rank from the very first step, apart by the "
                           "same amount at every step (they all receive the same averaged update)"),

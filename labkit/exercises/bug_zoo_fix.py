@@ -9,9 +9,13 @@ parameters before the first step, then, after each backward, all-reduce every gr
 
 The grader sees each rank's parameters at every forward (a forward pre-hook) and at the end, and compares them,
 in float64 within 1e-9, with one process's: where the first step goes wrong, the update a rank applied,
-(p_k - p_k+1) / lr, says what is wrong with it (summed and not divided, divided by N - 1, not averaged,
-gradients piling up without zero_grad, some parameters only). torch's DistributedDataParallel and
-labkit.parallel's broadcast_parameters and average_gradients do the fix for you and are switched off.
+(p_k - p_k+1) / lr, says what is wrong with it (summed and not divided, divided by another number than N, not
+averaged, gradients piling up without zero_grad, some parameters only). The exercise is gradient averaging with
+dist.broadcast and dist.all_reduce: every other collective is switched off (gathering the data to train on the
+whole batch everywhere is not data parallel), and so is an all_reduce of the parameters themselves once training
+has begun (parameter averaging, which plain SGD cannot tell from gradient averaging but Adam can). torch's
+DistributedDataParallel and labkit.parallel's broadcast_parameters and average_gradients do the fix for you and
+are switched off too.
 """
 
 from __future__ import annotations
@@ -47,12 +51,52 @@ def fix_model(rank: int, device=None) -> torch.nn.Module:
 _NAMES = [name for name, _ in fix_model(0).named_parameters()]
 
 
+@dataclass
+class FixOutcome:
+    """One rank's run: its parameters (flattened per parameter) at each forward and at the end."""
+
+    starts: list[list[list[float]]] = field(default_factory=list)
+    final: list[list[float]] = field(default_factory=list)
+
+
+# What the student may not call: every way into torch.distributed's communication but all_reduce, broadcast and
+# barrier (which moves no data).
+_TORCH_FUNCTIONS = (
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce_coalesced", "reduce", "all_gather",
+    "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object", "gather", "gather_object", "scatter",
+    "scatter_object_list", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+    "all_to_all_single", "send_object_list", "recv_object_list", "_all_gather_base", "_reduce_scatter_base",
+    "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group",
+    "init_device_mesh", "init_process_group", "destroy_process_group",
+)
+_GROUP_METHODS = (
+    "send", "recv", "recv_anysource", "allreduce_coalesced", "reduce", "allgather", "_allgather_base",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+    "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
+    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
+    "all_to_all_single", "monitored_barrier", "split_group", "merge_remote_group",
+)
+_BACKEND_METHODS = (
+    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
+    "allgather_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall",
+    "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
+)
+PARAMETER_AVERAGE = "dist.all_reduce on the parameters themselves after training began"
+
+
 class FixGuard(Guard):
-    """While the student's training runs on a rank: every collective allowed, but torch's DDP and labkit.parallel's
-    broadcast_parameters and average_gradients (found on the call stack) refused."""
+    """While the student's training runs on a rank: dist.broadcast and dist.all_reduce allowed, every other
+    collective refused (gathering the data or the parameters is not data parallelism), and so are torch's DDP,
+    labkit.parallel's broadcast_parameters and average_gradients (found on the call stack), and an all_reduce of
+    the parameters' values once the first forward has run (parameter averaging, not gradient averaging)."""
+
+    def __init__(self, model: torch.nn.Module, outcome: FixOutcome):
+        super().__init__()
+        self._model, self._outcome = model, outcome
 
     def __enter__(self) -> FixGuard:
         try:
+            self.switch_off_torch_distributed(_TORCH_FUNCTIONS, _GROUP_METHODS, _BACKEND_METHODS)
             self._replace(torch.nn.parallel.DistributedDataParallel, "__init__",
                           "torch.nn.parallel.DistributedDataParallel")
             for name in ("allreduce", "broadcast"):
@@ -62,25 +106,36 @@ class FixGuard(Guard):
             raise
         return self
 
+    def refuse(self, spelling: str):
+        """Refuse `spelling`, named as the ready-made fix that called it when there is one (broadcast_parameters
+        checks the replicas' shapes with all_gather_object before it broadcasts)."""
+        ready_made = ready_made_caller()
+        super().refuse(f"labkit.parallel's {ready_made}" if ready_made else spelling)
+
     def _refuse_ready_made(self, name: str) -> None:
         original = vars(dist.ProcessGroup)[name]
 
-        def watched(group, *args, **kwargs):
-            ready_made = ready_made_caller()
-            if ready_made:
-                self.refuse(f"labkit.parallel's {ready_made}")
-            return original(group, *args, **kwargs)
+        def watched(group, tensors, *args, **kwargs):
+            if ready_made_caller():
+                self.refuse(name)
+            if name == "allreduce" and self._outcome.starts and self._holds_parameters(tensors):
+                self.refuse(PARAMETER_AVERAGE)
+            return original(group, tensors, *args, **kwargs)
 
         self._saved.append((dist.ProcessGroup, name, original))
         setattr(dist.ProcessGroup, name, watched)
 
-
-@dataclass
-class FixOutcome:
-    """One rank's run: its parameters (flattened per parameter) at each forward and at the end."""
-
-    starts: list[list[list[float]]] = field(default_factory=list)
-    final: list[list[float]] = field(default_factory=list)
+    def _holds_parameters(self, tensors) -> bool:
+        """Whether an all_reduce's tensors are parameters: their memory, one's values, or all of them flattened."""
+        params = list(self._model.parameters())
+        memory = {p.untyped_storage().data_ptr() for p in params}
+        values = [p.detach().reshape(-1) for p in params] + [torch.cat([p.detach().reshape(-1) for p in params])]
+        for tensor in tensors if isinstance(tensors, (list, tuple)) else [tensors]:
+            flat = tensor.detach().reshape(-1)
+            if tensor.untyped_storage().data_ptr() in memory or any(
+                    v.numel() == flat.numel() and v.dtype == flat.dtype and torch.equal(v, flat) for v in values):
+                return True
+        return False
 
 
 def _flat(model: torch.nn.Module) -> list[list[float]]:
@@ -95,7 +150,7 @@ def attempt_fix(fn) -> FixOutcome:
     outcome = FixOutcome()
     hook = model.register_forward_pre_hook(lambda module, args: outcome.starts.append(_flat(module)))
     try:
-        with FixGuard():
+        with FixGuard(model, outcome):
             fn(model, x[rows], y[rows], FIX_STEPS, FIX_LR)
     finally:
         hook.remove()
@@ -177,9 +232,21 @@ def _case_problem(fn, world_size: int, timeout_seconds: float) -> str | None:
 
 def _error_message(error: labkit.RankError) -> str:
     failure, spelling = first_failure(error)
-    if spelling:
+    if spelling == PARAMETER_AVERAGE:
+        return (f"rank {failure.rank} all-reduced its parameters themselves (p.data, or a copy of their values) "
+                "after training began: that averages the replicas' parameters after local steps (parameter "
+                "averaging), not their gradients. "
+                "With plain SGD the two happen to agree; with a nonlinear optimizer such as Adam they do not. "
+                "After each backward, all_reduce every p.grad and divide it by N, then p -= lr * p.grad; the only "
+                "collective on the parameters is the broadcast before the first step.")
+    if spelling and ("labkit.parallel" in spelling or "DistributedDataParallel" in spelling):
         return (f"rank {failure.rank} called {spelling}, which does the fix for you and is switched off here. "
                 "Write the broadcast and the average yourself with dist.broadcast and dist.all_reduce.")
+    if spelling:
+        return (f"rank {failure.rank} called {spelling}, which is switched off here: this exercise allows only "
+                "dist.broadcast and dist.all_reduce. In data parallelism each rank trains on its own shard and "
+                "only the gradients travel (gathering the data to train on the whole batch everywhere is not data "
+                "parallel): broadcast the parameters once, then all_reduce each p.grad.")
     if "NotImplementedError" in failure.summary:
         return "your function raised NotImplementedError: replace the `raise` with your fix."
     return f"rank {failure.rank} raised {failure.summary}"
@@ -292,8 +359,11 @@ def _scaled_message(rank: int, applied, average, world_size: int) -> str:
                 "each p.grad, divide it by N, then p -= lr * p.grad.")
     known = {world_size: f"summed over the ranks but not divided by N = {world_size}: divide each gradient by "
                          "dist.get_world_size() after the all_reduce",
-             world_size / (world_size - 1): f"divided by N - 1 = {world_size - 1}, not by N = {world_size}",
              1 / world_size: "divided by N twice (or averaged and then divided again)"}
+    divisor = world_size / factor if factor > 0 else 0.0
+    if factor not in known and divisor > 1 and abs(divisor - round(divisor)) < 1e-6:
+        known[factor] = (f"summed and divided by {round(divisor)} on {world_size} ranks, not by N = {world_size}: "
+                         "divide by dist.get_world_size(), which is N on every run")
     name = next((text for f, text in known.items() if abs(factor - f) < 1e-6), None)
     if name:
         return f"rank {rank}'s gradients were {name}."

@@ -263,13 +263,56 @@ def extra_step(model, x, y, steps, lr):
     fixed_loop(model, x, y, steps + 1, lr)
 
 
+def parameter_averaging(model, x, y, steps, lr):
+    """Local SGD steps, then the parameters averaged: equal to plain SGD, but not gradient averaging."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        sgd(model, lr)
+        for p in model.parameters():
+            dist.all_reduce(p.data)
+            p.data /= dist.get_world_size()
+
+
+def whole_batch_everywhere(model, x, y, steps, lr):
+    """Every rank gathers the whole batch and trains on it: one process's run, N times, not data parallel."""
+    xs = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    ys = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+    dist.all_gather(xs, x)
+    dist.all_gather(ys, y)
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(torch.cat(xs)), torch.cat(ys)).backward()
+        sgd(model, lr)
+
+
+def divide_by_two(model, x, y, steps, lr):
+    """A hard-coded 2, right on 2 ranks only."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= 2
+        sgd(model, lr)
+
+
 WRONG = [
     (broken, "own random initialisation"),
     (fixed_loop_without_broadcast, "own random initialisation"),
     (no_divide, "not divided by N = 3"),
     (weights_only_broadcast, "biases too"),
     (averaged_parameters, "not with rank 0's initial parameters"),
-    (divide_by_n_minus_one, "divided by N - 1 = 2"),
+    (divide_by_n_minus_one, "divided by 2 on 3 ranks, not by N = 3"),
+    (divide_by_two, "divided by 2 on 3 ranks, not by N = 3"),
+    (parameter_averaging, "parameter averaging"),
+    (whole_batch_everywhere, "called torch.distributed.all_gather"),
     (divide_by_rank_plus_one, "rank 0: 3 x, rank 1: 1.5 x, rank 2: 1 x"),
     (no_zero_grad, "pile up"),
     (weights_only_averaged, "with its own gradient, not the average"),
