@@ -24,12 +24,12 @@ def check(page: Page, cells: list[dict]) -> None:
     widget = widget.first
     widget.scroll_into_view_if_needed()
     state = widget.evaluate(STATE)
-    assert state["folded"] and "prediction set then: 3 x S" in state["text"], \
+    assert state["folded"] and "prediction set then: 6 x S" in state["text"], \
         f"after Run All the default comparison is not shown folded: {state['text'][:200]!r}"
     assert not state["scrolls"] and not state["sticksOut"], f"the widget is wider than the column: {state}"
     handle, button = widget.locator(".widget-slider .noUi-handle").first, widget.locator("button").first
-    for presses, key, expected in ((12, "ArrowLeft", "Right"), (4, "ArrowRight", "2 x S is the limit")):
-        for _ in range(presses):  # one step of 0.125 x S each: 3 -> 1.5, then 1.5 -> 2
+    for presses, key, expected in ((36, "ArrowLeft", "Right"), (4, "ArrowRight", "2 x S is the limit")):
+        for _ in range(presses):  # one step of 0.125 x S each: 2(N-1) = 6 -> 1.5, then 1.5 -> 2
             handle.press(key)
         button.click()
         page.wait_for_function("([area, text]) => area.textContent.includes(text)",
