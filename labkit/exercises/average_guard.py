@@ -28,27 +28,6 @@ __all__ = ["BATCH", "LR", "STEPS", "AverageGuard", "AverageOutcome", "OutOfStep"
            "watch_waits"]
 
 BATCH, STEPS, LR = 24, 3, 0.1  # 24 rows: 2, 3 and 4 ranks all get equal shards
-# What the student may not call: every way into torch.distributed's communication but all_reduce and barrier.
-_TORCH_FUNCTIONS = (
-    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce_coalesced", "reduce", "broadcast",
-    "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object", "gather", "gather_object",
-    "scatter", "scatter_object_list", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "send_object_list", "recv_object_list", "_all_gather_base",
-    "_reduce_scatter_base", "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
-    "shrink_group", "init_device_mesh", "init_process_group", "destroy_process_group",
-)
-_GROUP_METHODS = (
-    "send", "recv", "recv_anysource", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
-    "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
-    "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single",
-    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
-    "all_to_all_single", "monitored_barrier", "split_group", "merge_remote_group",
-)
-_BACKEND_METHODS = (
-    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
-    "allgather_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall",
-    "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
-)
 _KEY = 10 ** 9  # _check_in_step's key: (gradient's index + 1) x _KEY + numel, exact in float64
 _READY_MADE = Path(labkit.__file__).parent / "parallel" / "data.py"  # average_gradients, BucketedDDP
 
@@ -134,7 +113,7 @@ class AverageGuard(Guard):
 
     def __enter__(self) -> AverageGuard:
         try:
-            self.switch_off_torch_distributed(_TORCH_FUNCTIONS, _GROUP_METHODS, _BACKEND_METHODS)
+            self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce", "barrier"), point_to_point=False)
             self._replace(torch.nn.parallel.DistributedDataParallel, "__init__",
                           "torch.nn.parallel.DistributedDataParallel")
             self._record_allreduce()

@@ -37,6 +37,7 @@ _TORCH_FUNCTIONS = (
     "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group", "init_device_mesh",
     "init_process_group", "destroy_process_group",
 )
+_POINT_TO_POINT_FUNCTIONS = ("send", "recv", "isend", "irecv", "batch_isend_irecv")  # switched off where not taught
 # ... the ProcessGroup's methods other than send and recv, ...
 _GROUP_METHODS = (
     "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
@@ -177,11 +178,15 @@ class Guard:
         for name in ("_post_send", "_post_recv"):
             self._replace(TorchTransport, name, "a labkit.comm collective")
 
-    def switch_off_torch_distributed(self, functions=_TORCH_FUNCTIONS, group_methods=_GROUP_METHODS,
-                                     backend_methods=_BACKEND_METHODS) -> None:
-        """Make these ways into torch.distributed's communication raise ForbiddenCall: its `functions`, the process
-        group's and its backend's methods, and every c10d operator of torch.ops. An exercise that allows some
-        collectives passes the lists without them."""
+    def switch_off_torch_distributed(self, allowed: tuple[str, ...] = (), point_to_point: bool = True) -> None:
+        """Make every way into torch.distributed's communication raise ForbiddenCall: its functions, the process
+        group's and its backend's methods, and every c10d operator of torch.ops. An exercise leaves on the
+        functions and ProcessGroup methods it teaches, by name (`allowed`, e.g. ("all_reduce", "allreduce")), and
+        send/recv unless `point_to_point` is False."""
+        functions = [name for name in (*_TORCH_FUNCTIONS, *(() if point_to_point else _POINT_TO_POINT_FUNCTIONS))
+                     if name not in allowed]
+        group_methods = [name for name in (*_GROUP_METHODS, *(() if point_to_point else ("send", "recv")))
+                         if name not in allowed]
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
@@ -190,7 +195,7 @@ class Guard:
                 self._replace(module, name, f"{prefix}.{name}")
         for name in group_methods:
             self._replace(dist.ProcessGroup, name, f"ProcessGroup.{name} (as in dist.group.WORLD.{name})")
-        for name in backend_methods:
+        for name in _BACKEND_METHODS:
             self._replace(torch._C._distributed_c10d.Backend, name, f"the process group's backend's {name}")
         for qualified in torch._C._dispatch_get_all_op_names():  # "c10d::allreduce_", "_c10d_functional::..."
             namespace, _, name = qualified.partition("::")

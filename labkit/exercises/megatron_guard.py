@@ -33,27 +33,6 @@ __all__ = ["BATCH", "HIDDEN", "WIDTH", "AllReduceCall", "MegatronGuard", "Megatr
            "calls_of_last_attempt", "full_mlp", "ready_made_caller", "reference_mlp"]
 
 BATCH, WIDTH, HIDDEN = 5, 6, 12  # 5 tokens of 6 features; 12 hidden features split 6 + 6 or 4 + 4 + 4
-# What the student may not call: every way into torch.distributed's communication but all_reduce.
-_TORCH_FUNCTIONS = (
-    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_reduce_coalesced", "reduce", "broadcast", "barrier",
-    "all_gather", "all_gather_into_tensor", "all_gather_coalesced", "all_gather_object", "gather", "gather_object",
-    "scatter", "scatter_object_list", "broadcast_object_list", "reduce_scatter", "reduce_scatter_tensor",
-    "all_to_all", "all_to_all_single", "send_object_list", "recv_object_list", "_all_gather_base",
-    "_reduce_scatter_base", "new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group",
-    "shrink_group", "init_device_mesh", "init_process_group", "destroy_process_group",
-)
-_GROUP_METHODS = (
-    "send", "recv", "recv_anysource", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
-    "allgather_coalesced", "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
-    "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "barrier",
-    "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base",
-    "all_to_all_single", "monitored_barrier", "split_group", "merge_remote_group",
-)
-_BACKEND_METHODS = (
-    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
-    "allgather_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall",
-    "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
-)
 _PARALLEL = Path(labkit.__file__).parent / "parallel"  # labkit's own f and g live here ...
 _ALLOWED = _PARALLEL / "counters.py"  # ... but all_reduce_sum is only dist.all_reduce (SUM), allowed
 _TORCH_AUTOGRAD_COLLECTIVES = Path(torch.__file__).parent / "distributed" / "nn" / "functional.py"
@@ -121,7 +100,7 @@ class MegatronGuard(Guard):
 
     def __enter__(self) -> MegatronGuard:
         try:
-            self.switch_off_torch_distributed(_TORCH_FUNCTIONS, _GROUP_METHODS, _BACKEND_METHODS)
+            self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce"), point_to_point=False)
             self._record_allreduce()
             self._watch_work()
         except BaseException:

@@ -24,33 +24,14 @@ __all__ = ["LR", "Collective", "StepGuard", "StepOutcome", "attempt_step", "call
 
 LR = 0.1  # not a power of two, so that a float32 buffer inside a float64 step shows in the result
 
-# What the step may not call: torch.distributed's functions whose data the process group count would miss or that
-# this step does not need, ...
-_TORCH_FUNCTIONS = (
-    "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object", "broadcast_object_list",
-    "gather_object", "scatter_object_list", "send_object_list", "recv_object_list", "reduce", "gather", "scatter",
-    "all_to_all", "all_to_all_single", "all_reduce_coalesced", "all_gather_coalesced", "new_group",
-    "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group", "init_device_mesh",
-    "init_process_group", "destroy_process_group",
-)
-# ... the process group's other methods (its point-to-point ones included), ...
-_GROUP_METHODS = (
-    "send", "recv", "recv_anysource", "reduce", "gather", "scatter", "alltoall", "alltoall_base",
-    "all_to_all_single", "allreduce_coalesced", "allgather_coalesced", "allgather_into_tensor_coalesced",
-    "all_gather_single_coalesced", "reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced",
-    "monitored_barrier", "split_group", "merge_remote_group",
-)
-# ... every communication method of a backend (reached through ProcessGroup._get_backend), and every c10d operator.
-_BACKEND_METHODS = (
-    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "_allgather_base",
-    "allgather_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall",
-    "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
-)
-# What it may call, counted: the process group's method, and the kind it is recorded as.
+# What it may call, counted: the process group's method, and the kind it is recorded as; the torch.distributed
+# functions that reach them stay on too (every other way to communicate is switched off, send/recv included).
 _COUNTED = {"reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
             "_reduce_scatter_base": "reduce_scatter", "allgather": "all_gather", "all_gather_single": "all_gather",
             "_allgather_base": "all_gather", "broadcast": "broadcast", "allreduce": "all_reduce",
             "barrier": "barrier"}
+_STEP_ALLOWED = (*_COUNTED, "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                 "_all_gather_base")
 
 
 def step_inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32, device=None):
@@ -125,7 +106,7 @@ class StepGuard(Guard):
 
     def __enter__(self) -> StepGuard:
         try:
-            self.switch_off_torch_distributed(_TORCH_FUNCTIONS, _GROUP_METHODS, _BACKEND_METHODS)
+            self.switch_off_torch_distributed(allowed=_STEP_ALLOWED, point_to_point=False)
             for name, kind in _COUNTED.items():
                 self._record(name, kind)
         except BaseException:
