@@ -4,12 +4,11 @@ refused calls raise, the guard always goes away, and a hang leaves no rank behin
 test_grader_catalogue.py."""
 
 import os
-import time
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from processes import alive_after
 
 import labkit
 from labkit.exercises import ForbiddenCall, Verdict, check_sharded_step, ring_nbytes_per_rank, step_inputs
@@ -164,11 +163,6 @@ def rank_pids():
     return os.getpid()
 
 
-def running(pids):
-    """The pids in `pids` still running (not exited, not a zombie)."""
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-
-
 def hangs_on_rank_0(param, grad, lr):
     if labkit.rank() == 0:
         dist.broadcast(param, src=0)  # the others never join
@@ -180,10 +174,7 @@ def test_a_hang_is_stopped_with_a_clear_message_and_leaves_no_rank_behind():
     assert not verdict and "it never finished (stopped after 2 s)" in verdict.message, verdict
     assert "rank 0 was still running in broadcast" in verdict.message, verdict
     assert "rank(s) [1, 2] had returned" in verdict.message, verdict
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and running(pids):
-        time.sleep(0.1)
-    assert not running(pids)
+    assert alive_after(pids, 10) == []
     assert check_sharded_step(notebook_11_solution)  # on fresh ranks
 
 

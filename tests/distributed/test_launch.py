@@ -10,6 +10,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from processes import alive_after
 
 import labkit
 from labkit.launch.backend import threads_per_rank
@@ -352,9 +353,7 @@ def test_owner_killed_leaves_no_rank_behind(start_script):
     assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
     owner.send_signal(signal.SIGKILL)
     owner.wait()
-    time.sleep(5)
-    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert alive == []
+    assert alive_after(pids, 5) == []
 
 
 def test_two_owners_at_once_do_not_collide(start_script):

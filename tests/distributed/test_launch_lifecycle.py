@@ -9,6 +9,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
+from processes import alive_after
 
 import labkit
 from labkit.launch import pool as pool_module
@@ -102,23 +103,13 @@ def start_sleep() -> int:
     return subprocess.Popen(["sleep", "1000"]).pid
 
 
-def gone_within(pids, seconds: float) -> list[int]:
-    """The pids in `pids` still running (not exited, not a zombie) after waiting up to `seconds`."""
-    deadline = time.monotonic() + seconds
-    while True:
-        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        if not alive or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.1)
-
-
 def test_a_killed_ranks_children_die_with_it():
     ranks = labkit.run(os.getpid, world_size=2)
     sleeps = labkit.run(start_sleep, world_size=2)
     os.kill(ranks[1], signal.SIGKILL)
-    assert gone_within([sleeps[1]], 5) == []
+    assert alive_after([sleeps[1]], 5) == []
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]  # a fresh pool: the broken one was closed,
-    assert gone_within([sleeps[0]], 5) == []  # and rank 0's child with it
+    assert alive_after([sleeps[0]], 5) == []  # and rank 0's child with it
 
 
 def test_a_ranks_orphaned_grandchild_is_reaped():
@@ -131,7 +122,7 @@ def test_a_ranks_orphaned_grandchild_is_reaped():
     # the fork server is the subreaper of its ranks' descendants: it reaps them, here as in a container without init
     assert [psutil.Process(p).ppid() for p in sleeps] == [OWNER.server.process.pid] * 2
     fresh_pool(2)
-    assert gone_within(sleeps + ranks, 5) == []
+    assert alive_after(sleeps + ranks, 5) == []
 
 
 def test_owner_killed_leaves_no_grandchild_behind(start_script):
@@ -144,10 +135,10 @@ def test_owner_killed_leaves_no_grandchild_behind(start_script):
     """)
     line = next(line for line in owner.stdout if line.startswith("PIDS"))
     sleeps = [int(p) for p in line.split()[1:]]
-    assert len(sleeps) == 2 and gone_within(sleeps, 0) == sleeps
+    assert len(sleeps) == 2 and alive_after(sleeps, 0) == sleeps
     owner.send_signal(signal.SIGKILL)
     owner.wait()
-    assert gone_within(sleeps, 5) == []
+    assert alive_after(sleeps, 5) == []
 
 
 def test_destroying_the_process_group_restarts_the_pool_with_a_clear_message(capfd):
@@ -211,5 +202,5 @@ def test_a_follow_on_error_is_never_the_root_cause():
 def test_shutdown_leaves_no_grandchild_behind():
     sleeps = labkit.run(start_sleep, world_size=2)
     labkit.shutdown()
-    assert gone_within(sleeps, 5) == []
+    assert alive_after(sleeps, 5) == []
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
