@@ -4,7 +4,8 @@ Every grader is wrapped in `graded(exercise)`: after grading it records the verd
 `show_progress()`, at the end of every notebook and in notebook 00, can list what is passed, what was tried and
 what is still ahead. The file is `~/.labkit/progress.json` (or wherever LABKIT_PROGRESS points): the student's
 home directory, never the repository, and no server. It is written atomically (a temporary file, fsync, then
-os.replace, as notebook 09 teaches), so a kernel killed mid-write leaves the previous file whole.
+os.replace, as notebook 09 teaches), so a kernel killed mid-write leaves the previous file whole, and under a
+lock, so two kernels grading at once both count.
 
 The course's own solutions, checked by the same graders in the folded cells, pass `record=False`: running them is
 not the student passing.
@@ -12,6 +13,7 @@ not the student passing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -19,6 +21,11 @@ import tempfile
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 __all__ = ["EXERCISES", "Progress", "graded", "load_progress", "progress_path", "record_attempt", "show_progress"]
 
@@ -82,25 +89,46 @@ def record_attempt(exercise: str, passed: bool) -> None:
     (say, while experimenting) does not take it back. A file that cannot be written is reported, not raised."""
     if exercise not in EXERCISES:
         raise ValueError(f"unknown exercise {exercise!r}; the course's exercises are {', '.join(EXERCISES)}")
-    progress = load_progress()
-    entry = progress.setdefault(exercise, {"passed": False, "attempts": 0, "passed_at": None})
-    entry["attempts"] += 1
-    if passed and not entry["passed"]:
-        entry["passed"], entry["passed_at"] = True, datetime.now(timezone.utc).isoformat(timespec="seconds")
     try:
-        _write_atomically(progress_path(), json.dumps(progress, indent=1, sort_keys=True) + "\n")
+        with _locked(progress_path().parent):
+            progress = load_progress()
+            entry = progress.setdefault(exercise, {"passed": False, "attempts": 0, "passed_at": None})
+            entry["attempts"] += 1
+            if passed and not entry["passed"]:
+                entry["passed"], entry["passed_at"] = True, datetime.now(timezone.utc).isoformat(timespec="seconds")
+            _write_atomically(progress_path(), json.dumps(progress, indent=1, sort_keys=True) + "\n")
     except OSError as error:
         warnings.warn(f"labkit: your progress was not saved to {progress_path()} ({error}); set LABKIT_PROGRESS "
                       "to a file you can write", stacklevel=2)
 
 
+@contextlib.contextmanager
+def _locked(directory: Path):
+    """Hold an exclusive flock(2) on `directory` while the progress file in it is read and rewritten, so that two
+    kernels grading at the same moment do not both read the old file and lose one attempt. The lock goes with
+    the process (a killed kernel holds none). Where there is no flock (Windows), there is no lock."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `text` to a temporary file beside `path`, fsync it, and rename it onto `path` (rename(2))."""
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(f.name, path)
+    try:
+        os.replace(f.name, path)
+    finally:
+        Path(f.name).unlink(missing_ok=True)  # still there only if the rename failed
 
 
 def graded(exercise: str):

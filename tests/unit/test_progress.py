@@ -2,9 +2,12 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
+from labkit.exercises import progress as progress_module
 from labkit.exercises.progress import EXERCISES, graded, load_progress, progress_path, record_attempt, show_progress
 from labkit.exercises.verdict import Verdict
 
@@ -76,6 +79,16 @@ def test_an_unwritable_file_warns_and_never_breaks_grading(monkeypatch):
     monkeypatch.setenv("LABKIT_PROGRESS", os.devnull + "/progress.json")        # a directory that cannot exist
     with pytest.warns(UserWarning, match="was not saved"):
         record_attempt("atomic_save", True)
+
+
+def test_kernels_grading_at_the_same_time_lose_no_attempt(progress_file):
+    recorder = ("import importlib.util, sys\n"  # progress.py alone: it imports nothing of labkit (or torch)
+                "spec = importlib.util.spec_from_file_location('progress', sys.argv[1])\n"
+                "progress = importlib.util.module_from_spec(spec); spec.loader.exec_module(progress)\n"
+                "for _ in range(40): progress.record_attempt('atomic_save', False)\n")
+    kernels = [subprocess.Popen([sys.executable, "-c", recorder, progress_module.__file__]) for _ in range(4)]
+    assert [kernel.wait(timeout=60) for kernel in kernels] == [0] * 4
+    assert load_progress()["atomic_save"]["attempts"] == 4 * 40
 
 
 def test_exercises_of_another_labkit_version_are_kept(progress_file):
