@@ -20,6 +20,7 @@ import labkit
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.diagnosis import hub_traffic, ring_traffic, unmatched, wrong_values
 from labkit.exercises.guard import (
+    POINT_TO_POINT,
     attempt,
     first_failure,
     forbidden_message,
@@ -93,7 +94,7 @@ def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_
             except labkit.RankError:
                 pass  # then labkit has stopped the pool itself
         return _error_message(error)
-    problem = next((forbidden_message(rank, o.forbidden[0], caught=True)
+    problem = next((forbidden_message(rank, o.forbidden[0], True, _why_forbidden)
                     for rank, o in enumerate(outcomes) if o.forbidden), None)
     problem = problem or wrong_values(outcomes, numel, ring) or traffic(outcomes, numel)
     if problem:
@@ -121,5 +122,19 @@ def _error_message(error: labkit.RankError) -> str:
     """A call that raised: the first switched-off call it made, else the first rank's own error."""
     first, spelling = first_failure(error)
     if spelling is not None:
-        return forbidden_message(first.rank, spelling, caught=False)
+        return forbidden_message(first.rank, spelling, False, _why_forbidden)
     return f"rank {first.rank} raised {first.summary}"
+
+
+def _why_forbidden(spelling: str, name: str) -> str:
+    """Why the call `spelling` (function `name`) is switched off while an AllReduce is graded, and what instead."""
+    if "labkit.comm" in spelling:
+        return ("labkit.comm's ring_allreduce and naive_allreduce are the course's own answer; this exercise is "
+                f"to write one yourself, from {POINT_TO_POINT}.")
+    if name.startswith("recv_any"):
+        return "A dist.recv without src takes a message from any rank; name the rank you expect: dist.recv(t, src)."
+    if name in ("send_object_list", "recv_object_list"):
+        return ("It sends a pickled Python object in two messages (its size, then its bytes); send the tensor "
+                "itself with dist.send or dist.isend.")
+    return (f"That is a ready-made collective, which does the exercise for you. Build the AllReduce from "
+            f"{POINT_TO_POINT}: torch's collectives and labkit.comm's are switched off while it is graded.")

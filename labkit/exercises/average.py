@@ -28,7 +28,7 @@ from labkit.exercises.average_guard import (
     calls_of_last_average,
     reference_run,
 )
-from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
@@ -98,7 +98,7 @@ def _calls_problem(outcomes) -> str | None:
     """A refused call, an all_reduce of the wrong thing, with the wrong op, or never waited for; else None."""
     for rank, outcome in enumerate(outcomes):
         if outcome.forbidden:
-            return _forbidden_message(rank, outcome.forbidden[0], caught=True)
+            return forbidden_message(rank, outcome.forbidden[0], True, _why_forbidden)
     for rank, outcome in enumerate(outcomes):
         if not outcome.calls:
             return (f"rank {rank} made no all_reduce: each rank kept its own gradient. Call dist.all_reduce on "
@@ -206,7 +206,7 @@ def _error_message(error: labkit.RankError, sizes: list[list[int]] | None) -> st
     """A run that raised: the first switched-off call, else the first rank's error (and what the ranks reduced)."""
     first, spelling = first_failure(error)
     if spelling is not None:
-        return _forbidden_message(first.rank, spelling, caught=False)
+        return forbidden_message(first.rank, spelling, False, _why_forbidden)
     summary = first.summary.strip().removesuffix(".")
     if summary.startswith(f"{OutOfStep.__module__}.OutOfStep: "):
         return (f"{summary.split(': ', 1)[1]}: the ranks all-reduced the gradients in different orders. On real "
@@ -224,13 +224,10 @@ def _error_message(error: labkit.RankError, sizes: list[list[int]] | None) -> st
     return message
 
 
-def _forbidden_message(rank: int, spelling: str, caught: bool) -> str:
-    """Rank `rank` called `spelling`, switched off while this exercise is graded: why, and what to use."""
-    also = " (and caught the error; it still counts)" if caught else ""
+def _why_forbidden(spelling: str, name: str) -> str:
+    """Why the call `spelling` is switched off while the gradient average is graded, and what to use instead."""
     if "labkit.parallel" in spelling or "DistributedDataParallel" in spelling:
-        why = ("That is a ready-made average, which does the exercise for you: write the loop yourself, "
-               "dist.all_reduce(p.grad) and then p.grad /= N for every parameter.")
-    else:
-        why = ("This exercise needs one collective only: dist.all_reduce (SUM) of each gradient, then a division "
-               "by N. Other communication is switched off while it is graded.")
-    return f"rank {rank} called {spelling}{also}. {why}"
+        return ("That is a ready-made average, which does the exercise for you: write the loop yourself, "
+                "dist.all_reduce(p.grad) and then p.grad /= N for every parameter.")
+    return ("This exercise needs one collective only: dist.all_reduce (SUM) of each gradient, then a division "
+            "by N. Other communication is switched off while it is graded.")

@@ -44,7 +44,7 @@ from labkit.exercises.ddp_hook_guard import (
     last_hook_attempt,
     one_process_run,
 )
-from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
@@ -162,7 +162,7 @@ def _calls_problem(outcomes) -> str | None:
     """A refused call, a wrong hook, no overlap, a wait too early or never, or all_reduces that are not the buckets."""
     for rank, outcome in enumerate(outcomes):
         if outcome.forbidden:
-            return _forbidden_message(rank, outcome.forbidden[0], caught=True)
+            return forbidden_message(rank, outcome.forbidden[0], True, _why_forbidden)
     for rank, outcome in enumerate(outcomes):
         problem = _rank_calls_problem(rank, outcome)
         if problem:
@@ -352,7 +352,7 @@ def _error_message(error: labkit.RankError, last: list[dict] | None) -> str:
     """A run that raised: the first switched-off call, a wrong hook, ranks out of step, else the first error."""
     first, spelling = first_failure(error)
     if spelling is not None:
-        return _forbidden_message(first.rank, spelling, caught=False)
+        return forbidden_message(first.rank, spelling, False, _why_forbidden)
     summary = first.summary.strip().removesuffix(".")
     if summary.startswith(f"{OutOfStep.__module__}.OutOfStep: "):
         return (f"{summary.split(': ', 1)[1]}: the ranks' buckets went out in different orders or sizes. On real "
@@ -368,13 +368,10 @@ def _error_message(error: labkit.RankError, last: list[dict] | None) -> str:
     return message
 
 
-def _forbidden_message(rank: int, spelling: str, caught: bool) -> str:
-    """Rank `rank` called `spelling`, switched off while this exercise is graded: why, and what to use."""
-    also = " (and caught the error; it still counts)" if caught else ""
+def _why_forbidden(spelling: str, name: str) -> str:
+    """Why the call `spelling` is switched off while the bucketed hook is graded, and what to use instead."""
     if "labkit.parallel" in spelling or "DistributedDataParallel" in spelling:
-        why = ("That is a ready-made data parallelism, which does the exercise for you: register the hooks "
-               "yourself and start dist.all_reduce(flat, async_op=True) on each full bucket.")
-    else:
-        why = ("This exercise needs one collective only: dist.all_reduce (SUM) of each bucket, async_op=True. "
-               "Other communication is switched off while it is graded.")
-    return f"rank {rank} called {spelling}{also}. {why}"
+        return ("That is a ready-made data parallelism, which does the exercise for you: register the hooks "
+                "yourself and start dist.all_reduce(flat, async_op=True) on each full bucket.")
+    return ("This exercise needs one collective only: dist.all_reduce (SUM) of each bucket, async_op=True. "
+            "Other communication is switched off while it is graded.")

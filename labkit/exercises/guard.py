@@ -14,6 +14,7 @@ rendezvous store, files, sockets) is not counted, so such a solution fails the t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,7 @@ import labkit
 from labkit.checks import whole
 from labkit.launch.errors import NoReply
 
-__all__ = ["ForbiddenCall", "Guard", "Outcome", "attempt", "first_failure", "forbidden_message",
+__all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "attempt", "first_failure", "forbidden_message",
            "forbidden_spelling", "messages_of_last_attempt", "rank_input", "stop_pool", "where_ranks_waited"]
 
 POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
@@ -107,24 +108,16 @@ def where_ranks_waited(hang: labkit.RankTimeout, ranks: int = 2) -> str:
     return "; ".join(f"rank {f.rank} {f.summary}" for f in waiting)
 
 
-def forbidden_message(rank: int, spelling: str, caught: bool) -> str:
-    """Rank `rank` called `spelling`, which the guard switched off: say why, and what to use instead."""
+def forbidden_message(rank: int, spelling: str, caught: bool, why: Callable[[str, str], str]) -> str:
+    """Rank `rank` called `spelling`, which the guard switched off: say so, then why it is off in this exercise
+    and what to use instead, `why(spelling, name)` with `name` the function's own name (e.g. "all_reduce")."""
     also = " (and caught the error; it still counts)" if caught else ""
-    called = spelling.split(" (")[0].replace("'s ", ".").rsplit(".", 1)[-1].split()[-1]  # the function's own name
-    if "labkit.comm" in spelling:
-        why = ("labkit.comm's ring_allreduce and naive_allreduce are the course's own answer; this exercise is "
-               f"to write one yourself, from {POINT_TO_POINT}.")
-    elif called.startswith("recv_any"):
-        why = "A dist.recv without src takes a message from any rank; name the rank you expect: dist.recv(t, src)."
-    elif called in ("send_object_list", "recv_object_list"):
-        why = ("It sends a pickled Python object in two messages (its size, then its bytes); send the tensor itself "
-               "with dist.send or dist.isend.")
-    elif called in _GROUP_MAKERS:
-        why = "Work in the default process group, which every rank already shares: leave out group=."
+    name = spelling.split(" (")[0].replace("'s ", ".").rsplit(".", 1)[-1].split()[-1]
+    if name in _GROUP_MAKERS:
+        reason = "Work in the default process group, which every rank already shares: leave out group=."
     else:
-        why = (f"That is a ready-made collective, which does the exercise for you. Build the AllReduce from "
-               f"{POINT_TO_POINT}: torch's collectives and labkit.comm's are switched off while it is graded.")
-    return f"rank {rank} called {spelling}{also}. {why}"
+        reason = why(spelling, name)
+    return f"rank {rank} called {spelling}{also}. {reason}"
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.megatron_guard import HIDDEN, attempt_megatron, calls_of_last_attempt, reference_mlp
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
@@ -109,7 +109,7 @@ def _calls_problem(outcomes, world_size: int) -> str | None:
     backward; else None."""
     for rank, outcome in enumerate(outcomes):
         if outcome.forbidden:
-            return _forbidden_message(rank, outcome.forbidden[0], caught=True)
+            return forbidden_message(rank, outcome.forbidden[0], True, _why_forbidden)
     for rank, outcome in enumerate(outcomes):
         if outcome.mutated:
             return _mutated_message(rank, outcome.mutated[0])
@@ -230,7 +230,7 @@ def _error_message(error: labkit.RankError) -> str:
     """A run that raised: the first switched-off call, else the first rank's own error."""
     first, spelling = first_failure(error)
     if spelling is not None:
-        return _forbidden_message(first.rank, spelling, caught=False)
+        return forbidden_message(first.rank, spelling, False, _why_forbidden)
     message = f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
     if "your turn" in first.summary:
         message += (" Part of your f or g is still the stub (raise NotImplementedError): write both forward "
@@ -238,20 +238,17 @@ def _error_message(error: labkit.RankError) -> str:
     return message
 
 
-def _forbidden_message(rank: int, spelling: str, caught: bool) -> str:
-    """Rank `rank` called `spelling`, switched off while this exercise is graded: why, and what to use."""
-    also = " (and caught the error; it still counts)" if caught else ""
+def _why_forbidden(spelling: str, name: str) -> str:
+    """Why the call `spelling` is switched off while f and g are graded, and what to use instead."""
     if spelling.startswith("labkit.parallel"):
-        why = ("That is the course's own f or g, which does the exercise for you: write yours with "
-               "dist.all_reduce on a plain tensor, in g's forward and in f's backward.")
-    elif spelling.startswith("torch.distributed.nn.functional"):
-        why = ("That is a ready-made autograd collective: its backward all-reduces the gradient again, so it is "
-               "neither f nor g. Inside your forward and backward, call dist.all_reduce on a plain tensor.")
-    elif "ReduceOp.AVG" in spelling:
-        why = "AVG divides the sum by N: f and g add the partial sums, with ReduceOp.SUM (the default)."
-    elif "ReduceOp" in spelling:
-        why = "f and g add the partial sums over the ranks: dist.all_reduce with ReduceOp.SUM (the default)."
-    else:
-        why = ("This exercise needs one collective only, dist.all_reduce (SUM): other communication is switched "
-               "off while it is graded.")
-    return f"rank {rank} called {spelling}{also}. {why}"
+        return ("That is the course's own f or g, which does the exercise for you: write yours with "
+                "dist.all_reduce on a plain tensor, in g's forward and in f's backward.")
+    if spelling.startswith("torch.distributed.nn.functional"):
+        return ("That is a ready-made autograd collective: its backward all-reduces the gradient again, so it is "
+                "neither f nor g. Inside your forward and backward, call dist.all_reduce on a plain tensor.")
+    if "ReduceOp.AVG" in spelling:
+        return "AVG divides the sum by N: f and g add the partial sums, with ReduceOp.SUM (the default)."
+    if "ReduceOp" in spelling:
+        return "f and g add the partial sums over the ranks: dist.all_reduce with ReduceOp.SUM (the default)."
+    return ("This exercise needs one collective only, dist.all_reduce (SUM): other communication is switched "
+            "off while it is graded.")

@@ -35,7 +35,7 @@ import torch
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.step_guard import attempt_step, calls_of_last_attempt
 from labkit.exercises.step_nbytes import step_traffic
@@ -105,7 +105,7 @@ def _case_problem(fn, world_size: int, numel: int, dtype: torch.dtype, timeout_s
                 pass  # then labkit has stopped the pool itself
         return _error_message(error)
     _stop_pool_if_out_of_step(world_size, [[call.kind for call in o.calls] for o in outcomes])
-    problem = next((_forbidden_message(rank, o.forbidden[0], caught=True)
+    problem = next((forbidden_message(rank, o.forbidden[0], True, _why_forbidden)
                     for rank, o in enumerate(outcomes) if o.forbidden), None)
     return problem or wrong_step(outcomes, numel, dtype) or step_traffic(outcomes, numel, dtype)
 
@@ -133,7 +133,7 @@ def _error_message(error: labkit.RankError) -> str:
     """A step that raised: the first switched-off call it made, else the first rank's own error and a hint."""
     first, spelling = first_failure(error)
     if spelling is not None:
-        return _forbidden_message(first.rank, spelling, caught=False)
+        return forbidden_message(first.rank, spelling, False, _why_forbidden)
     hint = ""
     if "invalid tensor size" in first.summary:
         hint = " " + PADDING_HINT
@@ -145,18 +145,11 @@ def _error_message(error: labkit.RankError) -> str:
     return f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}.{hint}"
 
 
-def _forbidden_message(rank: int, spelling: str, caught: bool) -> str:
-    """Rank `rank` called `spelling`, which is switched off while the step is graded: why, and what to use."""
-    also = " (and caught the error; it still counts)" if caught else ""
-    called = spelling.split(" (")[0].replace("'s ", ".").rsplit(".", 1)[-1].split()[-1]
-    if called in ("send", "recv", "isend", "irecv", "batch_isend_irecv", "recv_anysource"):
-        why = (f"This step is built from collectives, not from messages: {ALLOWED}. (Notebook 03 built the ring "
-               "from send and recv; here torch's reduce-scatter and all-gather are the pieces.)")
-    elif called.endswith("_object") or called.endswith("_object_list"):
-        why = f"It pickles Python objects; move the tensors themselves with {ALLOWED}."
-    elif called in ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group",
-                    "merge_remote_group", "init_device_mesh", "init_process_group", "destroy_process_group"):
-        why = "Work in the default process group, which every rank already shares: leave out group=."
-    else:
-        why = f"ZeRO-1's step needs two collectives only: {ALLOWED}."
-    return f"rank {rank} called {spelling}{also}. {why}"
+def _why_forbidden(spelling: str, name: str) -> str:
+    """Why the call `spelling` (function `name`) is switched off while the ZeRO-1 step is graded, and what instead."""
+    if name in ("send", "recv", "isend", "irecv", "batch_isend_irecv", "recv_anysource"):
+        return (f"This step is built from collectives, not from messages: {ALLOWED}. (Notebook 03 built the ring "
+                "from send and recv; here torch's reduce-scatter and all-gather are the pieces.)")
+    if name.endswith("_object") or name.endswith("_object_list"):
+        return f"It pickles Python objects; move the tensors themselves with {ALLOWED}."
+    return f"ZeRO-1's step needs two collectives only: {ALLOWED}."

@@ -289,6 +289,10 @@ def functional_all_reduce(t):
     t.copy_(functional.all_reduce(t, "sum", dist.group.WORLD))
 
 
+def in_a_group_of_its_own(t):
+    dist.all_reduce(t, group=dist.new_group(list(range(labkit.world_size()))))
+
+
 def all_gather_object_sum(t):
     everyone = [None] * labkit.world_size()
     dist.all_gather_object(everyone, t)
@@ -494,6 +498,7 @@ COLLECTIVES = [  # (wrong solution, what its verdict must say): the same for the
     (c10d_operator, "called torch.ops.c10d.allreduce_"),
     (functional_all_reduce, "called torch.ops._c10d_functional.all_reduce"),
     (all_gather_object_sum, "called torch.distributed.all_gather_object"),
+    (in_a_group_of_its_own, "called torch.distributed.new_group. Work in the default process group"),
     (gather_then_scatter, "called torch.distributed.gather"),
     (torch_reduce_scatter_all_gather, "called torch.distributed.reduce_scatter"),
     (reduce_then_broadcast, "called torch.distributed.reduce."),
