@@ -44,9 +44,9 @@ class Cause:
 
 CAUSES = {
     "no_divide": Cause("the gradients are summed over the ranks but never divided by N",
-                       "identical replicas, a first step N x as long as one process's, and a loss that falls "
-                       "faster than one process's: every update uses N x the averaged gradient, so the run "
-                       "trains with N x the learning rate it was given"),
+                       "identical replicas, a first step N x as long as one process's, and a loss curve unlike "
+                       "one process's (faster at first with a few ranks, diverging with many): every update uses "
+                       "N x the averaged gradient, so the run trains with N x the learning rate it was given"),
     "no_broadcast": Cause("the replicas were never broadcast at the start",
                           "different parameter checksums on every rank from the very first step, apart by the "
                           "same amount at every step (they all receive the same averaged update)"),
@@ -61,7 +61,7 @@ CAUSES = {
                          "and monitored_barrier name it"),
     "bf16_allreduce": Cause("the gradients are all-reduced in bfloat16",
                             "identical replicas and a healthy loss curve, but half the bytes per all_reduce and "
-                            "parameters 1e-3 away from float32's one process instead of 1e-7"),
+                            "parameters about 1e-4 to 1e-3 away from float32's one process instead of 1e-7"),
     "learning_rate": Cause("the learning rate is too high for this model",
                            "one process on the whole batch, with the same learning rate, misbehaving too"),
     "float_order": Cause("float32 sums in another order (harmless)",
