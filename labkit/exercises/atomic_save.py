@@ -17,7 +17,9 @@ it there), every file inside one temporary directory, and checks, in this order:
    was never removed or moved away (a save that wrote path in place through a call not watched, io.FileIO say,
    is never killed: it is told so);
 3. the file renamed onto path was fsync'ed (os.fsync, os.fdatasync or os.sync) with all its bytes first, after
-   its last write, and lay in path's own directory;
+   its last write and before the rename, and lay under path's own directory (in it, or in a folder inside it):
+   rename(2) is atomic only within one file system, and only path's directory is on path's file system whatever
+   path is (tempfile's default directory, /tmp, is often another: a tmpfs, or a local disk beside shared storage);
 4. a save beside the temporary file of a killed one works;
 5. two saves at once (a second one, in another thread, runs whole while the first is about to rename; one that
    waits for a lock the first holds goes on after it) both succeed and leave one of the two checkpoints, and no
@@ -28,6 +30,7 @@ it there), every file inside one temporary directory, and checks, in this order:
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -77,8 +80,8 @@ def check_atomic_save(save, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verd
                                for e in Report.read(scratch)["stale"]["events"])
     return Verdict(True, "killed just before its rename, and again midway through writing, your save left the "
                          "previous checkpoint whole at path; a normal save loads back equal; the temporary file "
-                         "was fsync'ed before os.replace and lay beside path; a killed save's leftovers and a "
-                         "second save at the same time did not break it. " + (
+                         "was fsync'ed before os.replace and lay under path's directory (on path's file system); "
+                         "a killed save's leftovers and a second save at the same time did not break it. " + (
                              "You fsync the directory too, so the rename itself survives a power cut."
                              if synced_directory else "One step further: after os.replace, fsync path's "
                              "directory (os.open(directory, os.O_RDONLY), os.fsync, os.close), so that the rename "
@@ -117,7 +120,7 @@ def _first_run_problem(save, scratch: Path, timeout_seconds: float) -> str | Non
     if damage:
         killed = report["killed before rename"]
         if killed["finished"] and state_problem(scratch / "crash" / TARGET, 4) is None:
-            damage = "it held the new one"
+            damage = "path held the new one"
         return _damage_message(killed["events"], damage, nbytes_of(4) // 2, finished=killed["finished"])
     problem = _rename_problem(normal["events"], scratch)
     if problem is None and normal["leftovers"]:
@@ -147,7 +150,11 @@ def _error_text(error: dict, events: list, deleted_hint: bool = False) -> str:
     `deleted_hint`, a temporary file looked for after it was renamed: NamedTemporaryFile's delete=True)."""
     text = f"raised {error['type']}: {error['message']}"
     renamed = {e["source"] for e in events if e["kind"] == "replace"}
-    if deleted_hint and error["type"] == "FileNotFoundError" and error["filename"] in renamed:
+    if error.get("errno") == errno.EXDEV:
+        text += (". Your temporary file was on another file system than path, and a rename cannot cross file "
+                 "systems (rename(2)): make it in path's own directory, which is always on path's file system "
+                 "(tempfile.mkstemp(dir=os.path.dirname(path)))")
+    elif deleted_hint and error["type"] == "FileNotFoundError" and error["filename"] in renamed:
         text += (f". Your save renamed {error['filename']} onto path and then something looked for it again: "
                  "tempfile.NamedTemporaryFile removes its file when it is closed, unless you pass delete=False")
     elif error["type"] == "NotImplementedError":
@@ -167,11 +174,7 @@ def _damage_message(events: list, damage: str, nbytes: int, armed: bool = False,
     kinds = [e.get("how", e["kind"]) for e in events if e["kind"] in ("write", "removed", "moved")]
     writes = any(e["kind"] == "write" for e in events)
     if finished and not writes and not armed and not any(e["kind"] == "replace" for e in events):
-        return ("your save never renamed a file onto path, nor opened path with open(), os.open or torch.save, "
-                f"yet path no longer held the previous checkpoint when it returned ({damage}). It wrote into path "
-                "in place by another way (io.FileIO(path, \"w\"), say), so our kill, set for a rename onto path, "
-                "never came. Writing in place empties path first: a crash midway leaves a half-written file. "
-                + _RECIPE)
+        return _unkilled_message(kinds, damage)
     when = (f"at the first write past {nbytes:,} bytes, half the checkpoint" if armed else
             f"once it had opened path itself for writing, at the first write past {nbytes:,} bytes (half the "
             "checkpoint)" if writes else "with SIGKILL, just before it renamed a file onto path")
@@ -195,28 +198,67 @@ def _damage_message(events: list, damage: str, nbytes: int, armed: bool = False,
             f"lost. {why} {_RECIPE}")
 
 
+def _unkilled_message(kinds: list, damage: str) -> str:
+    """A save that returned unkilled, having neither renamed a file onto path nor opened path itself for writing,
+    left path without the previous checkpoint (`damage`): say how, from the kinds of what it did to path."""
+    if "removed" in kinds or "moved" in kinds:
+        how = "removed path (os.remove)" if "removed" in kinds else "moved path away"
+        return (f"your save {how} before the new file took its place, and never renamed a file onto path (it put "
+                "the new file there another way: os.link, say), so our kill, set for a rename onto path, never "
+                f"came; when it returned, {damage}. Between those two steps there is no checkpoint at path at "
+                "all: a crash there leaves none. os.replace(temporary, path) replaces an existing path in one "
+                "step; there is no need to remove it first. " + _RECIPE)
+    return ("your save never renamed a file onto path, nor opened path with open(), os.open or torch.save, "
+            f"yet path no longer held the previous checkpoint when it returned ({damage}). It wrote into path "
+            "in place by another way (io.FileIO(path, \"w\"), say), so our kill, set for a rename onto path, "
+            "never came. Writing in place empties path first: a crash midway leaves a half-written file. "
+            + _RECIPE)
+
+
 def _rename_problem(events: list, scratch: Path) -> str | None:
-    """Check 3: the file renamed onto path was fsync'ed whole and lay beside path; None when so."""
+    """Check 3: the file renamed onto path was fsync'ed whole before the rename and lay under path's directory;
+    None when so."""
     renames = [e for e in events if e["kind"] == "replace"]
     if not renames:
         return ("your save never renamed a file onto path (os.replace or os.rename): how else can path change from "
                 "the old checkpoint to the new one in one step? " + _RECIPE)
+    late = {e["source"]: e["synced_by"] for e in events if e["kind"] == "synced_after_replace"}
     for rename in renames:
-        if not rename["same_directory"]:
-            where = ("tempfile's default directory (/tmp on most systems)" if Path(rename["directory"]).resolve()
-                     == (scratch / "elsewhere").resolve() else f"another directory ({Path(rename['directory']).name})")
-            return (f"your temporary file {rename['source']!r} was made in {where}, not in path's directory. "
-                    "os.replace is atomic only within one file system: across file systems it fails (OSError: "
-                    "Invalid cross-device link) and shutil.move falls back to a copy, which is not atomic. Make it "
-                    "beside path: tempfile.mkstemp(dir=os.path.dirname(path)).")
+        if not rename["under_directory"]:
+            return _elsewhere_message(rename, scratch)
         if rename["fsync"] == "unflushed":
             return _early_sync_message(rename)
+        if rename["fsync"] == "no" and rename["source"] in late:
+            return (f"your save called {late[rename['source']]} on {rename['source']!r} only after os.replace had "
+                    "renamed it onto path. Until that fsync the new bytes may be only in the page cache, and the "
+                    "rename can reach the disk before them: a crash in between (a power cut, a kernel crash) "
+                    "leaves path naming the new file with its data not yet on disk, empty or partial, and the "
+                    "previous checkpoint already gone. fsync before the rename: f.flush(), "
+                    "os.fsync(f.fileno()), then os.replace.")
         if rename["fsync"] == "no":
             return (f"your save renamed {rename['source']!r} onto path with os.replace without fsync: the rename "
                     "is atomic, but the new bytes may still be only in the page cache. After a power cut or a "
                     "kernel crash the rename can reach the disk before the data, and path is then empty or "
                     "partial. Call f.flush() and os.fsync(f.fileno()) before os.replace.")
     return None
+
+
+def _elsewhere_message(rename: dict, scratch: Path) -> str:
+    """The message for a temporary file renamed onto path from outside path's directory. The rename worked here (it
+    was on path's file system), but only by chance: the save gets any path."""
+    if Path(rename["directory"]).resolve() != (scratch / "elsewhere").resolve():
+        where = f"another directory ({Path(rename['directory']).name})"
+    elif rename["relative"]:
+        where = "the working directory (its name was relative)"
+    else:
+        where = "tempfile's default directory (/tmp on most systems)"
+    return (f"your temporary file {rename['source']!r} was made in {where}, not in path's directory. os.replace is "
+            "atomic within one file system (rename(2)); here both were on one, so the rename worked, but your save "
+            "gets any path, and checkpoints often live on another file system than that directory (/tmp is often "
+            "a tmpfs in memory, or a local disk while checkpoints go to shared storage). There os.replace fails "
+            "(OSError: Invalid cross-device link) and shutil.move falls back to a copy, which is not atomic. Only "
+            "path's own directory is on path's file system whatever path is: "
+            "tempfile.mkstemp(dir=os.path.dirname(path)).")
 
 
 def _early_sync_message(rename: dict) -> str:

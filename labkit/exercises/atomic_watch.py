@@ -169,6 +169,7 @@ class Watch:
         self.report, self.record = report, record
         self.on_write, self.on_replace, self.on_start = on_write, on_replace, on_start  # each takes no argument
         self.synced: dict[tuple[int, int], tuple[int, str]] = {}  # (st_dev, st_ino) -> (bytes, by which call)
+        self.renamed: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> name, of each file renamed onto target
         self.saved: list = []
 
     def __enter__(self) -> Watch:
@@ -249,7 +250,8 @@ class Watch:
 
     def _onto_target(self, src) -> None:
         """A rename of `src` onto the target: refuse the course's own save, note whether `src` was fsync'ed with
-        all its bytes and lies beside the target, then let `on_replace` act (kill, or start a second save)."""
+        all its bytes and lies under the target's directory (so on its file system whatever the target, which
+        rename(2) needs), then let `on_replace` act (kill, or start a second save)."""
         if _called_from(_READY_MADE):
             self._event("ready_made")
             raise RefusedSave("labkit.checkpoint's own atomic save is switched off while this exercise is graded")
@@ -259,8 +261,11 @@ class Watch:
         except OSError:
             return  # the rename itself will fail, and the student sees its error
         synced, synced_by = self.synced.get((info.st_dev, info.st_ino), (None, None))
+        self.renamed[(info.st_dev, info.st_ino)] = os.path.basename(source)
+        directory = os.path.dirname(self.target)
         self._event("replace", source=os.path.basename(source), directory=os.path.dirname(source),
-                    same_directory=os.path.dirname(source) == os.path.dirname(self.target),
+                    under_directory=os.path.commonpath([source, directory]) == directory,
+                    relative=not os.path.isabs(os.fsdecode(os.fspath(src))),
                     fsync="yes" if synced == info.st_size else "no" if synced is None else "unflushed",
                     synced_nbytes=synced, synced_by=synced_by, nbytes=info.st_size)
         if self.on_replace:
@@ -274,6 +279,8 @@ class Watch:
                 if entry.is_file(follow_symlinks=False):
                     info = entry.stat(follow_symlinks=False)
                     self.synced[(info.st_dev, info.st_ino)] = (info.st_size, "os.sync()")
+        for name in self.renamed.values():
+            self._event("synced_after_replace", source=name, synced_by="os.sync()")
 
     def _remove(self, original):
         """os.remove or os.unlink (`original`), noting the target removed."""
@@ -284,8 +291,9 @@ class Watch:
         return removed
 
     def _fsync(self, original):
-        """os.fsync or os.fdatasync (`original`), noting how many bytes the file had (or which directory it was):
-        a rename onto the target is durable only if its source was fsync'ed with all the bytes it has."""
+        """os.fsync or os.fdatasync (`original`), noting how many bytes the file had (or which directory it was),
+        and whether the file was already renamed onto the target: a rename onto the target is durable only if its
+        source was fsync'ed with all the bytes it has, before the rename."""
         def synced(fd):
             original(fd)
             info = os.fstat(fd if isinstance(fd, int) else fd.fileno())
@@ -294,6 +302,9 @@ class Watch:
                     self.target))))
             else:
                 self.synced[(info.st_dev, info.st_ino)] = (info.st_size, f"os.{original.__name__}")
+                if (info.st_dev, info.st_ino) in self.renamed:
+                    self._event("synced_after_replace", source=self.renamed[(info.st_dev, info.st_ino)],
+                                synced_by=f"os.{original.__name__}")
         return synced
 
 
@@ -311,18 +322,27 @@ def _call(save, directory: Path, seed: int, watch: Watch, then=None) -> None:
 
 
 def _error_record(error: Exception) -> dict:
-    """An exception as the report keeps it: its type, message, and the file it names (OSError's filename)."""
-    return {"type": type(error).__name__, "message": str(error)[:300],
+    """An exception as the report keeps it: its type, message, the file it names (OSError's filename) and its
+    errno (OSError's, None for others)."""
+    return {"type": type(error).__name__, "message": str(error)[:300], "errno": getattr(error, "errno", None),
             "filename": os.path.basename(os.fsdecode(getattr(error, "filename", "") or ""))}
 
 
+def _holds_data(entry: os.DirEntry) -> bool:
+    """Whether `entry` is a file with bytes in it, or a folder with such a file somewhere inside: an empty file (a
+    lock file, say) or an empty folder (where temporary files are made) does no harm."""
+    if entry.is_dir(follow_symlinks=False):
+        return any(_holds_data(inner) for inner in os.scandir(entry.path))
+    return not (entry.is_file() and entry.stat().st_size == 0)
+
+
 def _finish(record: dict, report: Report, directory: Path, seed: int | None) -> bool:
-    """After a phase's save: what path holds and what else is in its directory (an empty file, a lock file say,
-    does no harm); whether the phase went well."""
+    """After a phase's save: what path holds and what else with data in it is in its directory; whether the phase
+    went well."""
     if record["error"] is None and seed is not None:
         record["problem"] = state_problem(directory / TARGET, seed)
     record["leftovers"] = sorted(entry.name for entry in os.scandir(directory) if entry.name != TARGET
-                                 and not (entry.is_file() and entry.stat().st_size == 0))
+                                 and _holds_data(entry))
     report.flush()
     return record["error"] is None and record["problem"] is None
 

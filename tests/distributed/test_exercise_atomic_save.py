@@ -92,6 +92,18 @@ def os_sync_instead_of_fsync(state_dict, path):
     os.rename(temporary, path)
 
 
+def temporary_in_a_subdirectory(state_dict, path):
+    """The temporary file in a folder inside path's directory: on path's file system, so the rename is atomic."""
+    folder = os.path.join(os.path.dirname(path), ".tmp")
+    os.makedirs(folder, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=folder)
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
 @pytest.mark.parametrize("save", [named_temporary_file, mkstemp_with_cleanup, with_suffix_and_directory_fsync])
 def test_right_saves_written_differently_pass(save):
     verdict = check_atomic_save(save, record=False)
@@ -100,7 +112,7 @@ def test_right_saves_written_differently_pass(save):
     assert ("You fsync the directory too" in verdict.message) == (save is with_suffix_and_directory_fsync)
 
 
-@pytest.mark.parametrize("save", [fixed_name_under_a_lock, os_sync_instead_of_fsync])
+@pytest.mark.parametrize("save", [fixed_name_under_a_lock, os_sync_instead_of_fsync, temporary_in_a_subdirectory])
 def test_less_usual_right_saves_pass(save):
     """Not what the notebook teaches, but atomic all the same: the grader must not refuse them."""
     verdict = check_atomic_save(save, record=False)
@@ -141,6 +153,20 @@ def replace_without_fsync(state_dict, path):
     os.replace(temporary, path)
 
 
+def fsync_after_replace(state_dict, path):
+    """os.replace first, os.fsync of the renamed file afterwards: the rename may reach the disk before the data."""
+    temporary = f"{path}.{secrets.token_hex(8)}.tmp"
+    with open(temporary, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+    os.replace(temporary, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def temporary_in_tmp(state_dict, path):
     """NamedTemporaryFile without dir=: the temporary file is in /tmp, another directory."""
     with tempfile.NamedTemporaryFile(delete=False) as file:  # no dir=: tempfile's default directory
@@ -160,6 +186,19 @@ def remove_then_rename(state_dict, path):
     if os.path.exists(path):
         os.remove(path)
     os.rename(temporary, path)
+
+
+def remove_then_link(state_dict, path):
+    """os.remove(path), then os.link of the new file: a moment with no checkpoint, and no rename to kill at."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path))
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    if os.path.exists(path):
+        os.remove(path)
+    os.link(temporary, path)
+    os.remove(temporary)
 
 
 def backup_then_rename(state_dict, path):
@@ -284,8 +323,10 @@ WRONG = [
     (open_path_then_write, "the previous checkpoint is lost. Your save opened path itself for writing"),
     (write_then_copy, "is lost. Copying onto path", "A copy is not a rename"),
     (replace_without_fsync, "with os.replace without fsync"),
-    (temporary_in_tmp, "tempfile's default directory"),
+    (fsync_after_replace, "called os.fsync on", "only after os.replace had renamed it onto path"),
+    (temporary_in_tmp, "tempfile's default directory", "here both were on one, so the rename worked"),
     (remove_then_rename, "removed path (os.remove) before renaming", "there is no file at path"),
+    (remove_then_link, "removed path (os.remove) before the new file took its place", "a crash there leaves none"),
     (backup_then_rename, "is lost. Your save moved path away before renaming"),
     (fixed_name_exclusive, "Your temporary file has a fixed name"),
     (fixed_name_reused, "Both saves used the same temporary file name"),
@@ -310,6 +351,31 @@ def test_wrong_saves_are_rejected_with_their_mistake_named(case):
     assert not verdict, save.__name__
     assert all(phrase in verdict.message for phrase in phrases), verdict.message
     assert "labkit-atomic-save-" not in verdict.message  # the grader's own directory is left out
+
+
+OTHER_FILE_SYSTEM = "/dev/shm"  # a tmpfs on Linux, while the grader's directory is under tempfile's (/tmp)
+
+
+def temporary_on_another_file_system(state_dict, path):
+    """The temporary file on another file system than path: os.replace fails (EXDEV); cleaned up on error."""
+    fd, temporary = tempfile.mkstemp(dir=OTHER_FILE_SYSTEM, prefix="labkit-atomic-test-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            torch.save(state_dict, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.remove(temporary)
+        raise
+
+
+@pytest.mark.skipif(not os.path.isdir(OTHER_FILE_SYSTEM) or os.stat(OTHER_FILE_SYSTEM).st_dev
+                    == os.stat(tempfile.gettempdir()).st_dev, reason=f"{OTHER_FILE_SYSTEM} is not another file system")
+def test_a_temporary_file_on_another_file_system_is_told_the_rename_cannot_cross():
+    verdict = check_atomic_save(temporary_on_another_file_system, record=False)
+    assert not verdict and "Invalid cross-device link" in verdict.message, verdict.message
+    assert "a rename cannot cross file systems" in verdict.message, verdict.message
 
 
 def test_a_save_that_hangs_is_stopped():
