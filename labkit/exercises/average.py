@@ -9,7 +9,9 @@ gradient of the whole batch in one process. A solution passes only if, on every 
 
 - it communicated through dist.all_reduce only (torch's DistributedDataParallel and labkit.parallel's
   average_gradients and BucketedDDP do the exercise for you and are switched off), reduced the gradients rather
-  than the parameters, with ReduceOp.SUM (or AVG), and waited for every async_op=True handle;
+  than the parameters, with ReduceOp.SUM (or AVG), and waited for every async_op=True handle: handle.wait(),
+  a loop on handle.is_completed(), or its future's wait() (handle.get_future().wait(),
+  torch.futures.wait_all); taking the future, or chaining then() on it, does not wait;
 - after fn, every gradient equals the full-batch gradient of one process (float64, within 1e-9), at every step;
 - the replicas stay identical, and equal to one process trained on the whole batch.
 """
@@ -112,10 +114,25 @@ def _calls_problem(outcomes) -> str | None:
             return (f"rank {rank} all-reduced a parameter's values (p or p.data), not its gradient: that sums the "
                     "weights over the ranks. All-reduce p.grad, the gradient that backward() left there.")
         if outcome.unwaited:
-            return (f"rank {rank} started {len(outcome.unwaited)} all_reduce(s) with async_op=True and never called "
-                    "wait() on the handle: the values were read (and divided, and stepped with) before the "
-                    "reduction finished. Keep each handle and call handle.wait() before you use the gradient.")
+            return _unwaited_message(rank, outcome)
     return None
+
+
+def _unwaited_message(rank: int, outcome) -> str:
+    """All_reduces started with async_op=True that nobody waited for: through their handle, or their future."""
+    futures = [call for call in outcome.unwaited if call.future]
+    if not futures:
+        return (f"rank {rank} started {len(outcome.unwaited)} all_reduce(s) with async_op=True and never called "
+                "wait() on the handle: the values were read (and divided, and stepped with) before the "
+                "reduction finished. Keep each handle and call handle.wait() before you use the gradient.")
+    waited = sum(call.future for call in outcome.calls) - len(futures)
+    others = f", though it waited for {waited} other(s): one future's wait() promises only its own all_reduce" \
+        if waited else ""
+    return (f"rank {rank} took the futures (handle.get_future()) of {len(futures)} all_reduce(s) with "
+            f"async_op=True in {STEPS} SGD steps and never waited for them{others}. get_future() and then() do "
+            "not wait: the gradients were read (and divided, and stepped with) before the reduction finished, or "
+            "changed later under a callback. Call wait() on every future, or torch.futures.wait_all(futures), "
+            "before you use the gradients.")
 
 
 def _values_problem(outcomes, reference) -> str | None:

@@ -13,6 +13,7 @@ import made before the grader ran is caught too).
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from labkit.models import mlp
 
 __all__ = ["BATCH", "LR", "STEPS", "AverageGuard", "AverageOutcome", "OutOfStep", "Reduction", "attempt_average",
            "average_batch", "average_model", "calls_of_last_average", "ready_made_caller", "reference_run", "sgd_step",
-           "watch_waits"]
+           "WaitWatch", "watch_waits"]
 
 BATCH, STEPS, LR = 24, 3, 0.1  # 24 rows: 2, 3 and 4 ranks all get equal shards
 _KEY = 10 ** 9  # _check_in_step's key: (gradient's index + 1) x _KEY + numel, exact in float64
@@ -70,31 +71,105 @@ def sgd_step(model: torch.nn.Module) -> None:
 class Reduction:
     """One all_reduce the student's function made: on what (`target`: "grad" when its memory is a gradient's,
     "data" when a parameter's own values, else "buffer"), how many elements, which op, and whether its work
-    handle was waited (an all_reduce without async_op waits itself)."""
+    handle was waited (an all_reduce without async_op waits itself) and whether its future was taken
+    (handle.get_future())."""
 
     target: str
     numel: int
     op: str
     waited: bool = False
+    future: bool = False
     called_by: str | None = None  # the ready-made average on the call stack, if any
 
 
 def watch_waits(works: list, saved: list) -> None:
-    """Mark a recorded all_reduce waited (its `.waited`) when its handle's wait() or get_future() is called.
+    """Mark a recorded all_reduce waited (its `.waited`) only when the student's code waited for it (WaitWatch).
     `works` holds (handle, call) pairs as they are launched; the replaced methods go to `saved`, which the guard
     puts back when it ends."""
-    import torch.distributed as dist
+    WaitWatch(works).install(saved)
 
-    for name in ("wait", "get_future"):
-        original = vars(dist.Work)[name]
 
-        def marked(work, *args, _original=original, **kwargs):
-            for handle, call in works:
-                call.waited = call.waited or handle is work
-            return _original(work, *args, **kwargs)
+class WaitWatch:
+    """Which recorded all_reduces the student's code waited for, however it is spelled: the handle's wait(), an
+    is_completed() that answered True, or the wait(), value() or a done() that answered True of a future that
+    stands for the handle: handle.get_future(), a then() chained on one, torch.futures.collect_all (wait_all)
+    of them (torch.futures docs: a chained or collected future completes after the futures it comes from).
+    Taking a future is no wait (it only sets the call's `.future`), and neither is a wait inside a then() or
+    add_done_callback() callback, which runs once the future is done whoever waits."""
 
-        saved.append((dist.Work, name, original))
-        setattr(dist.Work, name, marked)
+    def __init__(self, works: list):
+        self._works = works
+        self._standing: list[tuple[object, list]] = []  # (future, the calls it stands for); keeps futures alive
+        self._callbacks = threading.local()  # .depth > 0 while a callback runs on this thread
+
+    def install(self, saved: list) -> None:
+        """Replace the handle's and the future's methods (and torch._C._collect_all) for the guard's time."""
+        import torch.distributed as dist
+
+        future = torch._C.Future
+        replacements = (
+            (dist.Work, "wait", lambda wait: _after(wait, self._handle_waited)),
+            (dist.Work, "is_completed", lambda ask: _after(ask, self._handle_waited, if_true=True)),
+            (dist.Work, "get_future", lambda get: _after(get, self._taken)),
+            (future, "wait", lambda wait: _after(wait, self._future_waited)),
+            (future, "value", lambda value: _after(value, self._future_waited)),
+            (future, "done", lambda ask: _after(ask, self._future_waited, if_true=True)),
+            (future, "then", lambda then: _after(self._quiet_callbacks(then), self._chained)),
+            (future, "add_done_callback", self._quiet_callbacks),
+            (torch._C, "_collect_all", lambda collect: _after(collect, self._collected)),
+        )
+        for owner, name, replace in replacements:
+            original = vars(owner)[name]
+            saved.append((owner, name, original))
+            setattr(owner, name, replace(original))
+
+    def _counts(self) -> bool:
+        return not getattr(self._callbacks, "depth", 0)
+
+    def _handle_waited(self, work, _result=None) -> None:
+        for handle, call in self._works:
+            call.waited = call.waited or (handle is work and self._counts())
+
+    def _calls(self, future) -> list:
+        return [call for stands, calls in self._standing if stands is future for call in calls]
+
+    def _future_waited(self, future, _result=None) -> None:
+        for call in self._calls(future) if self._counts() else ():
+            call.waited = True
+
+    def _taken(self, work, future) -> None:
+        calls = [call for handle, call in self._works if handle is work]
+        for call in calls:
+            call.future = True
+        self._standing.append((future, calls))
+
+    def _chained(self, future, child) -> None:
+        self._standing.append((child, self._calls(future)))
+
+    def _collected(self, futures, child) -> None:
+        self._standing.append((child, [call for future in futures for call in self._calls(future)]))
+
+    def _quiet_callbacks(self, original):
+        """original(future, callback) with the callback run so that its waits are not the student's."""
+        def replacement(future, callback, *args, **kwargs):
+            def quiet(done):
+                self._callbacks.depth = getattr(self._callbacks, "depth", 0) + 1
+                try:
+                    return callback(done)
+                finally:
+                    self._callbacks.depth -= 1
+            return original(future, quiet, *args, **kwargs)
+        return replacement
+
+
+def _after(original, note, if_true: bool = False):
+    """original(obj, ...), then note(obj, what it returned) (only when that is True, with `if_true`)."""
+    def replacement(obj, *args, **kwargs):
+        result = original(obj, *args, **kwargs)
+        if result is True or not if_true:
+            note(obj, result)
+        return result
+    return replacement
 
 
 class AverageGuard(Guard):

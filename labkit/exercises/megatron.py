@@ -13,7 +13,8 @@ conjugate operators are
 A solution passes only if, on 2 and 3 ranks, on every rank:
 
 - it communicated through dist.all_reduce (SUM) only: exactly one in the forward, in g, and one in the backward,
-  in f, each waited for before its operator returned (async_op=True needs handle.wait()); labkit.parallel's
+  in f, each waited for before its operator returned (async_op=True needs handle.wait(), a loop on
+  handle.is_completed(), or its future's wait(): handle.get_future() alone does not wait); labkit.parallel's
   own f and g and torch.distributed.nn.functional's autograd collectives do the exercise for you and are
   switched off;
 - neither operator changed its input in place without telling autograd (torch.autograd.Function's rule: an
@@ -115,14 +116,24 @@ def _calls_problem(outcomes, world_size: int) -> str | None:
             return _mutated_message(rank, outcome.mutated[0])
         late = next((c for c in outcome.calls if c.returned_before_wait), None)
         if late:
-            return (f"rank {rank}: your {late.operator}'s {late.direction} started an all_reduce with async_op=True "
-                    "and returned without calling wait() on its handle: what it returned was read before the sum "
-                    "arrived (right, if at all, by luck of timing). Call handle.wait() before you return the "
-                    "tensor, or leave out async_op.")
+            return _late_message(rank, late)
         counts = Counter((c.operator, c.direction) for c in outcome.calls)
         if counts != _EXPECTED:
             return f"rank {rank}: {_counts_message(counts, world_size)}"
     return None
+
+
+def _late_message(rank: int, late) -> str:
+    """An operator that returned before its async all_reduce was waited for: through the handle or its future."""
+    started = f"rank {rank}: your {late.operator}'s {late.direction} started an all_reduce with async_op=True"
+    if late.future:
+        return (f"{started}, took its future (handle.get_future()) and returned without waiting for it: "
+                "get_future() does not wait, so what it returned was read before the sum arrived (right, if at "
+                "all, by luck of timing). Call the future's wait() (or handle.wait()) before you return the "
+                "tensor, or leave out async_op.")
+    return (f"{started} and returned without calling wait() on its handle: what it returned was read before the "
+            "sum arrived (right, if at all, by luck of timing). Call handle.wait() before you return the tensor, "
+            "or leave out async_op.")
 
 
 def _counts_message(counts: Counter, world_size: int) -> str:

@@ -61,12 +61,14 @@ def reference_mlp() -> dict[str, torch.Tensor]:
 class AllReduceCall:
     """One all_reduce made while the student's operators ran: by which ("f", "g", or None when neither's forward
     or backward was running), in which direction ("forward" or "backward"), of how many elements; whether its
-    work handle was waited (a blocking all_reduce waits itself), and whether that operator returned first."""
+    work handle was waited (a blocking all_reduce waits itself), whether its future was taken
+    (handle.get_future()), and whether that operator returned first."""
 
     operator: str | None
     direction: str
     numel: int
     waited: bool = True
+    future: bool = False
     returned_before_wait: bool = False
 
 

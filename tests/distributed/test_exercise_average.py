@@ -2,7 +2,9 @@
 message that names the mistake, and right solutions written in different ways, all accepted.
 
 Several wrong ones give the right values (labkit's average_gradients, BucketedDDP, torch's DDP) or right-looking
-values by luck of timing (async_op=True without wait()): only the guard catches them, at the process-group level.
+values by luck of timing (async_op=True without wait(), or with only the last handle or future waited, or a
+future taken and never waited): only the guard catches them, at the process-group level and on the handles and
+futures.
 """
 
 import importlib
@@ -68,6 +70,26 @@ def async_handles_waited(model):
         p.grad /= n()
 
 
+def polled_until_completed(model):
+    """No wait(): a loop on each handle's is_completed() until it says True, which waits all the same."""
+    params = list(model.parameters())
+    handles = [dist.all_reduce(p.grad, async_op=True) for p in params]
+    for handle in handles:
+        while not handle.is_completed():
+            pass
+    for p in params:
+        p.grad /= n()
+
+
+def futures_chained_and_waited(model):
+    """The division chained on each handle's future with then(), every chained future waited (wait_all)."""
+    def divided(future):
+        return future.value()[0].div_(n())
+
+    torch.futures.wait_all([dist.all_reduce(p.grad, async_op=True).get_future().then(divided)
+                            for p in model.parameters()])
+
+
 def labkit_sum_then_divide(model):
     """labkit's all_reduce_sum is only dist.all_reduce (SUM): allowed, unlike labkit's average_gradients."""
     for p in model.parameters():
@@ -76,7 +98,7 @@ def labkit_sum_then_divide(model):
 
 
 @pytest.mark.parametrize("fn", [loop_all_reduce_div, flatten_unflatten, cat_and_split, async_handles_waited,
-                                labkit_sum_then_divide])
+                                polled_until_completed, futures_chained_and_waited, labkit_sum_then_divide])
 def test_right_solutions_pass_and_say_what_was_checked(fn):
     verdict = check_average_gradients(fn)
     assert verdict and isinstance(verdict, Verdict), verdict
@@ -141,6 +163,33 @@ def async_without_wait(model):
         p.grad /= n()
 
 
+def wait_last_only(model):
+    params = list(model.parameters())
+    handles = [dist.all_reduce(p.grad, async_op=True) for p in params]
+    handles[-1].wait()
+    for p in params:
+        p.grad /= n()
+
+
+def wait_last_future_only(model):
+    params = list(model.parameters())
+    futures = [dist.all_reduce(p.grad, async_op=True).get_future() for p in params]
+    futures[-1].wait()
+    for p in params:
+        p.grad /= n()
+
+
+def future_never_waited(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad, async_op=True).get_future()
+        p.grad /= n()
+
+
+def future_then_never_waited(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad, async_op=True).get_future().then(lambda future: future.value()[0].div_(n()))
+
+
 def rank_dependent_order(model):
     params = list(model.parameters())
     for p in params[::-1] if dist.get_rank() % 2 else params:
@@ -170,6 +219,11 @@ def torch_ddp(model):
     (max_op, "all-reduced with ReduceOp.MAX"),
     (avg_then_divide, "not at all if you all-reduced with ReduceOp.AVG"),
     (async_without_wait, "async_op=True and never called wait()"),
+    (wait_last_only, "started 9 all_reduce(s) with async_op=True and never called wait()"),
+    (wait_last_future_only, "never waited for them, though it waited for 3 other(s): one future's wait() promises"),
+    (future_never_waited, "took the futures (handle.get_future()) of 12 all_reduce(s) with async_op=True in 3 SGD "
+                          "steps and never waited for them. get_future() and then() do not wait"),
+    (future_then_never_waited, "of 12 all_reduce(s) with async_op=True in 3 SGD steps and never waited for them."),
     (rank_dependent_order, "the ranks all-reduced the gradients in different orders"),
     (labkit_average, "called labkit.parallel's average_gradients"),
     (labkit_bucketed, "called labkit.parallel's BucketedDDP"),

@@ -2,7 +2,9 @@
 that names the mistake, and right ones written in different ways, all accepted.
 
 Some wrong ones give the right values (labkit's own f and g, torch.distributed.nn.functional's all_reduce, an
-in-place all_reduce without ctx.mark_dirty): only the guard catches them, at the process-group level.
+in-place all_reduce without ctx.mark_dirty) or right-looking values by luck of timing (a handle's future taken and
+never waited, or only the last of two waited): only the guard catches them, at the process-group level and on the
+handles and futures.
 """
 
 import importlib
@@ -132,7 +134,52 @@ class FSetupContext(torch.autograd.Function):
         return total
 
 
-@pytest.mark.parametrize(("f", "g"), [(F, G), (FInPlace, GMarkDirty), (FSetupContext, G)])
+class FPolledFuture(torch.autograd.Function):
+    """f whose backward polls the handle's future until done() says True: that waits, as wait() does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        future = dist.all_reduce(total, async_op=True).get_future()
+        while not future.done():
+            pass
+        return total
+
+
+class GPolled(torch.autograd.Function):
+    """g whose forward polls the handle's is_completed() until it says True, instead of wait()."""
+
+    @staticmethod
+    def forward(ctx, x):
+        total = x.clone()
+        handle = dist.all_reduce(total, async_op=True)
+        while not handle.is_completed():
+            pass
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class GFutureValue(torch.autograd.Function):
+    """g returning what the handle's future waited for: the all-reduced copy."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return dist.all_reduce(x.clone(), async_op=True).get_future().wait()[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.parametrize(("f", "g"), [(F, G), (FInPlace, GMarkDirty), (FSetupContext, G), (FPolledFuture, GPolled),
+                                      (F, GFutureValue)])
 def test_right_solutions_pass_and_say_what_was_checked(f, g):
     verdict = check_megatron_f_g(f, g, record=False)
     assert verdict and isinstance(verdict, Verdict), verdict
@@ -196,6 +243,33 @@ class FAsyncNoWait(torch.autograd.Function):
         total = grad.clone()
         dist.all_reduce(total, async_op=True)
         return total
+
+
+class FFutureNoWait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.clone()
+        dist.all_reduce(total, async_op=True).get_future()
+        return total
+
+
+class GHalvesLastFutureWaited(torch.autograd.Function):
+    """Two all_reduces, one per half of the copy, and only the second half's future waited."""
+
+    @staticmethod
+    def forward(ctx, x):
+        total = x.clone()
+        futures = [dist.all_reduce(half, async_op=True).get_future() for half in total.view(-1).chunk(2)]
+        futures[-1].wait()
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class FNone(torch.autograd.Function):
@@ -273,6 +347,10 @@ class Stub(torch.autograd.Function):
     (F, GInPlace, "your g's forward changed its input in place"),
     (F, GInPlaceReturned, "your g's forward changed its input in place"),
     (FAsyncNoWait, G, "your f's backward started an all_reduce with async_op=True and returned without calling wait()"),
+    (FFutureNoWait, G, "your f's backward started an all_reduce with async_op=True, took its future "
+                       "(handle.get_future()) and returned without waiting for it"),
+    (F, GHalvesLastFutureWaited, "your g's forward started an all_reduce with async_op=True, took its future "
+                                 "(handle.get_future()) and returned without waiting for it"),
     (FNone, G, "X got no gradient: your f's backward returned None"),
     (F, GNone, "your g, whose backward returned None"),
     (F, LabkitG, "called labkit.parallel's reduce_from_tensor_parallel"),
