@@ -4,10 +4,11 @@ the student's function left behind.
 Each rank builds the same small model (`labkit.models.mlp`, seeded the same everywhere), takes its own equal
 shard of one batch (`average_batch`) and trains a few SGD steps, calling the student's `fn(model)` between
 backward() and step(). While `fn` runs, an `AverageGuard` is on: every all_reduce is recorded where the process
-group receives it (ProcessGroup.allreduce: what it reduced, with which op, and whether its work handle was
-waited), everything else that communicates raises `ForbiddenCall`, and so do the ready-made averages: torch's
-DistributedDataParallel and labkit.parallel's average_gradients and BucketedDDP (found on the call stack, so an
-import made before the grader ran is caught too).
+group receives it (ProcessGroup.allreduce: what it reduced, with which op, and whether the student's code waited
+for it, through its handle or its future: `WaitWatch`), everything else that communicates raises
+`ForbiddenCall`, and so do the ready-made averages: torch's DistributedDataParallel and labkit.parallel's
+average_gradients and BucketedDDP (found on the call stack, so an import made before the grader ran is caught
+too).
 """
 
 from __future__ import annotations
