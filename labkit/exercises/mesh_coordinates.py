@@ -21,7 +21,8 @@ named where the grader recognises it: another axis order (tp outermost, pp and t
 (which one the student's numbers follow, on every shape: world_size where a product of sizes belongs, a missing
 modulo, the wrong axis's size), coordinates or ranks counted from 1, true division; groups without the rank,
 unsorted, holding ranks off the mesh or ranks that differ on another axis too, or stepping by the wrong stride.
-Calling the course's own `mesh_layout` or `Mesh` is refused: the exercise is to compute the layout. The student's
+Calling the course's own layouts, `mesh_layout`, `Mesh` or the planner's `ParallelLayout(...).place`, is refused:
+the exercise is to compute the layout. The student's
 calls run under a tracer (sys.settrace) that stops them after `timeout_seconds` seconds in all: an endless loop fails,
 it does not hang the notebook.
 """
@@ -40,6 +41,7 @@ from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.parallel.mesh import AXES, Mesh, mesh_layout
+from labkit.plan import ParallelLayout
 
 __all__ = ["LAYOUT", "SHAPES", "TIMEOUT_SECONDS", "check_mesh_coordinates"]
 
@@ -51,7 +53,8 @@ LAYOUT = ("rank = (dp_i * pp + pp_j) * tp + tp_k, so tp_k = rank % tp, pp_j = (r
 FORMULAS = {"dp": "rank // (pp * tp)", "pp": "(rank // tp) % pp", "tp": "rank % tp"}
 _SIZES = {"1": (), "tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "pp * tp": ("pp", "tp"), "dp * tp": ("dp", "tp"),
           "dp * pp": ("dp", "pp"), "world_size": AXES}  # the sizes a student's formula may divide by or take modulo
-_READY_MADE = {mesh_layout.__code__: "labkit.parallel.mesh_layout", Mesh.__init__.__code__: "labkit.parallel.Mesh"}
+_READY_MADE = {mesh_layout.__code__: "labkit.parallel.mesh_layout", Mesh.__init__.__code__: "labkit.parallel.Mesh",
+               ParallelLayout.place.__code__: "labkit.plan.ParallelLayout(...).place"}  # the course's own layouts
 TIMEOUT_SECONDS = 20.0  # for all the student's calls together: right solutions take 0.1 to 1 s on 2 busy cores
 
 

@@ -15,6 +15,7 @@ import torch
 from labkit.exercises import Verdict
 from labkit.exercises.mesh_coordinates import SHAPES, check_mesh_coordinates
 from labkit.parallel import Mesh, mesh_layout
+from labkit.plan import ParallelLayout
 
 # ---- right solutions, three ways -------------------------------------------------------------------------
 
@@ -123,6 +124,9 @@ WRONG_COORDINATES = {
                       ["rank 4 is at (dp 1, pp 0, tp 0)", "Ranks 0 and 4 both get (0, 0, 0)"]),
     "ready-made": (lambda r, dp, pp, tp: mesh_layout(dp * pp * tp, dp, pp, tp)[r].coordinate,
                    ["Your coordinates calls labkit.parallel.mesh_layout, the course's own layout"]),
+    "the planner's layout": (lambda r, dp, pp, tp: ParallelLayout(dp, pp, tp).place(r),
+                             ["Your coordinates calls labkit.plan.ParallelLayout(...).place, the course's own layout",
+                              "compute the coordinates and groups from the rank and the sizes yourself"]),
 }
 
 
@@ -234,6 +238,21 @@ def test_an_endless_loop_is_stopped_within_the_timeout():
 def test_the_ready_made_mesh_is_refused_too():
     verdict = check_mesh_coordinates(divmod_coordinates, lambda r, dp, pp, tp: Mesh(dp, pp, tp))
     assert "Your groups calls labkit.parallel.Mesh, the course's own layout" in verdict.message, verdict
+
+
+def planner_groups(rank, dp, pp, tp):
+    """The groups from the planner's places: every rank whose place matches the rank's off the axis."""
+    layout = ParallelLayout(dp, pp, tp)
+    mine = layout.place(rank)
+    return {axis: [r for r in range(dp * pp * tp)
+                   if all(layout.place(r)[other] == mine[other] for other in ("dp", "pp", "tp") if other != axis)]
+            for axis in ("dp", "pp", "tp")}
+
+
+def test_the_planners_layout_is_refused_in_the_groups_too():
+    verdict = check_mesh_coordinates(divmod_coordinates, planner_groups)
+    assert not verdict, verdict
+    assert "Your groups calls labkit.plan.ParallelLayout(...).place, the course's own layout" in verdict.message
 
 
 def test_the_grader_restores_a_tracer_that_was_set():
