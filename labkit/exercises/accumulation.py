@@ -16,7 +16,11 @@ k shows). `ddp_model` is a small float64 model in torch's DistributedDataParalle
 A solution passes only if, in both cases, on every rank: each call ran one forward per micro-batch, all but the
 last inside no_sync(), each followed by its backward before the next forward (so that one micro-batch's
 activations are alive at a time: the memory accumulation saves), and DDP all-reduced its one bucket once, with
-no all_reduce of the solution's own; optimizer.step() ran once, with the gradient of
+no collective of the solution's own (an all_reduce is counted; a broadcast, a barrier or a send is switched off:
+DDP's constructor broadcast the parameters, and its all_reduce keeps the replicas equal); no gradient was changed
+between micro-batches but by a backward (a clip_grad_norm_ there clips a partial, unsynchronised sum; clipping
+belongs after the last backward, and this exercise's step is the large batch's, unclipped); optimizer.step() ran
+once, with the gradient of
 the whole large batch (every rank's micro-batches) of one process (float64, within 1e-9); and the parameters
 after every step equal one process trained on the large batch, the same on every rank. The watching, on each
 rank, is in `labkit.exercises.accumulation_guard`.
@@ -39,7 +43,7 @@ from labkit.exercises.accumulation_guard import (
     warm_up,
 )
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.guard import first_failure, stop_pool, where_ranks_waited
+from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 
@@ -119,13 +123,56 @@ def _case_problem(fn, world_size: int, microbatches: int, timeout_seconds: float
                 f"others did not join. {where_ranks_waited(hang)}. Every rank must run the same micro-batches "
                 "inside no_sync(), whatever its rank, so that DDP all-reduces at the same moment everywhere.")
     except labkit.RankError as error:
-        first, _ = first_failure(error)
+        first, spelling = first_failure(error)
+        if spelling is not None:
+            return forbidden_message(first.rank, spelling, False, _why_forbidden)
         return f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
     if any([r.syncs for r in rank] != [r.syncs for r in records[0]] for rank in records):
         stop_pool(world_size)
     reference = reference_run(world_size, microbatches)
-    return (_calls_problem(records, microbatches) or _sync_problem(records, microbatches)
+    return (_forbidden_problem(records) or _calls_problem(records, microbatches)
+            or _sync_problem(records, microbatches) or _touched_problem(records, microbatches)
             or _values_problem(records, microbatches, reference))
+
+
+def _forbidden_problem(records) -> str | None:
+    """A switched-off call the step made and caught (one it did not catch failed the run), else None."""
+    for rank, calls in enumerate(records):
+        for call in calls:
+            if call.forbidden:
+                return forbidden_message(rank, call.forbidden[0], True, _why_forbidden)
+    return None
+
+
+def _why_forbidden(spelling: str, name: str) -> str:
+    """Why a collective of the student's own (other than all_reduce, which is counted) is switched off here."""
+    if "broadcast" in name:
+        extra = ("DDP's constructor broadcast rank 0's parameters once, and since then every rank applies the same "
+                 "all-reduced gradient, so the replicas stay equal: a broadcast per step sends the whole model for "
+                 "nothing, and were the replicas to drift, it would hide the bug instead of showing it.")
+    elif "barrier" in name:
+        extra = ("The ranks already meet in DDP's all_reduce of the last backward: a barrier per step adds a round "
+                 "trip and synchronises nothing more.")
+    else:
+        extra = "Any other collective or message adds a round trip per step."
+    return (f"This exercise makes no collective of its own: DDP does the step's communication, one all_reduce of "
+            f"the gradients in the last micro-batch's backward. {extra} Leave the communication to DDP.")
+
+
+def _touched_problem(records, microbatches: int) -> str | None:
+    """A gradient changed between a micro-batch's backward and the next forward, by other than a backward."""
+    for rank, calls in enumerate(records):
+        touched = next((call.touched[0] for call in calls if call.touched), None)
+        if touched is not None:
+            return (f"on rank {rank} the gradients changed between micro-batch {touched}'s backward and micro-batch "
+                    f"{touched + 1}'s forward, by something other than a backward: clip_grad_norm_ before the last "
+                    f"micro-batch (or a scaling of .grad)? There .grad holds only this rank's "
+                    f"{'micro-batch 1' if touched == 1 else f'micro-batches 1 to {touched}'} of {microbatches}, "
+                    "not yet all-reduced: clipping it clips a part, differently on "
+                    "each rank, and the step is no longer the large batch's. Clip only after the last micro-batch's "
+                    "backward, when DDP has all-reduced the whole gradient (and in this exercise not at all: its "
+                    "step is the large batch's, unclipped).")
+    return None
 
 
 def _calls_problem(records, microbatches: int) -> str | None:
@@ -278,11 +325,29 @@ def _gradient_message(rank: int, got, want, last_only, previous, k: int, world_s
     if scale is None:
         return (f"rank {rank}'s gradient at optimizer.step() differs from the large batch's by "
                 f"{_gap(got, want):.3g}: accumulate the k micro-batches' backward passes, each loss divided by k.")
-    return _scale_message(rank, scale, k, world_size)
+    return _scale_message(rank, scale, k, world_size) or _clipped_message(rank, scale, got, want)
 
 
-def _scale_message(rank: int, scale: float, k: int, world_size: int) -> str:
-    """The message for a gradient that is the large batch's times `scale`."""
+def _clipped_message(rank: int, scale: float, got, want) -> str:
+    """The message for a gradient that is the large batch's times `scale`, not a k or N mistake: scaled down
+    after the last backward, as clip_grad_norm_ does (it multiplies every gradient by max_norm / total norm)."""
+    said = f"rank {rank}'s gradient at optimizer.step() was {scale:.4g} times the large batch's"
+    if scale < 1:
+        return (f"{said}, norm {_norm(got):.4g} where the large batch's is {_norm(want):.4g}: scaled down after "
+                "the last backward, as torch.nn.utils.clip_grad_norm_ does? That is the right place to clip in a "
+                "real run: once, after the last micro-batch's backward, on the all-reduced gradient. But this "
+                "exercise checks the step against the large batch's gradient, unclipped: leave clipping out "
+                "here. If you did not clip, divide each micro-batch's loss by k and by nothing else.")
+    return f"{said}: divide each micro-batch's loss by k and by nothing else (DDP averages over the ranks itself)."
+
+
+def _norm(values) -> float:
+    """The Euclidean norm of a flat list of floats."""
+    return sum(v * v for v in values) ** 0.5
+
+
+def _scale_message(rank: int, scale: float, k: int, world_size: int) -> str | None:
+    """The message for a gradient that is the large batch's times `scale`: k, 1/N or k/N; else None."""
     said = f"rank {rank}'s gradient at optimizer.step() was"
     if abs(scale - k) < 1e-6:
         return (f"{said} {k} times the large batch's: the loss was not divided by k = {k}. The {k} backward "
@@ -295,8 +360,7 @@ def _scale_message(rank: int, scale: float, k: int, world_size: int) -> str:
         return (f"{said} {k}/{world_size} of the large batch's: the loss was divided by N = {world_size}, the "
                 f"number of ranks, instead of k = {k}, the number of micro-batches. DDP averages over the ranks "
                 "itself; you divide by len(microbatches).")
-    return (f"{said} {scale:.4g} times the large batch's: divide each micro-batch's loss by k = {k} and by "
-            "nothing else (DDP averages over the ranks itself).")
+    return None
 
 
 def _scale(got, want) -> float | None:

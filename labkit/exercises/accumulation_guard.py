@@ -3,8 +3,11 @@ and what the student's step left behind.
 
 Each rank wraps the same small model (`accumulation_model`, float64, seeded the same everywhere) in torch's
 DistributedDataParallel, makes an SGD optimizer, and calls the student's `fn(ddp_model, optimizer, microbatches)`
-once per optimizer step with this rank's micro-batches of that step's batch (`rank_microbatches`). Nothing is
-switched off; everything is watched where DDP and the optimizer report it:
+once per optimizer step with this rank's micro-batches of that step's batch (`rank_microbatches`). While fn runs,
+every way into torch.distributed's communication but all_reduce is switched off (`AccumulationGuard`, the shared
+guard of labkit.exercises.guard): DDP's constructor has broadcast the parameters before, and DDP's all_reduce in
+the last backward is the step's one communication, so a broadcast, a barrier or a message of the student's own
+only adds a round trip. Everything else is watched where DDP and the optimizer report it:
 
 - each forward of the DDP model, and whether it ran with DDP's gradient synchronisation off (inside
   `no_sync()`): DDP decides at the forward whether that backward will all-reduce (torch's
@@ -16,10 +19,15 @@ switched off; everything is watched where DDP and the optimizer report it:
   counts it and then does what DDP does by default (`default_hooks.allreduce_hook`: divide by N, all_reduce);
 - every all_reduce the process group receives (ProcessGroup.allreduce), so that one made by hand shows, and
   what it held: a parameter's gradient (or a tensor of a parameter's shape), or another tensor (a loss, say);
+- each parameter's .grad right after a backward accumulated into it (Tensor.register_post_accumulate_grad_hook),
+  compared at the next forward after a backward inside no_sync(): a gradient changed in between by anything but a
+  backward or a zeroing (clip_grad_norm_ on the partial, unsynchronised sum, say) shows;
 - the gradient at each `optimizer.step()` (a step pre-hook), and the parameters after each call.
 
 The model is small enough that DDP puts all its gradients in one bucket (its first bucket holds 1 MB), so one
-synchronisation is one all_reduce.
+synchronisation is one all_reduce. The inputs are scaled (INPUT_SCALE) so that the gradients are large: the large
+batch's norm is 7.7 to 10.4 and one micro-batch's share at least 2.5, so that a clip_grad_norm_(max_norm=1.0) in
+the wrong place acts and shows.
 """
 
 from __future__ import annotations
@@ -32,16 +40,18 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import labkit
+from labkit.exercises.guard import Guard
 from labkit.models import mlp
 
-__all__ = ["CLASSES", "FEATURES", "LR", "ROWS_PER_STEP", "STEPS", "StepRecord", "Watch", "accumulation_model",
-           "attempt_accumulation", "counting_allreduces", "flat_grads", "rank_microbatches", "step_batch",
+__all__ = ["CLASSES", "FEATURES", "INPUT_SCALE", "LR", "ROWS_PER_STEP", "STEPS", "AccumulationGuard", "StepRecord",
+           "Watch", "accumulation_model", "attempt_accumulation", "flat_grads", "rank_microbatches", "step_batch",
            "warm_up"]
 
 FEATURES, HIDDEN, CLASSES = 4, 8, 3
 ROWS_PER_STEP = 24  # the large batch of one optimizer step, shared by the ranks and cut into micro-batches
 STEPS = 3  # optimizer steps: a second step shows gradients never zeroed
-LR = 0.5  # large, so that every mistake moves the parameters far
+LR = 0.05  # with INPUT_SCALE's large gradients, every mistake moves the parameters far, and no step diverges
+INPUT_SCALE = 20.0  # the inputs' scale: gradient norms of 2.5 and more, so that a misplaced clip to 1.0 acts
 
 
 def accumulation_model(device=None) -> torch.nn.Sequential:
@@ -52,7 +62,7 @@ def accumulation_model(device=None) -> torch.nn.Sequential:
 def step_batch(step: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The large batch of optimizer step `step` (ROWS_PER_STEP rows), the same on every rank and in the grader."""
     generator = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(ROWS_PER_STEP, FEATURES, generator=generator, dtype=torch.float64)
+    x = INPUT_SCALE * torch.randn(ROWS_PER_STEP, FEATURES, generator=generator, dtype=torch.float64)
     y = torch.randint(0, CLASSES, (ROWS_PER_STEP,), generator=generator)
     return x.to(device), y.to(device)
 
@@ -70,14 +80,17 @@ def rank_microbatches(step: int, rank: int, world_size: int, microbatches: int, 
 class StepRecord:
     """One call of the student's step on one rank: per forward of the DDP model, whether it ran inside no_sync()
     and how many later forwards ran before its backward reached it; forwards of the inner module; the buckets DDP
-    all-reduced; what each all_reduce made by hand held; the flat gradient at each optimizer.step(); whether
-    no_sync() was entered at all; the parameters after the call."""
+    all-reduced; what each all_reduce made by hand held; the calls the guard refused; after which micro-batches
+    (1-based) a gradient changed before the next forward, by anything but a backward or a zeroing; the flat
+    gradient at each optimizer.step(); whether no_sync() was entered at all; the parameters after the call."""
 
     no_sync_forwards: list[bool] = field(default_factory=list)
     backward_lags: list[int | None] = field(default_factory=list)  # None: no backward reached that forward
     module_forwards: int = 0
     syncs: int = 0
     own_allreduces: list[str] = field(default_factory=list)  # "gradient", or what else the tensor was
+    forbidden: list[str] = field(default_factory=list)  # what the step called that the guard switched off
+    touched: list[int] = field(default_factory=list)  # micro-batches after whose backward .grad was changed
     step_grads: list[list[float]] = field(default_factory=list)
     entered_no_sync: bool = False
     params: list[float] = field(default_factory=list)
@@ -90,6 +103,10 @@ class Watch:
         self.current = StepRecord()
         self.ddp = ddp
         self.in_sync = False  # True while DDP's own all_reduce runs (in the communication hook)
+        self.accumulated: dict[int, torch.Tensor] = {}  # parameter index -> its .grad after its last accumulation
+        self.parameters = list(ddp.module.parameters())
+        for index, parameter in enumerate(self.parameters):
+            parameter.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
         ddp.register_forward_pre_hook(self._forward)
         ddp.register_forward_hook(self._forward_done)
         ddp.module.register_forward_pre_hook(self._module_forward)
@@ -99,7 +116,26 @@ class Watch:
         ddp.no_sync = self._watched_no_sync
 
     def _forward(self, module, args) -> None:
-        self.current.no_sync_forwards.append(not self.ddp.require_backward_grad_sync)
+        """Note whether this forward runs inside no_sync(), and whether .grad changed since the previous
+        micro-batch's backward, when that one ran inside no_sync() before this forward (DDP's own write of the
+        all-reduced gradient comes after the accumulation, so only a backward inside no_sync() is compared)."""
+        record = self.current
+        if record.no_sync_forwards and record.no_sync_forwards[-1] and record.backward_lags[-1] == 0 \
+                and self._changed_since_backward():
+            record.touched.append(len(record.no_sync_forwards))
+        self.accumulated = {}
+        record.no_sync_forwards.append(not self.ddp.require_backward_grad_sync)
+
+    def _accumulated(self, index: int, parameter: torch.Tensor) -> None:
+        self.accumulated[index] = parameter.grad.detach().clone()
+
+    def _changed_since_backward(self) -> bool:
+        """Whether some .grad differs from what the last backward left in it; a zeroing (every .grad zero or
+        None: zero_grad()) does not count, the grader names that by its values."""
+        grads = [p.grad for p in self.parameters]
+        if all(g is None or not g.any() for g in grads):
+            return False
+        return any(grads[i] is None or not torch.equal(grads[i], saved) for i, saved in self.accumulated.items())
 
     def _forward_done(self, module, args, output) -> None:
         """Hook the forward's output, so that the record notes how many forwards had run when its backward
@@ -156,32 +192,46 @@ def attempt_accumulation(fn, microbatches: int) -> list[StepRecord]:
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
     watch, records = Watch(ddp, optimizer), []
     for step in range(STEPS):
-        watch.current = StepRecord()
-        with counting_allreduces(watch):
+        watch.current, guard = StepRecord(), AccumulationGuard(watch)
+        with guard:
             fn(ddp, optimizer, rank_microbatches(step, labkit.rank(), labkit.world_size(), microbatches, device))
+        watch.current.forbidden = guard.forbidden
         watch.current.params = [v for p in ddp.module.parameters() for v in p.detach().flatten().tolist()]
         records.append(watch.current)
     return records
 
 
-@contextlib.contextmanager
-def counting_allreduces(watch: Watch):
-    """Note in watch.current.own_allreduces every all_reduce the process group receives inside the block
-    (ProcessGroup.allreduce, where dist.all_reduce arrives) outside DDP's own hook, and what it held."""
-    import torch.distributed as dist
+class AccumulationGuard(Guard):
+    """While the student's step runs on a rank: every all_reduce made outside DDP's communication hook noted in
+    watch.current.own_allreduces, with what it held, then made; every other way into torch.distributed's
+    communication (broadcast, barrier, send, ...) raises ForbiddenCall: DDP does the step's communication."""
 
-    original = vars(dist.ProcessGroup)["allreduce"]
+    def __init__(self, watch: Watch):
+        super().__init__()
+        self.watch = watch
 
-    def counted(group, tensors, *args, **kwargs):
-        if not watch.in_sync:
-            watch.current.own_allreduces.append(_held(tensors, list(watch.ddp.module.parameters())))
-        return original(group, tensors, *args, **kwargs)
+    def __enter__(self) -> AccumulationGuard:
+        try:
+            self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce"), point_to_point=False)
+            self._count_allreduces()
+        except BaseException:
+            self._restore()
+            raise
+        return self
 
-    dist.ProcessGroup.allreduce = counted
-    try:
-        yield
-    finally:
-        dist.ProcessGroup.allreduce = original
+    def _count_allreduces(self) -> None:
+        """Note each ProcessGroup.allreduce (where dist.all_reduce arrives) made outside DDP's own hook."""
+        import torch.distributed as dist
+
+        original, watch = vars(dist.ProcessGroup)["allreduce"], self.watch
+
+        def counted(group, tensors, *args, **kwargs):
+            if not watch.in_sync:
+                watch.current.own_allreduces.append(_held(tensors, list(watch.ddp.module.parameters())))
+            return original(group, tensors, *args, **kwargs)
+
+        self._saved.append((dist.ProcessGroup, "allreduce", original))
+        dist.ProcessGroup.allreduce = counted
 
 
 def _held(tensors, parameters: list) -> str:

@@ -5,7 +5,11 @@ Several wrong ones reach the right parameters (no no_sync at all, the forward ou
 top of DDP's, a loss all-reduced for a printout): only the count of all_reduces, DDP's through its communication
 hook and the process group's, catches them. Two more (every forward first, then one backward of the summed
 losses) are right in values and in syncs, but keep every micro-batch's activations alive at once: the order of
-forwards and backward passes catches them.
+forwards and backward passes catches them. A broadcast or a barrier of the solution's own is switched off (DDP
+does the step's communication), caught or not. A clip_grad_norm_ inside the loop clips a partial gradient: the
+inputs are scaled so that a clip to 1.0 acts, and the gradient changed between micro-batches shows. One clip after
+the last backward is where clipping belongs in a real run, but not in this exercise, whose step is the large
+batch's unclipped: it is rejected, saying so.
 """
 
 import contextlib
@@ -223,6 +227,56 @@ def loss_all_reduced_for_logging(ddp_model, optimizer, microbatches):
     optimizer.zero_grad()
 
 
+def broadcast_after_step(ddp_model, optimizer, microbatches):
+    """Right accumulation, plus a 'safety' broadcast of the weights from rank 0 after every step."""
+    if_else(ddp_model, optimizer, microbatches)
+    for p in ddp_model.parameters():
+        dist.broadcast(p.data, 0)
+
+
+def barrier_per_micro_batch(ddp_model, optimizer, microbatches):
+    """A dist.barrier() after each micro-batch's backward, 'to keep the ranks together'."""
+    k = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (F.cross_entropy(ddp_model(x), y) / k).backward()
+        dist.barrier()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def broadcast_caught(ddp_model, optimizer, microbatches):
+    """A broadcast whose error is swallowed: still a collective of its own."""
+    if_else(ddp_model, optimizer, microbatches)
+    try:
+        dist.broadcast(next(ddp_model.parameters()).data, 0)
+    except RuntimeError:
+        pass
+
+
+def clip_inside_loop(ddp_model, optimizer, microbatches):
+    """clip_grad_norm_ after every micro-batch's backward: the first k-1 clip a partial, unsynchronised sum."""
+    k = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (F.cross_entropy(ddp_model(x), y) / k).backward()
+        torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm=1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def clip_once_after_the_last(ddp_model, optimizer, microbatches):
+    """Clipping in the right place for a real run (after the last backward, on the all-reduced gradient), but
+    this exercise's step is the large batch's, unclipped."""
+    k = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (F.cross_entropy(ddp_model(x), y) / k).backward()
+    torch.nn.utils.clip_grad_norm_(ddp_model.parameters(), max_norm=1.0)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 WRONG = [
     (no_no_sync, "after every micro-batch (3 all_reduces in one optimizer step"),
     (forward_outside_no_sync, "entered ddp_model.no_sync(), but every forward ran outside it"),
@@ -242,6 +296,14 @@ WRONG = [
     (mean_loss_one_backward, "all 3 forwards ran first, then one backward of their summed losses"),
     (loss_all_reduced_for_logging, "made 1 all_reduce(s) of its own in one optimizer step, besides DDP's 1, of a "
                                    "scalar (a loss?): not a gradient"),
+    (broadcast_after_step, "called torch.distributed.broadcast. This exercise makes no collective of its "
+                           "own: DDP does the step's communication"),
+    (barrier_per_micro_batch, "called torch.distributed.barrier. This exercise makes no collective of its "
+                              "own"),
+    (broadcast_caught, "called torch.distributed.broadcast (and caught the error; it still counts)"),
+    (clip_inside_loop, "the gradients changed between micro-batch 1's backward and micro-batch 2's forward, by "
+                       "something other than a backward: clip_grad_norm_ before the last micro-batch"),
+    (clip_once_after_the_last, "That is the right place to clip in a real run"),
 ]
 
 
