@@ -9,13 +9,22 @@ functional collectives), and labkit.comm's transport. They raise `ForbiddenCall`
 if `fn` catches it. Messages are counted in ProcessGroup.send and ProcessGroup.recv, where dist.send,
 dist.isend and dist.batch_isend_irecv all arrive, once per message. Data moved any other way (the
 rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check.
+
+Graded code may import parts of torch for the first time while the guard is on (its first torch.optim step
+imports torch._dynamo, and through it FSDP and DTensor). Those imports work: torch's functional collectives,
+which register autograd formulas on the c10d operators when imported, are imported before the guard goes on; a
+replaced operator still hands out its overloads (`.default`) and schema, and refuses only to be called; and what
+a module imported under the guard binds (DTensor binds dist.broadcast) calls the original once the guard is off.
 """
 
 from __future__ import annotations
 
+import importlib
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -23,8 +32,9 @@ import labkit
 from labkit.checks import whole
 from labkit.launch.errors import NoReply
 
-__all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "attempt", "first_failure", "forbidden_message",
-           "forbidden_spelling", "messages_of_last_attempt", "rank_input", "stop_pool", "where_ranks_waited"]
+__all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "RefusedOperator", "attempt", "first_failure",
+           "forbidden_message", "forbidden_spelling", "messages_of_last_attempt", "rank_input", "stop_pool",
+           "where_ranks_waited"]
 
 POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
 
@@ -56,6 +66,10 @@ _BACKEND_METHODS = (
 _GROUP_MAKERS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group",
                  "merge_remote_group", "init_device_mesh", "init_process_group", "destroy_process_group")
 _SWITCHED_OFF = " is switched off while this exercise is graded"
+# What torch imports lazily and which, on import, looks up the c10d operators (torch.library.register_autograd
+# reads each one's .default) and keeps them (torch.fx.node.has_side_effect): imported before the guard goes on,
+# so that it keeps the operators themselves, not the guard's stand-ins.
+_IMPORTED_FIRST = ("torch.distributed._functional_collectives",)
 
 
 def rank_input(rank: int, numel: int, device=None) -> torch.Tensor:
@@ -105,7 +119,22 @@ def first_failure(error: labkit.RankError):
 def where_ranks_waited(hang: labkit.RankTimeout, ranks: int = 2) -> str:
     """Where the first `ranks` ranks that were stopped mid-call were waiting, from labkit's hang report."""
     waiting = sorted((f for f in hang.failures if f.kind == NoReply.STOPPED), key=lambda f: f.rank)[:ranks]
-    return "; ".join(f"rank {f.rank} {f.summary}" for f in waiting)
+    return "; ".join(f"rank {f.rank} {_outside_the_graders(f)}" for f in waiting)
+
+
+_GRADERS_DIR = str(Path(__file__).parent) + "/"
+_FRAME = re.compile(r'^  (?:File "(?P<file>[^"]*)"|\S.*?), line \d+, in (?P<function>\S+)$')  # format_frames' lines
+
+
+def _outside_the_graders(stopped) -> str:
+    """A stopped rank's summary ('was still running in broadcast, ...'), naming the innermost call outside
+    labkit.exercises: a guard's stand-in (the watched Work.wait) is not where the student's code waited."""
+    frames = [m for m in map(_FRAME.match, stopped.detail.splitlines()) if m]
+    ours = [(m["file"] or "").startswith(_GRADERS_DIR) for m in frames]
+    if not frames or not ours[-1] or all(ours):
+        return stopped.summary
+    outside = next(m["function"] for m, mine in zip(reversed(frames), reversed(ours), strict=True) if not mine)
+    return stopped.summary.replace(f"running in {frames[-1]['function']}", f"running in {outside}", 1)
 
 
 def forbidden_message(rank: int, spelling: str, caught: bool, why: Callable[[str, str], str]) -> str:
@@ -144,6 +173,7 @@ class Guard:
         self.sends: list[tuple[int, int]] = []
         self.recvs: list[tuple[int, int]] = []
         self.forbidden: list[str] = []
+        self.on = False  # True from the first replacement until everything is put back
         self._saved: list[tuple[object, str, object]] = []
 
     def __enter__(self) -> Guard:
@@ -183,6 +213,8 @@ class Guard:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
+        for module in _IMPORTED_FIRST:
+            importlib.import_module(module)
         for module, prefix in ((dist, "torch.distributed"), (distributed_c10d, "torch.distributed.distributed_c10d")):
             for name in functions:
                 self._replace(module, name, f"{prefix}.{name}")
@@ -193,19 +225,26 @@ class Guard:
         for qualified in torch._C._dispatch_get_all_op_names():  # "c10d::allreduce_", "_c10d_functional::..."
             namespace, _, name = qualified.partition("::")
             if "c10d" in namespace:
-                self._replace(getattr(torch.ops, namespace), name, f"torch.ops.{namespace}.{name}", cached=False)
+                self._replace(getattr(torch.ops, namespace), name, f"torch.ops.{namespace}.{name}", operator=True)
 
-    def _replace(self, owner, name: str, spelling: str, cached: bool = True) -> None:
-        """Make owner.name raise; `cached=False` for torch.ops namespaces, which create attributes on first use."""
+    def _replace(self, owner, name: str, spelling: str, operator: bool = False) -> None:
+        """Make owner.name raise while the guard is on, and call the original once it is off (a module imported
+        under the guard may have bound it). `operator=True` for an operator of a torch.ops namespace, which
+        creates its attributes on first use: it is replaced by a `RefusedOperator`, which keeps its overloads."""
         original = vars(owner).get(name, _ABSENT)
-        if original is _ABSENT and cached:  # not in this torch release
+        if original is _ABSENT and not operator:  # not in this torch release
             return
+        if original is _ABSENT:
+            original = getattr(owner, name)  # the namespace makes the operator's packet
 
         def refused(*args, **kwargs):
-            self.refuse(spelling)
+            if self.on:
+                self.refuse(spelling)
+            return original(*args, **kwargs)
 
+        self.on = True
         self._saved.append((owner, name, original))
-        setattr(owner, name, refused)
+        setattr(owner, name, RefusedOperator(original, self, spelling) if operator else refused)
 
     def _count(self, messages: list[tuple[int, int]], name: str) -> None:
         """Record (peer, nbytes) for each ProcessGroup.send or .recv (tensors, peer, tag), then post it."""
@@ -221,15 +260,35 @@ class Guard:
         setattr(dist.ProcessGroup, name, counted)
 
     def _restore(self) -> None:
+        self.on = False
         while self._saved:
             owner, name, original = self._saved.pop()
-            if original is _ABSENT:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
+            setattr(owner, name, original)
 
 
 _ABSENT = object()
+
+
+class RefusedOperator:
+    """A c10d operator of torch.ops (or one of its overloads, `.default`) while a guard is on: calling it refuses;
+    everything else (its overloads, schema, name) is the operator's own, for torch's code that looks them up when
+    graded code first imports it. Once the guard is off it calls the operator, should a module have kept it."""
+
+    def __init__(self, operator, guard: Guard, spelling: str):
+        self._operator, self._guard, self._spelling = operator, guard, spelling
+
+    def __call__(self, *args, **kwargs):
+        if self._guard.on:
+            self._guard.refuse(self._spelling)
+        return self._operator(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if "_operator" not in vars(self):  # while copy or pickle builds an empty one
+            raise AttributeError(name)
+        value = getattr(self._operator, name)
+        if isinstance(value, torch._ops.OpOverload):
+            return RefusedOperator(value, self._guard, self._spelling)
+        return value
 
 
 _last_messages: tuple[list, list] = ([], [])  # on a rank: (sends, recvs) of the last graded call

@@ -15,6 +15,7 @@ float32 and float64), on every rank:
 
 - `param` ends equal to full SGD on the averaged gradient computed in one process, in its own memory, in its
   own dtype, on its own device (the step works in place; returning a new tensor fails);
+- every collective it started with async_op=True it waited for (work.wait()) before the step returned;
 - its collectives are a reduce-scatter and an all-gather (or one broadcast of each slice from its owner): no
   all_reduce, which would hand every rank the whole gradient, and what it sent into the all-gather is its own
   updated slice, not gradients (every rank updating the whole vector gives the right values, but is not sharded);
@@ -37,7 +38,7 @@ from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.progress import graded
-from labkit.exercises.step_guard import attempt_step, calls_of_last_attempt
+from labkit.exercises.step_guard import StepOutcome, attempt_step, calls_of_last_attempt
 from labkit.exercises.step_nbytes import step_traffic
 from labkit.exercises.step_values import wrong_step
 from labkit.exercises.verdict import Verdict
@@ -107,7 +108,24 @@ def _case_problem(fn, world_size: int, numel: int, dtype: torch.dtype, timeout_s
     _stop_pool_if_out_of_step(world_size, [[call.kind for call in o.calls] for o in outcomes])
     problem = next((forbidden_message(rank, o.forbidden[0], True, _why_forbidden)
                     for rank, o in enumerate(outcomes) if o.forbidden), None)
-    return problem or wrong_step(outcomes, numel, dtype) or step_traffic(outcomes, numel, dtype)
+    return problem or _unwaited_message(outcomes) or wrong_step(outcomes, numel, dtype) \
+        or step_traffic(outcomes, numel, dtype)
+
+
+def _unwaited_message(outcomes: list[StepOutcome]) -> str | None:
+    """The first collective a rank started with async_op=True and never waited for: what it reads or writes may
+    not be there yet (torch.distributed docs: an async op's output is only ready after wait() on its handle)."""
+    for rank, outcome in enumerate(outcomes):
+        call = next((c for c in outcome.calls if not c.waited), None)
+        if call:
+            future = " It took the handle's future (work.get_future()) but never waited on it either." \
+                if call.future else ""
+            return (f"rank {rank} started {call.describe()} with async_op=True and never waited for it.{future} "
+                    "Until its handle's wait() returns, the collective may still be running: what it receives is "
+                    "not there yet, and changing what it sends changes what the others get. Keep the handle, work "
+                    "= dist.<collective>(..., async_op=True), and call work.wait() before reading its output and "
+                    "before the step returns (or leave out async_op=True).")
+    return None
 
 
 def _stop_pool_if_out_of_step(world_size: int, kinds: list[list[str]]) -> None:

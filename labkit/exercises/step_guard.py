@@ -6,7 +6,9 @@ Traffic is counted where torch hands each collective to the process group (Proce
 in ProcessGroup.send and .recv (`labkit.exercises.guard`), and converted to the bytes each rank sends in the ring
 algorithm (`Collective.sent_nbytes`). Calls that would move data past that count raise `ForbiddenCall` while the
 step is graded: point-to-point messages, object collectives, reduce/gather/scatter/all_to_all, coalesced forms,
-the backend's methods and the c10d operators under torch.ops (functional collectives).
+the backend's methods and the c10d operators under torch.ops (functional collectives). Each collective's handle
+is watched (`labkit.exercises.average_guard.watch_waits`), so that one started with async_op=True and never waited
+for is named as such.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 import labkit
 from labkit.checks import whole
+from labkit.exercises.average_guard import watch_waits
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import Guard
 
@@ -62,6 +65,8 @@ class Collective:
     world_size: int
     root: int | None = None  # a broadcast's source
     contribution: list[float] | None = None
+    waited: bool = True  # False for one started with async_op=True whose handle the step never waited for, ...
+    future: bool = False  # ... and whether it took the handle's future (work.get_future())
 
     def sent_nbytes(self) -> int:
         """The bytes this rank sends in the collective's ring algorithm (notebook 03's ring; Patarasuk & Yuan
@@ -103,26 +108,34 @@ class StepGuard(Guard):
     def __init__(self):
         super().__init__()
         self.calls: list[Collective] = []
+        self._works: list[tuple[object, Collective]] = []  # (handle, the call it belongs to)
 
     def __enter__(self) -> StepGuard:
         try:
             self.switch_off_torch_distributed(allowed=_STEP_ALLOWED, point_to_point=False)
             for name, kind in _COUNTED.items():
                 self._record(name, kind)
+            watch_waits(self._works, self._saved)
         except BaseException:
             self._restore()
             raise
         return self
 
     def _record(self, name: str, kind: str) -> None:
-        """Record each call of ProcessGroup.`name` as a Collective of `kind`, then make it."""
+        """Record each call of ProcessGroup.`name` as a Collective of `kind`, then make it and watch its handle: a
+        blocking call (its options' asyncOp False) waits itself."""
         import torch.distributed as dist
 
         original = vars(dist.ProcessGroup)[name]
 
         def recorded(group, *args, **kwargs):
-            self.calls.append(_collective(kind, name, group, args, kwargs))
-            return original(group, *args, **kwargs)
+            call = _collective(kind, name, group, args, kwargs)
+            options = next((a for a in (*args, *kwargs.values()) if hasattr(a, "asyncOp")), None)
+            call.waited = not getattr(options, "asyncOp", True)
+            self.calls.append(call)
+            work = original(group, *args, **kwargs)
+            self._works.append((work, call))
+            return work
 
         self._saved.append((dist.ProcessGroup, name, original))
         setattr(dist.ProcessGroup, name, recorded)

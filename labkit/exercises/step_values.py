@@ -142,8 +142,10 @@ def _first_wrong_elements(rank: int, got: torch.Tensor, found: list[str], numel:
     expected = reference_step(numel, world_size, dtype)
     first = next(i for i, c in enumerate(found) if c != "right")
     stop = next((i for i in range(first, numel) if found[i] != found[first]), numel)
-    owner = next(r for r in range(world_size) if sum(sizes[:r + 1]) > first)
+    owner, last_owner = (next(r for r in range(world_size) if sum(sizes[:r + 1]) > i) for i in (first, stop - 1))
     owner_start = sum(sizes[:owner])
+    where = f"They are in rank {owner}'s slice, {element_span(owner_start, owner_start + sizes[owner])}." \
+        if owner == last_owner else f"They span the slices of ranks {owner} to {last_owner}."
     one = stop - first == 1
     what = {"unchanged": "is unchanged" if one else "are unchanged",
             "summed": "moved by lr x the sum of the gradients, not their average",
@@ -154,5 +156,5 @@ def _first_wrong_elements(rank: int, got: torch.Tensor, found: list[str], numel:
         f" N = {world_size} does not divide {numel}: shard_sizes gives the first {numel % world_size} rank(s) one "
         "element more, and rank r's slice starts at sum(sizes[:r]); param.split(sizes) cuts exactly these slices.")
     return (f"on rank {rank}, {element_span(first, stop)} {what} (expected {shown_values(expected[first:stop])}). "
-            f"They are in rank {owner}'s slice, {element_span(owner_start, owner_start + sizes[owner])}. Every element "
-            f"belongs to exactly one slice, updated once by its owner and then sent to every rank.{uneven}")
+            f"{where} Every element belongs to exactly one slice, updated once by its owner and then sent to every "
+            f"rank.{uneven}")

@@ -12,9 +12,9 @@ from processes import alive_after
 
 import labkit
 from labkit.exercises import ForbiddenCall, Verdict, check_sharded_step, ring_nbytes_per_rank, step_inputs
-from labkit.exercises.step_guard import LR, Collective, StepGuard
+from labkit.exercises.step_guard import LR, Collective, StepGuard, StepOutcome
 from labkit.exercises.step_nbytes import step_nbytes_bounds
-from labkit.exercises.step_values import TOLERANCES, reference_step
+from labkit.exercises.step_values import TOLERANCES, reference_step, wrong_step
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes
 
@@ -77,6 +77,14 @@ def test_no_rank_s_gradient_is_the_average_so_every_mistake_shows():
         grads = [step_inputs(r, 5)[1] for r in range(world_size)]
         average = sum(grads) / world_size
         assert not any(torch.allclose(g, average) for g in grads)
+
+
+def test_wrong_elements_in_several_slices_are_not_said_to_be_in_one():
+    """A param left all zeros on 3 ranks: the run of wrong elements covers every slice, and the message says so."""
+    outcomes = [StepOutcome([0.0] * 6, None, True, "float32 on cpu", "float32 on cpu") for _ in range(3)]
+    message = wrong_step(outcomes, 6, torch.float32)
+    assert "on rank 0, elements 0 to 5 hold [0, 0, 0, 0, 0, 0]" in message, message
+    assert "They span the slices of ranks 0 to 2." in message and "rank 0's slice" not in message, message
 
 
 def ring_collective(kind, numel, n, rank, root=None):

@@ -622,6 +622,21 @@ def step_gather_list_then_cat(param, grad, lr):
     param.copy_(torch.cat([g[:size] for g, size in zip(gathered, sizes, strict=True)]))
 
 
+def step_sgd_optimizer_on_slice(param, grad, lr):
+    """torch.optim.SGD on a copy of the owned slice (the optimizer ZeRO-1 shards), its first use under the guard;
+    async collectives, each waited for."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads), async_op=True).wait()
+    shard = torch.nn.Parameter(params[rank].clone())
+    shard.grad = my_grad / n
+    torch.optim.SGD([shard], lr=lr).step()
+    params[rank].copy_(shard.detach())
+    works = [dist.broadcast(params[owner], src=owner, async_op=True) for owner in range(n)]
+    for work in works:
+        work.wait()
+
+
 # ---- ZeRO-1's sharded step: wrong solutions --------------------------------------------------------------
 
 def gather_padded(param, params, sizes, rank, n):
@@ -766,6 +781,30 @@ def step_skips_empty_slice(param, grad, lr):
     step_padded_all_gather(param, grad, lr)
 
 
+def step_all_gather_never_waited(param, grad, lr):
+    """The padded all-gather started with async_op=True and copied out without wait()."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    mine = param.new_zeros(sizes[0])
+    mine[:sizes[rank]] = params[rank]
+    gathered = [param.new_zeros(sizes[0]) for _ in range(n)]
+    dist.all_gather(gathered, mine, async_op=True)
+    for p, g in zip(params, gathered, strict=True):
+        p.copy_(g[:p.numel()])
+
+
+def step_reduce_scatter_never_waited(param, grad, lr):
+    """The reduce-scatter started with async_op=True, never waited for; the update reads my_grad at once."""
+    rank, n, sizes, params, grads = cut(param, grad)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads), async_op=True)
+    params[rank].sub_(lr * my_grad / n)
+    for owner in range(n):
+        dist.broadcast(params[owner], src=owner)
+
+
 def step_sends(param, grad, lr):
     rank, n, sizes, params, grads = cut(param, grad)
     for owner in range(n):
@@ -792,7 +831,8 @@ def step_reduce_then_broadcast(param, grad, lr):
     dist.broadcast(param, src=0)
 
 
-STEP_RIGHT = [step_padded_all_gather, step_broadcast_from_owners, step_tensor_api, step_gather_list_then_cat]
+STEP_RIGHT = [step_padded_all_gather, step_broadcast_from_owners, step_tensor_api, step_gather_list_then_cat,
+              step_sgd_optimizer_on_slice]
 STEP_WRONG = [  # (wrong solution, what its verdict must say)
     (step_sums, "the sum of the gradients over the ranks: average them"),
     (step_without_reduce_scatter, "updated with its owner's own gradient: the gradients were never summed"),
@@ -810,6 +850,10 @@ STEP_WRONG = [  # (wrong solution, what its verdict must say)
     (step_float32_buffers, "Make every buffer like the tensor it holds a piece of"),
     (step_unpadded_all_gather, "gloo's all_gather wants every rank's tensor the same size"),
     (step_skips_empty_slice, "rank(s) [2, 3] had returned. Every rank must make the same collectives"),
+    (step_all_gather_never_waited, "rank 0 started an all_gather of 24 bytes in chunks of [8] (sends 16) with "
+                                   "async_op=True and never waited for it"),
+    (step_reduce_scatter_never_waited, "rank 0 started a reduce_scatter of 24 bytes in chunks of [8] (sends 16) "
+                                       "with async_op=True and never waited for it"),
     (step_sends, "called torch.distributed.isend. This step is built from collectives"),
     (step_catches_the_guard, "torch.distributed.all_gather_object (and caught the error; it still counts)"),
     (step_functional, "called torch.ops._c10d_functional.all_reduce"),
