@@ -12,9 +12,10 @@ rendezvous store, files, sockets) is not counted, so such a solution fails the t
 
 Graded code may import parts of torch for the first time while the guard is on (its first torch.optim step
 imports torch._dynamo, and through it FSDP and DTensor). Those imports work: torch's functional collectives,
-which register autograd formulas on the c10d operators when imported, are imported before the guard goes on; a
-replaced operator still hands out its overloads (`.default`) and schema, and refuses only to be called; and what
-a module imported under the guard binds (DTensor binds dist.broadcast) calls the original once the guard is off.
+which register autograd formulas on the c10d operators when imported (that needs the operators themselves), are
+imported before the guard goes on; a replaced operator still has its schema and its overloads (`.default`, which
+refuse to be called too), and refuses only to be called; and what a module imported under the guard binds
+(DTensor binds dist.broadcast) calls the original once the guard is off.
 """
 
 from __future__ import annotations
