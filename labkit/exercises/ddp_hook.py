@@ -10,8 +10,10 @@ back into its `p.grad`. That is torch's DistributedDataParallel (Li et al., "PyT
 Accelerating Data Parallel Training", VLDB 2020, 3.2.2 gradient bucketing, 3.2.3 overlapping computation with
 communication). DDP's own rule, buckets of at most `bucket_nbytes` (a bigger gradient alone), passes too.
 
-`check_bucketed_ddp_hook(attach)` trains the same small model on 3, then 2 gloo ranks, each rank on its own equal
-shard of one batch, a few SGD steps (`labkit.exercises.ddp_hook_guard`). A solution passes only if, on every rank:
+`check_bucketed_ddp_hook(attach)` trains the same small model on 3 gloo ranks with bucket_nbytes = 480 (a last
+bucket left for finish()), then on 2 with 216 (a first bucket of exactly 216 bytes: a bucket full only above the
+limit, or one that counts only its newest gradient, makes other buckets), each rank on its own equal shard of one
+batch, a few SGD steps (`labkit.exercises.ddp_hook_guard`). A solution passes only if, on every rank:
 
 - it communicated through dist.all_reduce only (torch's DDP and labkit.parallel's BucketedDDP and
   average_gradients are switched off), with hooks from register_post_accumulate_grad_hook, not register_hook;
@@ -37,6 +39,7 @@ from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.average_guard import BATCH, OutOfStep
 from labkit.exercises.ddp_hook_guard import (
     BUCKET_NBYTES,
+    EXACT_BUCKET_NBYTES,
     STEPS,
     attempt_hook,
     ddp_reference,
@@ -51,7 +54,8 @@ from labkit.launch.errors import NoReply
 
 __all__ = ["HOOK_CASES", "TOLERANCE", "check_bucketed_ddp_hook", "expected_buckets"]
 
-HOOK_CASES = (3, 2)  # three first: a missing division by N shows as 3x
+HOOK_CASES = ((3, BUCKET_NBYTES), (2, EXACT_BUCKET_NBYTES))  # (world_size, bucket_nbytes); 3 first: a missing
+# division by N shows as 3x
 TOLERANCE = 1e-9  # float64: a right answer is within 1e-15 of DDP's; every mistake is off by far more
 REFERENCE_SECONDS = 120.0  # torch's DDP, the grader's own run: its first use in a rank imports for seconds
 _NAMED = [(name, p.numel()) for name, p in hook_model().named_parameters()]
@@ -82,23 +86,23 @@ def check_bucketed_ddp_hook(attach, *, timeout_seconds: float = TIMEOUT_SECONDS)
         return Verdict(False, "pass your function itself, e.g. check_bucketed_ddp_hook(attach), not "
                               f"{type(attach).__name__}.")
     alone = one_process_run()
-    for world_size in HOOK_CASES:
-        problem = _case_problem(attach, world_size, alone, timeout_seconds)
+    for world_size, bucket_nbytes in HOOK_CASES:
+        problem = _case_problem(attach, world_size, bucket_nbytes, alone, timeout_seconds)
         if problem:
             return Verdict(False, f"On {world_size} ranks (a batch of {BATCH} rows, {BATCH // world_size} per "
                                   f"rank), {problem}")
-    cases = " and ".join(map(str, HOOK_CASES))
-    return Verdict(True, f"on {cases} ranks your hooks all-reduced the gradients in buckets as the backward made "
+    cases = " and ".join(f"{world_size} ranks (bucket_nbytes = {nbytes} bytes)" for world_size, nbytes in HOOK_CASES)
+    return Verdict(True, f"on {cases} your hooks all-reduced the gradients in buckets as the backward made "
                          f"them, each as soon as it was full, the first while loss.backward() was still running, "
                          f"and finish() waited for every one, once; after it every gradient equals torch's "
                          f"DistributedDataParallel's and the whole batch's in one process, at each of {STEPS} SGD "
                          "steps. That is DDP's bucketing and overlap (Li et al. 2020, 3.2.2-3.2.3).")
 
 
-def _case_problem(attach, world_size: int, alone, timeout_seconds: float) -> str | None:
+def _case_problem(attach, world_size: int, bucket_nbytes: int, alone, timeout_seconds: float) -> str | None:
     """What is wrong with attach on `world_size` ranks, or None. torch's DDP runs only for the values' check."""
     try:
-        outcomes = labkit.run(attempt_hook, attach, world_size=world_size, timeout=timeout_seconds)
+        outcomes = labkit.run(attempt_hook, attach, bucket_nbytes, world_size=world_size, timeout=timeout_seconds)
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
         return _hang_message(hang, timeout_seconds)
     except labkit.RankError as error:
@@ -106,10 +110,10 @@ def _case_problem(attach, world_size: int, alone, timeout_seconds: float) -> str
     if any([launch.numel for launch in o.launches] != [launch.numel for launch in outcomes[0].launches]
            for o in outcomes):
         stop_pool(world_size)
-    problem = _calls_problem(outcomes)
+    problem = _calls_problem(outcomes, bucket_nbytes)
     if problem:
         return problem
-    ddp = labkit.run(ddp_reference, world_size=world_size, timeout=REFERENCE_SECONDS)
+    ddp = labkit.run(ddp_reference, bucket_nbytes, world_size=world_size, timeout=REFERENCE_SECONDS)
     _check_reference(ddp, alone)
     return _values_problem(outcomes, ddp)
 
@@ -141,24 +145,51 @@ def expected_buckets(ready: list[int], bucket_nbytes: int = BUCKET_NBYTES) -> li
     """The buckets (lists of parameter indices) that gradients ready in the order `ready` make: under the
     exercise's rule (send once a bucket holds at least bucket_nbytes), then under DDP's (at most bucket_nbytes,
     a bigger gradient alone)."""
-    at_least, at_most, bucket, capped = [], [], [], []
+    at_most, capped = [], []
     for index in ready:
-        nbytes = _NAMED[index][1] * _ITEM_NBYTES
-        if capped and _nbytes(capped) + nbytes > bucket_nbytes:
+        if capped and _nbytes(capped) + _nbytes([index]) > bucket_nbytes:
             at_most.append(capped)
             capped = []
-        capped, bucket = capped + [index], bucket + [index]
-        if _nbytes(bucket) >= bucket_nbytes:
-            at_least.append(bucket)
+        capped = capped + [index]
+    return [_filled(ready, lambda bucket: _nbytes(bucket) >= bucket_nbytes), at_most + [capped] * bool(capped)]
+
+
+def _filled(ready: list[int], full) -> list[list[int]]:
+    """The buckets that gradients ready in the order `ready` make when a bucket is sent as soon as full(bucket),
+    the rest last."""
+    buckets, bucket = [], []
+    for index in ready:
+        bucket = bucket + [index]
+        if full(bucket):
+            buckets.append(bucket)
             bucket = []
-    return [at_least + [bucket] * bool(bucket), at_most + [capped] * bool(capped)]
+    return buckets + [bucket] * bool(bucket)
+
+
+_MISTAKEN_RULES = (  # (when a wrong rule calls a bucket full, for a limit in bytes; what to tell the student)
+    (lambda bucket, limit: _nbytes(bucket[-1:]) >= limit,
+     "the bucket is full when the gradients IN it reach bucket_nbytes, not when one gradient does. Add up the "
+     "bytes of every gradient in the bucket, not only the newest p.grad's."),
+    (lambda bucket, limit: _nbytes(bucket) > limit,
+     "a bucket that reaches exactly bucket_nbytes is full. Send it once its gradients hold at least "
+     "bucket_nbytes (>=), not only once they hold more (>)."),
+)
+
+
+def _mistaken_rule(numels: list[int], ready: list[int], bucket_nbytes: int) -> str | None:
+    """What to tell a student whose all_reduce sizes are the buckets of a known wrong rule, or None."""
+    for full, mistake in _MISTAKEN_RULES:
+        buckets = _filled(ready, lambda bucket, full=full: full(bucket, bucket_nbytes))
+        if numels == [_nbytes(b) // _ITEM_NBYTES for b in buckets]:
+            return mistake
+    return None
 
 
 def _nbytes(indices: list[int]) -> int:
     return sum(_NAMED[i][1] for i in indices) * _ITEM_NBYTES
 
 
-def _calls_problem(outcomes) -> str | None:
+def _calls_problem(outcomes, bucket_nbytes: int) -> str | None:
     """A refused call, a wrong hook, no overlap, a wait too early or never, or all_reduces that are not the buckets."""
     for rank, outcome in enumerate(outcomes):
         if outcome.forbidden:
@@ -169,7 +200,7 @@ def _calls_problem(outcomes) -> str | None:
             return problem
     for rank, outcome in enumerate(outcomes):
         for step in range(STEPS):
-            problem = _buckets_problem(rank, step, outcome)
+            problem = _buckets_problem(rank, step, outcome, bucket_nbytes)
             if problem:
                 return problem
     return None
@@ -239,19 +270,19 @@ def _early_message(rank: int, step: int, call: str) -> str:
             "Keep the handles and wait for them all in finish(), after the backward.")
 
 
-def _buckets_problem(rank: int, step: int, outcome) -> str | None:
+def _buckets_problem(rank: int, step: int, outcome, bucket_nbytes: int) -> str | None:
     """The step's all_reduce sizes against the buckets that the order the gradients became ready makes."""
     launches = [launch for launch in outcome.launches if launch.step == step]
     numels = [launch.numel for launch in launches]
     ready = outcome.order[step]
-    options = expected_buckets(ready)
+    options = expected_buckets(ready, bucket_nbytes)
     matching = [option for option in options if numels == [_nbytes(b) // _ITEM_NBYTES for b in option]]
     if matching:
         late = [_late_bucket(launches, option) for option in matching]
         return None if None in late else _late_message(rank, step, *late[0])
     total, sizes = sum(n for _, n in _NAMED), sorted(n for _, n in _NAMED)
     where = f"at step {step + 1} rank {rank} all-reduced {len(numels)} tensor(s) of {numels} elements"
-    rule = (f"With bucket_nbytes = {BUCKET_NBYTES} bytes ({BUCKET_NBYTES // _ITEM_NBYTES} float64 numbers) and the "
+    rule = (f"With bucket_nbytes = {bucket_nbytes} bytes ({bucket_nbytes // _ITEM_NBYTES} float64 numbers) and the "
             f"gradients ready in the order {', '.join(f'{_NAMED[i][0]} ({_NAMED[i][1]})' for i in ready)}, the "
             f"buckets hold {[_nbytes(b) // _ITEM_NBYTES for b in options[0]]} elements.")
     if sorted(numels) == sizes:
@@ -265,6 +296,9 @@ def _buckets_problem(rank: int, step: int, outcome) -> str | None:
     if sum(numels) > total:
         return (f"{where}: {sum(numels)} numbers, more than the {total} of the gradients: a gradient went out "
                 f"twice. Empty the bucket after sending it, and start each step with an empty one. {rule}")
+    mistake = _mistaken_rule(numels, ready, bucket_nbytes)
+    if mistake:
+        return f"{where}, not the buckets: {mistake} {rule}"
     return (f"{where}, not the buckets. {rule} Send a bucket as soon as it holds at least bucket_nbytes, counting "
             "a gradient's bytes as p.grad.numel() * p.grad.element_size() (8 for each float64 number).")
 

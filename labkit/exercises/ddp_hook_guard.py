@@ -24,11 +24,15 @@ import labkit
 from labkit.exercises.average_guard import BATCH, AverageGuard, average_batch, sgd_step
 from labkit.models import mlp
 
-__all__ = ["BUCKET_NBYTES", "STEPS", "HookGuard", "HookOutcome", "Launch", "attempt_hook", "ddp_reference",
-           "hook_model", "last_hook_attempt", "one_process_run"]
+__all__ = ["BUCKET_NBYTES", "EXACT_BUCKET_NBYTES", "STEPS", "HookGuard", "HookOutcome", "Launch", "attempt_hook",
+           "ddp_reference", "hook_model", "last_hook_attempt", "one_process_run"]
 
 STEPS = 2  # the second step shows a finish() that does not start afresh: it uses the first step's handles
-BUCKET_NBYTES = 480  # 60 float64 gradients: buckets of 99, 72 and a last partial 56 of the model's 227
+# The gradients become ready as 3, 24, 8, 64, 8, 64, 8, 48 float64 numbers (the model's 227, last layer first).
+BUCKET_NBYTES = 480  # 60 numbers: buckets of 99, 72 and a last partial 56, which only finish() can send
+# 27 numbers: the first two gradients fill a bucket exactly (3 + 24), then buckets of 72, 72 and 56. A bucket that
+# counts only its newest gradient makes 99, 72, 56 instead; one full only above the limit (>) makes 35, 64, 72, 56.
+EXACT_BUCKET_NBYTES = 216
 _MiB = 2 ** 20  # torch DDP's bucket_cap_mb counts MiB
 
 
@@ -63,10 +67,10 @@ def one_process_run() -> tuple[list[list[list[float]]], list[list[float]]]:
     return grads, _weights(model)
 
 
-def ddp_reference() -> tuple[list[list[list[float]]], list[list[float]]]:
-    """On a rank: the same training under torch's DistributedDataParallel (buckets of at most BUCKET_NBYTES):
+def ddp_reference(bucket_nbytes: int = BUCKET_NBYTES) -> tuple[list[list[list[float]]], list[list[float]]]:
+    """On a rank: the same training under torch's DistributedDataParallel (buckets of at most bucket_nbytes):
     each step's averaged gradients, and the parameters at the end. No guard: it is the grader's own run."""
-    model = torch.nn.parallel.DistributedDataParallel(hook_model(labkit.device()), bucket_cap_mb=BUCKET_NBYTES / _MiB)
+    model = torch.nn.parallel.DistributedDataParallel(hook_model(labkit.device()), bucket_cap_mb=bucket_nbytes / _MiB)
     x, y = average_batch(labkit.device())
     grads = []
     for _ in range(STEPS):
@@ -223,8 +227,8 @@ class HookOutcome:
 _last: dict = {}  # on a rank: the hooks and all_reduce sizes of the last attempt, for a run that raised
 
 
-def attempt_hook(attach) -> HookOutcome:
-    """On a rank: finish = attach(model, BUCKET_NBYTES), then STEPS SGD steps on this rank's shard, each
+def attempt_hook(attach, bucket_nbytes: int = BUCKET_NBYTES) -> HookOutcome:
+    """On a rank: finish = attach(model, bucket_nbytes), then STEPS SGD steps on this rank's shard, each
     zero_grad, forward, backward (the student's hooks fire), finish(), step; under a HookGuard throughout."""
     model, twin = hook_model(labkit.device()), hook_model(labkit.device())
     outcome = HookOutcome()
@@ -233,7 +237,7 @@ def attempt_hook(attach) -> HookOutcome:
     guard = HookGuard(model, outcome.order)
     try:
         with guard:
-            finish = attach(model, BUCKET_NBYTES)
+            finish = attach(model, bucket_nbytes)
             if callable(finish):
                 _train(model, twin, finish, guard, outcome)
             else:

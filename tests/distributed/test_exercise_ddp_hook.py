@@ -212,6 +212,9 @@ def test_expected_buckets_under_both_rules():
     at_least, at_most = expected_buckets(ready)
     assert at_least == [[7, 6, 5, 4], [3, 2], [1, 0]]   # 99, 72, then the last 56, not full, sent by finish()
     assert at_most == [[7, 6, 5], [4], [3], [2], [1, 0]]  # 35, 64 alone, 8, 64 alone, 56
+    at_least, at_most = expected_buckets(ready, 216)  # 27 numbers: the first two gradients fill it exactly
+    assert at_least == [[7, 6], [5, 4], [3, 2], [1, 0]]  # 27, 72, 72, 56 (full, sent by its hook)
+    assert at_most == [[7, 6], [5], [4], [3], [2], [1], [0]]
 
 
 # ---- wrong solutions: each rejected, naming its mistake ----------------------------------------------------
@@ -461,6 +464,54 @@ def labkit_bucketed(model, bucket_nbytes):
 
 def returns_nothing(model, bucket_nbytes):
     closures(model, bucket_nbytes)
+
+
+def newest_gradient_only(model, bucket_nbytes):
+    """The bucket called full when its newest gradient alone holds bucket_nbytes, never its running total: at 480
+    bytes only the 64-number weights reach it, and each completes a real bucket anyway."""
+    bucket, in_flight = [], []
+
+    def hook(p):
+        bucket.append(p)
+        if p.grad.numel() * p.grad.element_size() >= bucket_nbytes:
+            flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+            in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
+            bucket.clear()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return _finish(bucket, in_flight, send_rest=True)
+
+
+def strictly_more(model, bucket_nbytes):
+    """'>' where the exercise says 'at least': a bucket of exactly bucket_nbytes waits for one more gradient."""
+    bucket, in_flight = [], []
+
+    def hook(p):
+        bucket.append(p)
+        if sum(q.grad.nbytes for q in bucket) > bucket_nbytes:
+            flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+            in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
+            bucket.clear()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return _finish(bucket, in_flight, send_rest=True)
+
+
+@pytest.mark.parametrize(("attach", "named"), [
+    (newest_gradient_only, "[99, 72, 56] elements, not the buckets: the bucket is full when the gradients IN it "
+                           "reach bucket_nbytes, not when one gradient does"),
+    (strictly_more, "[35, 64, 72, 56] elements, not the buckets: a bucket that reaches exactly bucket_nbytes is "
+                    "full"),
+])
+def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
+    """Rules that 480 bytes cannot tell from the right one: the second case's 216 bytes (27 numbers) can."""
+    verdict = check_bucketed_ddp_hook(attach, record=False)
+    assert not verdict and named in verdict.message, verdict
+    assert verdict.message.startswith("On 2 ranks (a batch of 24 rows, 12 per rank), "), verdict
+    assert "With bucket_nbytes = 216 bytes (27 float64 numbers)" in verdict.message, verdict
+    assert "the buckets hold [27, 72, 72, 56] elements" in verdict.message, verdict
 
 
 @pytest.mark.parametrize(("attach", "named"), [
