@@ -7,7 +7,8 @@ rank ends where one process trained on the whole batch from rank 0's initial mod
 parameters before the first step, then, after each backward, all-reduce every gradient and divide it by N
 (Li et al., "PyTorch Distributed", VLDB 2020, 3.2.1 and 3.2.2's "broadcast model states from one process").
 
-The grader sees each rank's parameters at every forward (a forward pre-hook) and at the end, and compares them,
+The grader sees each rank's parameters at every training forward (a forward hook; a forward counts once a
+backward reaches its output, so one that only logs the loss is no step) and at the end, and compares them,
 in float64 within 1e-9, with one process's: where the first step goes wrong, the update a rank applied,
 (p_k - p_k+1) / lr, says what is wrong with it (summed and not divided, divided by another number than N, not
 averaged, gradients piling up without zero_grad, some parameters only). The exercise is gradient averaging with
@@ -15,7 +16,8 @@ dist.broadcast and dist.all_reduce: every other collective is switched off (gath
 whole batch everywhere is not data parallel), and so is an all_reduce of the parameters themselves once training
 has begun (parameter averaging, which plain SGD cannot tell from gradient averaging but Adam can). torch's
 DistributedDataParallel and labkit.parallel's broadcast_parameters and average_gradients do the fix for you and
-are switched off too.
+are switched off too. A broadcast or all_reduce started with async_op=True must be waited for (its handle or its
+future; labkit.exercises.average_guard.watch_waits watches them): one never waited for is named first.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.average_guard import BATCH, average_batch, ready_made_caller
+from labkit.exercises.average_guard import BATCH, average_batch, ready_made_caller, watch_waits
 from labkit.exercises.guard import Guard, first_failure, stop_pool, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
@@ -53,10 +55,28 @@ _NAMES = [name for name, _ in fix_model(0).named_parameters()]
 
 @dataclass
 class FixOutcome:
-    """One rank's run: its parameters (flattened per parameter) at each forward and at the end."""
+    """One rank's run: its parameters (flattened per parameter) at each training forward (one whose output a
+    backward went through: a forward under torch.no_grad() to log the loss is not a step) and at the end, and the
+    collectives it started with async_op=True and never waited for."""
 
+    forwards: list[tuple[list[list[float]], list[bool]]] = field(default_factory=list)  # (parameters, trained?)
     starts: list[list[list[float]]] = field(default_factory=list)
     final: list[list[float]] = field(default_factory=list)
+    unwaited: list[tuple[str, bool]] = field(default_factory=list)  # (what, whether its future was taken)
+
+    def watch_forward(self, module: torch.nn.Module, output) -> None:
+        """A forward hook: note the parameters of a forward that builds a graph, marked trained once a backward
+        reaches its output (a tensor hook), so that only training forwards count as steps."""
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            trained = [False]
+            self.forwards.append((_flat(module), trained))
+            output.register_hook(lambda grad: trained.__setitem__(0, True))
+
+    def close(self, model: torch.nn.Module) -> None:
+        """After the run: the training forwards' parameters, and the parameters at the end."""
+        self.starts = [params for params, trained in self.forwards if trained[0]]
+        self.forwards = []
+        self.final = _flat(model)
 
 
 PARAMETER_AVERAGE = "dist.all_reduce on the parameters themselves after training began"
@@ -71,6 +91,7 @@ class FixGuard(Guard):
     def __init__(self, model: torch.nn.Module, outcome: FixOutcome):
         super().__init__()
         self._model, self._outcome = model, outcome
+        self._works: list[tuple[object, _Call]] = []  # (handle, the call it belongs to), for watch_waits
 
     def __enter__(self) -> FixGuard:
         try:
@@ -79,7 +100,8 @@ class FixGuard(Guard):
             self._replace(torch.nn.parallel.DistributedDataParallel, "__init__",
                           "torch.nn.parallel.DistributedDataParallel")
             for name in ("allreduce", "broadcast"):
-                self._refuse_ready_made(name)
+                self._watch(name)
+            watch_waits(self._works, self._saved)
         except BaseException:
             self._restore()
             raise
@@ -91,18 +113,44 @@ class FixGuard(Guard):
         ready_made = ready_made_caller()
         super().refuse(f"labkit.parallel's {ready_made}" if ready_made else spelling)
 
-    def _refuse_ready_made(self, name: str) -> None:
+    def unwaited(self) -> list[tuple[str, bool]]:
+        """The collectives started with async_op=True whose handle the student's code never waited for (named,
+        and whether their future was taken);
+        they are waited for now, so that the ranks end in step and the parameters stop changing."""
+        left = [(work, call) for work, call in self._works if not call.waited]
+        for work, _ in left:
+            work.wait()  # the guard is off by now: Work.wait is torch's own again
+        return [(call.what, call.future) for _, call in left]
+
+    def _watch(self, name: str) -> None:
+        """ProcessGroup.`name` (allreduce or broadcast) watched: the ready-made fixes and parameter averaging
+        refused, and each call's handle recorded so that watch_waits sees whether it was waited for."""
         original = vars(dist.ProcessGroup)[name]
 
         def watched(group, tensors, *args, **kwargs):
             if ready_made_caller():
                 self.refuse(name)
-            if name == "allreduce" and self._outcome.starts and self._holds_parameters(tensors):
+            if name == "allreduce" and self._outcome.forwards and self._holds_parameters(tensors):
                 self.refuse(PARAMETER_AVERAGE)
-            return original(group, tensors, *args, **kwargs)
+            options = next((a for a in (*args, *kwargs.values()) if hasattr(a, "asyncOp")), None)
+            call = _Call(self._describe(name, tensors), waited=not getattr(options, "asyncOp", True))
+            work = original(group, tensors, *args, **kwargs)
+            self._works.append((work, call))
+            return work
 
         self._saved.append((dist.ProcessGroup, name, original))
         setattr(dist.ProcessGroup, name, watched)
+
+    def _describe(self, name: str, tensors) -> str:
+        """'dist.broadcast of the parameter 0.weight', 'dist.all_reduce of the gradient of 0.bias', or '... of a
+        tensor of 48 elements': what a call was made on, for a message."""
+        tensor = tensors[0] if isinstance(tensors, (list, tuple)) else tensors
+        pointer = tensor.untyped_storage().data_ptr()
+        named = [(f"the parameter {n}", p) for n, p in self._model.named_parameters()] + [
+            (f"the gradient of {n}", p.grad) for n, p in self._model.named_parameters() if p.grad is not None]
+        what = next((n for n, t in named if t.untyped_storage().data_ptr() == pointer),
+                    f"a tensor of {tensor.numel()} elements")
+        return f"dist.{'all_reduce' if name == 'allreduce' else name} of {what}"
 
     def _holds_parameters(self, tensors) -> bool:
         """Whether an all_reduce's tensors are parameters: their memory, one's values, or all of them flattened."""
@@ -117,6 +165,16 @@ class FixGuard(Guard):
         return False
 
 
+@dataclass
+class _Call:
+    """One broadcast or all_reduce the student's code made: what it was made on, and whether it was waited for
+    (a call without async_op=True waits itself; watch_waits sets it for the others)."""
+
+    what: str
+    waited: bool
+    future: bool = False  # set by watch_waits when the handle's future was taken
+
+
 def _flat(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().reshape(-1).tolist() for p in model.parameters()]
 
@@ -127,13 +185,15 @@ def attempt_fix(fn) -> FixOutcome:
     model, (x, y) = fix_model(rank, labkit.device()), average_batch(labkit.device())
     rows = slice(rank * BATCH // world_size, (rank + 1) * BATCH // world_size)
     outcome = FixOutcome()
-    hook = model.register_forward_pre_hook(lambda module, args: outcome.starts.append(_flat(module)))
+    hook = model.register_forward_hook(lambda module, args, output: outcome.watch_forward(module, output))
+    guard = FixGuard(model, outcome)
     try:
-        with FixGuard(model, outcome):
+        with guard:
             fn(model, x[rows], y[rows], FIX_STEPS, FIX_LR)
     finally:
         hook.remove()
-    outcome.final = _flat(model)
+    outcome.unwaited = guard.unwaited()
+    outcome.close(model)
     return outcome
 
 
@@ -206,7 +266,25 @@ def _case_problem(fn, world_size: int, timeout_seconds: float) -> str | None:
         if "pool was stopped" not in error.headline:
             stop_pool(world_size)  # a rank that raised may have left the others' collectives unmatched
         return _error_message(error)
-    return _values_problem(outcomes, _reference(world_size))
+    return _unwaited_problem(outcomes) or _values_problem(outcomes, _reference(world_size))
+
+
+def _unwaited_problem(outcomes: list[FixOutcome]) -> str | None:
+    """The first collective a rank started with async_op=True and never waited for: until its handle's wait()
+    returns, the tensor may not hold the result yet (torch.distributed docs, "Synchronous and asynchronous
+    collective operations")."""
+    for rank, outcome in enumerate(outcomes):
+        if outcome.unwaited:
+            (what, future), more = outcome.unwaited[0], len(outcome.unwaited) - 1
+            others = f" (and {more} more like it)" if more else ""
+            taken = " It took the handle's future (work.get_future()) but never waited on it either." if future \
+                else ""
+            return (f"rank {rank} started {what}{others} with async_op=True and never waited: call .wait() on the "
+                    f"handle before using the tensor.{taken} With async_op=True the call returns at once, "
+                    "while the collective may still be running: what you read or change next races with it. Keep "
+                    "the handle, work = dist.<collective>(..., async_op=True), and call work.wait() before the "
+                    "tensor is used (or leave out async_op=True).")
+    return None
 
 
 def _error_message(error: labkit.RankError) -> str:
@@ -243,8 +321,9 @@ def _values_problem(outcomes: list[FixOutcome], ref: _Reference) -> str | None:
     """The first rank and step where the parameters leave one process's path, and why."""
     for rank, outcome in enumerate(outcomes):
         if len(outcome.starts) != FIX_STEPS:
-            return (f"rank {rank} ran {len(outcome.starts)} forward passes for steps={FIX_STEPS}: train exactly "
-                    "`steps` steps, one forward and one backward each.")
+            return (f"rank {rank} ran {len(outcome.starts)} forward passes with a backward for steps={FIX_STEPS}: "
+                    "train exactly `steps` steps, one forward and one backward each (a forward whose loss is only "
+                    "logged, with no backward, is not counted).")
     for rank, outcome in enumerate(outcomes):
         problem = _start_problem(rank, outcome.starts[0], ref.params[0], outcomes)
         if problem:

@@ -143,7 +143,28 @@ def broadcast_in_first_step(model, x, y, steps, lr):
         sgd(model, lr)
 
 
-@pytest.mark.parametrize("fix", [fixed_loop, flat_and_async, broadcast_in_first_step], ids=lambda f: f.__name__)
+def logs_loss(model, x, y, steps, lr):
+    """A realistic loop that logs the loss: once before the broadcast (gradients on, no backward) and after each
+    update under torch.no_grad(); neither forward is a training step."""
+    _ = F.cross_entropy(model(x), y).item()
+    for p in model.parameters():
+        dist.broadcast(p.data, 0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+            _ = F.cross_entropy(model(x), y).item()
+
+
+RIGHT = [fixed_loop, flat_and_async, broadcast_in_first_step, logs_loss]
+
+
+@pytest.mark.parametrize("fix", RIGHT, ids=lambda f: f.__name__)
 def test_right_fixes_pass(fix):
     verdict = check_fixed_training(fix, record=False, timeout_seconds=20)
     assert isinstance(verdict, Verdict) and verdict, verdict
@@ -303,7 +324,31 @@ def divide_by_two(model, x, y, steps, lr):
         sgd(model, lr)
 
 
+def async_all_reduce_no_wait(model, x, y, steps, lr):
+    """Each gradient all-reduced with async_op=True and divided at once, its handle never waited for."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad, async_op=True)
+            p.grad /= dist.get_world_size()
+        sgd(model, lr)
+
+
+def async_broadcast_no_wait(model, x, y, steps, lr):
+    """The initial broadcast started with async_op=True, its handles dropped."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0, async_op=True)
+    fixed_loop_without_broadcast(model, x, y, steps, lr)
+
+
 WRONG = [
+    (async_all_reduce_no_wait, "started dist.all_reduce of the gradient of 0.weight (and 11 more like it) with "
+                               "async_op=True and never waited: call .wait() on the handle"),
+    (async_broadcast_no_wait, "started dist.broadcast of the parameter 0.weight (and 3 more like it) with "
+                              "async_op=True and never waited: call .wait() on the handle"),
     (broken, "own random initialisation"),
     (fixed_loop_without_broadcast, "own random initialisation"),
     (no_divide, "not divided by N = 3"),
