@@ -52,11 +52,28 @@ def check_stack_map(answers: Mapping[str, str]) -> Verdict:
     if not wrong:
         return Verdict(True, "NCCL communicates, TensorRT-LLM optimizes, Triton serves, NIM packages, NeMo builds, "
                              "RAPIDS processes data.")
-    shuffled = " Each answer is used once, but not with its component." if sorted(given.values()) == choices else ""
-    hint = " NCCL is a communication library: not a training framework, not a scheduler, not a server." \
-        if "NCCL" in wrong else ""
     return Verdict(False, f"{len(STACK_MAP) - len(wrong)} of {len(STACK_MAP)} right; look again at "
-                          f"{', '.join(wrong)}.{shuffled}{hint}")
+                          f"{', '.join(wrong)}.{_shuffled(given, wrong, choices)}{_nccl_hint(given, wrong)}")
+
+
+def _shuffled(given: dict[str, str], wrong: list[str], choices: list[str]) -> str:
+    """When every answer is used once, the wrong ones hold each other's answers: say which, and how many are
+    right, so that 4 of 6 right does not read as all six wrong."""
+    if sorted(given.values()) != choices:
+        return ""
+    right = len(STACK_MAP) - len(wrong)
+    if not right:
+        return " Each answer is used once, but none is with its component."
+    return (f" Each answer is used once: the {right} right ones stay as they are, and {', '.join(wrong)} "
+            "hold each other's answers.")
+
+
+def _nccl_hint(given: dict[str, str], wrong: list[str]) -> str:
+    """For a wrong NCCL, contrast it with the choice given: what NCCL does, and that the choice is another's."""
+    if "NCCL" not in wrong:
+        return ""
+    return (" NCCL is a communication library: it moves tensors between GPUs (AllReduce, send/recv) during "
+            f"training; '{given['NCCL']}' is another component's job.")
 
 
 def _normalized(text: str) -> str:

@@ -25,7 +25,7 @@ def test_the_lesson_s_map_passes_with_any_case_and_spacing():
 def test_wrong_answers_are_named_without_the_right_ones():
     verdict = check_stack_map({**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"})
     assert not verdict and "4 of 6 right" in verdict.message and "NCCL, NeMo" in verdict.message
-    assert "not a training framework" in verdict.message
+    assert "'builds' is another component's job" in verdict.message  # the NCCL hint names the choice given
     assert_rejected({**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"}, "look again at NCCL, NeMo")
 
 
@@ -33,7 +33,15 @@ def test_a_shuffled_map_is_rejected_and_called_shuffled():
     names, verbs = list(STACK_MAP), list(STACK_MAP.values())
     shuffled = dict(zip(names, verbs[1:] + verbs[:1], strict=True))  # every answer used once, each one off
     assert_rejected(shuffled, "0 of 6 right")
-    assert_rejected(shuffled, "Each answer is used once, but not with its component.")
+    assert_rejected(shuffled, "Each answer is used once, but none is with its component.")
+
+
+def test_two_swapped_answers_say_how_many_are_right_and_which_are_not():
+    swapped = {**STACK_MAP, "NCCL": "packages", "NIM": "communicates"}  # a reviewer's probe
+    assert_rejected(swapped, "4 of 6 right; look again at NCCL, NIM.")
+    assert_rejected(swapped, "the 4 right ones stay as they are, and NCCL, NIM hold each other's answers")
+    assert_rejected(swapped, "'packages' is another component's job")
+    assert "scheduler" not in check_stack_map(swapped).message  # the hint names only the choices
 
 
 @pytest.mark.parametrize(("answers", "phrase"), [
