@@ -10,11 +10,16 @@ only if, in every case, on every rank:
   counted as one message (on gloo it is exactly a loop of them; NCCL ring code uses it to post a step's
   send and receive at once). The guard that switches collectives off and counts messages is in
   `labkit.exercises.guard`;
+- it waited for the handle of every dist.isend and dist.irecv it posted (work.wait(), or each request that
+  dist.batch_isend_irecv returns): the guard keeps the handles, so an unwaited message still arrives instead
+  of being lost with its dropped handle (on gloo the ranks would hang), and names the rank that left them;
 - its traffic is the algorithm's: every message through rank 0 for the hub, 2(N-1) chunks to the right
   neighbour for the ring, exactly the bytes each sends (`labkit.exercises.diagnosis`).
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
@@ -96,10 +101,35 @@ def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_
         return _error_message(error)
     problem = next((forbidden_message(rank, o.forbidden[0], True, _why_forbidden)
                     for rank, o in enumerate(outcomes) if o.forbidden), None)
-    problem = problem or wrong_values(outcomes, numel, ring) or traffic(outcomes, numel)
+    problem = problem or _unwaited_message(outcomes)
+    if problem:  # a handle never waited: the pool is stopped, whatever its messages did
+        stop_pool(world_size)
+        return problem
+    problem = wrong_values(outcomes, numel, ring) or traffic(outcomes, numel)
     if problem:
         _stop_pool_if_unmatched(world_size, [(o.sends, o.recvs) for o in outcomes])
     return problem
+
+
+def _unwaited_message(outcomes) -> str | None:
+    """The first rank that posted a dist.isend or dist.irecv and never waited for its handle, or None."""
+    rank, outcome = next(((r, o) for r, o in enumerate(outcomes) if o.unwaited), (None, None))
+    if outcome is None:
+        return None
+    counts = Counter(outcome.unwaited)
+    posted = ", ".join(f"{count} {_call(verb)}{'s' * (count > 1)} {'to' if verb == 'send' else 'from'} rank {peer}"
+                       for (verb, peer), count in sorted(counts.items()))
+    kinds = "/".join(sorted({_call(verb) for verb, _ in counts}))
+    return (f"rank {rank}'s {kinds} handle(s) were never waited ({posted}). "
+            "dist.isend and dist.irecv return at once, before the message has moved: call work.wait() on every "
+            "handle they return (for dist.batch_isend_irecv, req.wait() for each request in its list) before "
+            "you use or change the tensor or return. A dropped, unwaited handle can lose its message (on gloo "
+            "the ranks then hang) or let t change while it is still being sent.")
+
+
+def _call(verb: str) -> str:
+    """The call that posts an unwaited message of ProcessGroup `verb` ("send" or "recv")."""
+    return "isend" if verb == "send" else "irecv"
 
 
 def _stop_pool_if_unmatched(world_size: int, messages: list[tuple[list, list]]) -> None:
@@ -115,7 +145,8 @@ def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) 
     return (f"it never finished (stopped after {timeout_seconds:g} s): some rank waited for a message that never "
             f"came. {where}. Every send needs a matching recv on the other rank, in an order that cannot leave "
             "ranks all waiting: a blocking dist.send waits for its recv, so post sends with dist.isend before "
-            f"the blocking dist.recv, or order blocking calls by rank parity. Do all ranks agree on {agree}?")
+            "the blocking dist.recv (and wait every handle it returns), or order blocking calls by rank parity. "
+            f"Do all ranks agree on {agree}?")
 
 
 def _error_message(error: labkit.RankError) -> str:

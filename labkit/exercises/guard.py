@@ -8,7 +8,9 @@ for the whole process: torch.distributed's collective functions (in `torch.distr
 functional collectives), and labkit.comm's transport. They raise `ForbiddenCall`, which is reported even
 if `fn` catches it. Messages are counted in ProcessGroup.send and ProcessGroup.recv, where dist.send,
 dist.isend and dist.batch_isend_irecv all arrive, once per message. Data moved any other way (the
-rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check.
+rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check. The handle
+each message returns is kept (a dropped, unwaited isend can lose its message on gloo, and the run then hangs)
+and, in `attempt`, watched: a dist.isend or dist.irecv whose handle graded code never waited is reported.
 
 Graded code may import parts of torch for the first time while the guard is on (its first torch.optim step
 imports torch._dynamo, and through it FSDP and DTensor). Those imports work: torch's functional collectives,
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,9 +36,9 @@ import labkit
 from labkit.checks import whole
 from labkit.launch.errors import NoReply
 
-__all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "RefusedOperator", "attempt", "first_failure",
-           "forbidden_message", "forbidden_spelling", "messages_of_last_attempt", "rank_input", "stop_pool",
-           "where_ranks_waited"]
+__all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "Posted", "RefusedOperator", "attempt",
+           "first_failure", "forbidden_message", "forbidden_spelling", "messages_of_last_attempt", "rank_input",
+           "stop_pool", "where_ranks_waited"]
 
 POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
 
@@ -160,6 +163,18 @@ class Outcome:
     sends: list[tuple[int, int]] = field(default_factory=list)  # (dst, nbytes) per message, in order
     recvs: list[tuple[int, int]] = field(default_factory=list)  # (src, nbytes)
     forbidden: list[str] = field(default_factory=list)  # what it called that is switched off
+    unwaited: list[tuple[str, int]] = field(default_factory=list)  # ("send" or "recv", peer) never waited
+
+
+@dataclass
+class Posted:
+    """One message posted through ProcessGroup.send or .recv, and whether graded code waited for its handle
+    (`waited`, set by labkit.exercises.average_guard.WaitWatch; `future` when it took the handle's future)."""
+
+    verb: str  # "send" or "recv"
+    peer: int
+    waited: bool = False
+    future: bool = False
 
 
 class Guard:
@@ -174,6 +189,7 @@ class Guard:
         self.sends: list[tuple[int, int]] = []
         self.recvs: list[tuple[int, int]] = []
         self.forbidden: list[str] = []
+        self.posted: list[tuple[object, Posted]] = []  # (handle, message) per watched message, kept alive
         self.on = False  # True from the first replacement until everything is put back
         self._saved: list[tuple[object, str, object]] = []
 
@@ -255,10 +271,24 @@ class Guard:
 
         def counted(group, tensors, peer, *args, **kwargs):
             messages.append((int(peer), sum(t.numel() * t.element_size() for t in tensors)))
-            return original(group, tensors, peer, *args, **kwargs)
+            work = original(group, tensors, peer, *args, **kwargs)
+            if work is not None and not (tensors[0].is_cuda and _called_from("batch_isend_irecv")):
+                self.posted.append((work, Posted(name, int(peer))))
+            return work
 
         self._saved.append((dist.ProcessGroup, name, original))
         setattr(dist.ProcessGroup, name, counted)
+
+    def watch_waits(self) -> None:
+        """From now until the guard ends, note which posted messages' handles graded code waits for, however it
+        waits (labkit.exercises.average_guard.WaitWatch: wait(), is_completed(), the handle's future)."""
+        from labkit.exercises.average_guard import WaitWatch  # it imports this module
+
+        WaitWatch(self.posted).install(self._saved)
+
+    def unwaited(self) -> list[tuple[str, int]]:
+        """("send" or "recv", peer) of each posted message whose handle graded code never waited for."""
+        return [(message.verb, message.peer) for _, message in self.posted if not message.waited]
 
     def _restore(self) -> None:
         self.on = False
@@ -268,6 +298,15 @@ class Guard:
 
 
 _ABSENT = object()
+
+
+def _called_from(function: str) -> bool:
+    """Whether `function` is on this thread's call stack. On NCCL, dist.batch_isend_irecv coalesces its messages
+    into one handle, the one it returns: the handles of the single messages are torch's, not graded code's."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != function:
+        frame = frame.f_back
+    return frame is not None
 
 
 class RefusedOperator:
@@ -293,24 +332,28 @@ class RefusedOperator:
 
 
 _last_messages: tuple[list, list] = ([], [])  # on a rank: (sends, recvs) of the last graded call
+_last_handles: list = []  # on a rank: the last graded call's message handles, kept until the next call
 
 
 def attempt(fn, numel: int) -> Outcome:
     """On a rank: call fn on this rank's input under the guard; what happened, for the grader."""
-    global _last_messages
+    global _last_messages, _last_handles
     t = rank_input(labkit.rank(), numel, device=labkit.device())
     memory = t.data_ptr()
     guard = Guard()
     try:
         with guard:
+            guard.watch_waits()
             returned = fn(t)
     finally:
         _last_messages = (guard.sends, guard.recvs)
+        _last_handles = [work for work, _ in guard.posted]  # an unwaited message still arrives
     if isinstance(returned, torch.Tensor) and returned is not t:
         returned = returned.detach().tolist()
     else:
         returned = None
-    return Outcome(t.tolist(), returned, t.data_ptr() == memory, guard.sends, guard.recvs, guard.forbidden)
+    return Outcome(t.tolist(), returned, t.data_ptr() == memory, guard.sends, guard.recvs, guard.forbidden,
+                   guard.unwaited())
 
 
 def messages_of_last_attempt() -> tuple[list, list]:

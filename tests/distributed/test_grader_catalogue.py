@@ -487,6 +487,70 @@ def labkit_hub(t):
     comm.naive_allreduce(t)
 
 
+# ---- ring and hub: handles never waited (on gloo a dropped isend can lose its message: the ranks hang) -----
+
+def ring_isend_never_waited(t):
+    """The lesson's ring with dist.isend before the blocking dist.recv, but the isend's handle is dropped."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send, receive = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[receive])
+        dist.isend(chunks[send], right)
+        dist.recv(incoming, left)
+        chunks[receive] += incoming
+    for step in range(n - 1):
+        dist.isend(chunks[(rank - step) % n], right)
+        dist.recv(chunks[(rank - step - 1) % n], left)
+
+
+def ring_batch_waits_only_the_recv(t):
+    """dist.batch_isend_irecv, but only the receive's request is waited ("I only need what comes in")."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        reducing = step < n - 1
+        s = step if reducing else step - (n - 1)
+        send, receive = ((rank - s - 1) % n, (rank - s - 2) % n) if reducing else ((rank - s) % n, (rank - s - 1) % n)
+        incoming = torch.empty_like(chunks[receive])
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send].clone(), right),
+                                           dist.P2POp(dist.irecv, incoming, left)])
+        requests[1].wait()
+        chunks[receive].add_(incoming) if reducing else chunks[receive].copy_(incoming)
+
+
+def hub_isend_never_waited(t):
+    """Every send is a dist.isend whose handle is dropped; the receives block."""
+    rank, n = me()
+    if rank == 0:
+        incoming = torch.empty_like(t)
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            t += incoming
+        for dst in range(1, n):
+            dist.isend(t, dst)
+    else:
+        dist.isend(t, 0)
+        dist.recv(t, 0)
+
+
+def hub_irecv_never_waited(t):
+    """The hub posts every dist.irecv at once and sums the buffers without waiting for them."""
+    rank, n = me()
+    if rank == 0:
+        incoming = [torch.empty_like(t) for _ in range(1, n)]
+        for src, buffer in enumerate(incoming, start=1):
+            dist.irecv(buffer, src)
+        t += sum(incoming)
+        for dst in range(1, n):
+            dist.send(t, dst)
+    else:
+        dist.send(t, 0)
+        dist.recv(t, 0)
+
+
 RING_RIGHT = [ring_isend_irecv, ring_blocking_by_parity, ring_narrow_and_copy, ring_batch_isend_irecv]
 HUB_RIGHT = [hub_blocking, hub_isend_irecv, hub_buffer_then_copy, hub_batch_isend_irecv]
 
@@ -518,6 +582,8 @@ RING_WRONG = COLLECTIVES + [
     (ring_new_memory, "pointed at new memory"),
     (ring_blocking_sends_deadlock, "a blocking dist.send waits for its recv"),
     (ring_from_any_source, "A dist.recv without src takes a message from any rank"),
+    (ring_isend_never_waited, "rank 0's isend handle(s) were never waited"),
+    (ring_batch_waits_only_the_recv, "rank 0's isend handle(s) were never waited"),
 ]
 HUB_WRONG = COLLECTIVES + [
     (labkit_hub, "labkit.comm's ring_allreduce and naive_allreduce are the course's own answer"),
@@ -530,6 +596,8 @@ HUB_WRONG = COLLECTIVES + [
     (hub_through_the_store, "rank 1 sent 0 bytes to rank 0, expected 20"),
     (hub_sends_objects, "a pickled Python object in two messages"),
     (hub_broadcasts_objects, "called torch.distributed.broadcast_object_list"),
+    (hub_isend_never_waited, "isend handle(s) were never waited"),
+    (hub_irecv_never_waited, "rank 0's irecv handle(s) were never waited (1 irecv from rank 1, 1 irecv from rank 2)"),
 ]
 
 
