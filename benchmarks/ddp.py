@@ -4,7 +4,7 @@ One MLP (512 -> 4 x 768 -> 16, 2.2 M parameters, 8.7 MB of float32 gradients), b
 Variants: "local" (forward, backward and step with no communication: the floor), "naive" (one all_reduce
 per gradient after the backward, labkit.parallel.average_gradients), "bucketed" (labkit.parallel.BucketedDDP)
 and "torch" (DistributedDataParallel), the last two with the same bucket size, uniform (torch 2.13 uses no
-smaller first bucket when bucket_cap_mb is given; BucketedDDP gets first_bucket_mb = bucket_mb to match).
+smaller first bucket when bucket_cap_mb is given, and neither does BucketedDDP when bucket_mb is).
 The variants take turns, in rotating order, several steps each per round; the median round counts, and a
 round's time is its slowest rank's (labkit.measure.seconds_taking_turns and slowest_rank_median).
 Target (issue: data parallelism): bucketed <= 1.15 x torch.
@@ -38,7 +38,7 @@ def make_variants(bucket_mb: float) -> dict:
     x, y = x.to(labkit.device()), y.to(labkit.device())
     local, naive = model(), model()
     broadcast_parameters(naive)
-    bucketed = BucketedDDP(model(), bucket_mb=bucket_mb, first_bucket_mb=bucket_mb)
+    bucketed = BucketedDDP(model(), bucket_mb=bucket_mb)
     theirs = DistributedDataParallel(model(), bucket_cap_mb=bucket_mb)
 
     def step(net, optimizer, after_backward=None):

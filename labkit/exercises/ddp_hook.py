@@ -8,7 +8,9 @@ one tensor, and starts a new bucket. `attach` returns `finish()`, which the trai
 it all-reduces the last bucket (not full), waits for every handle, divides by N and copies each averaged slice
 back into its `p.grad`. That is torch's DistributedDataParallel (Li et al., "PyTorch Distributed: Experiences on
 Accelerating Data Parallel Training", VLDB 2020, 3.2.2 gradient bucketing, 3.2.3 overlapping computation with
-communication). DDP's own rule, buckets of at most `bucket_nbytes` (a bigger gradient alone), passes too.
+communication). That is also torch DDP's rule for closing a bucket (torch 2.13's
+dist._compute_bucket_assignment_by_size: with the gradient that takes it to the cap or past it). The other
+common rule, buckets of at most `bucket_nbytes` (a bigger gradient alone), passes too.
 
 `check_bucketed_ddp_hook(attach)` trains the same small model on 3 gloo ranks with bucket_nbytes = 480 (a last
 bucket left for finish()), then on 2 with 216 (a first bucket of exactly 216 bytes: a bucket full only above the
@@ -19,9 +21,9 @@ batch, a few SGD steps (`labkit.exercises.ddp_hook_guard`). A solution passes on
   average_gradients are switched off), with hooks from register_post_accumulate_grad_hook, not register_hook;
 - its all_reduces are the buckets: as many as the gradients, in the order they became ready, make under the rule;
 - the first all_reduce of every step started while loss.backward() was still running, and every bucket's started
-  from the hooks as soon as the bucket was full, at the latest when the next gradient became ready (DDP's rule
-  sends a bucket then): an order counted in gradients, not a timing; so a hook that keeps every bucket until the
-  last gradient fails (overlap);
+  from the hooks as soon as the bucket was full, at the latest when the next gradient became ready (the
+  at-most rule sends a bucket then): an order counted in gradients, not a timing; so a hook that keeps every
+  bucket until the last gradient fails (overlap);
 - no handle was waited for before backward() returned, however: handle.wait(), an all_reduce without async_op,
   the handle's future (handle.get_future().wait(), torch.futures.wait_all), a loop on handle.is_completed() or on
   the future's done(), handle.result() or synchronize(), dist.barrier(); every handle was waited for, and none
@@ -143,8 +145,8 @@ def _last_attempts(error: labkit.RankError, world_size: int) -> list[dict] | Non
 
 def expected_buckets(ready: list[int], bucket_nbytes: int = BUCKET_NBYTES) -> list[list[list[int]]]:
     """The buckets (lists of parameter indices) that gradients ready in the order `ready` make: under the
-    exercise's rule (send once a bucket holds at least bucket_nbytes), then under DDP's (at most bucket_nbytes,
-    a bigger gradient alone)."""
+    exercise's rule, torch DDP's (send once a bucket holds at least bucket_nbytes), then under the at-most rule
+    (at most bucket_nbytes, a bigger gradient alone)."""
     at_most, capped = [], []
     for index in ready:
         if capped and _nbytes(capped) + _nbytes([index]) > bucket_nbytes:
@@ -306,7 +308,7 @@ def _buckets_problem(rank: int, step: int, outcome, bucket_nbytes: int) -> str |
 def _late_bucket(launches, option: list[list[int]]) -> tuple[int, int, int, int] | None:
     """The first bucket whose all_reduce started more than one gradient after the bucket was full, as (its number,
     its elements, the gradients ready when it was full, those ready when it started), or None. One gradient
-    later is allowed: DDP's rule sends a bucket when the next gradient would overflow it."""
+    later is allowed: the at-most rule sends a bucket when the next gradient would overflow it."""
     full = 0
     for number, (launch, bucket) in enumerate(zip(launches, option, strict=True), 1):
         full += len(bucket)

@@ -3,8 +3,9 @@ ranks average their gradients before each optimizer step, so that the replicas s
 
     broadcast_parameters(model)   step 0: group rank 0's parameters and buffers copied to every rank
     average_gradients(model)      the naive way: one all_reduce per gradient, after the backward
-    BucketedDDP(model)            torch DDP's way: gradients in buckets (25 MiB), last layer first, each
-                                  bucket all-reduced as soon as it is full, while the backward goes on
+    BucketedDDP(model)            torch DDP's way: gradients in buckets (a first one of 1 MiB, then 25 MiB),
+                                  last layer first, each bucket all-reduced as soon as it is full, while the
+                                  backward goes on
 
 Each takes `group=`: None for the whole world, or a sub-group (torch.distributed.new_group, the `dp` axis of a
 labkit.parallel.Mesh), whose ranks then average among themselves only, as torch's DistributedDataParallel does
@@ -32,10 +33,12 @@ from labkit import groups, measure
 from labkit.checks import number, shown, whole
 from labkit.parallel.counters import all_reduce_sum, record_collective
 
-__all__ = ["FIRST_BUCKET_MB", "Bucket", "BucketedDDP", "Event", "MiB", "average_gradients", "broadcast_parameters",
+__all__ = ["DEFAULT_BUCKET_MB", "FIRST_BUCKET_MB", "Bucket", "BucketedDDP", "Event", "MiB", "average_gradients",
+           "broadcast_parameters", "bucket_caps_mb",
            "pack_buckets"]
 
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
+DEFAULT_BUCKET_MB = 25.0  # torch DDP's bucket_cap_mb when none is given
 FIRST_BUCKET_MB = 1.0  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES: a small first bucket starts traffic early
 
 
@@ -204,10 +207,17 @@ class BucketedDDP(nn.Module):
       construction group rank 0's parameters and buffers are copied to the group's other ranks, after checking
       that every rank wraps the same model, on its labkit.device().
 
-    - Buckets hold at most `bucket_mb` MiB of gradients (a larger parameter gets one of its own); the first
-      at most `first_bucket_mb` (torch's 1 MiB; torch 2.13 DDP drops it when bucket_cap_mb is given). They
-      are filled in reverse parameter order, roughly the order the backward produces gradients, and
-      launched strictly in bucket order, so every rank issues the same collectives in the same order.
+    - Buckets are packed as torch DDP packs them (torch 2.13, `dist._compute_bucket_assignment_by_size`): a
+      bucket closes with the gradient that takes it to its cap or past it, so it can exceed the cap by that
+      one gradient, and a tensor is never split. The first bucket's cap is `first_bucket_mb`, the others'
+      `bucket_mb`. Left at None, they follow torch's DistributedDataParallel: with no bucket_mb, 25 MiB
+      buckets after a first one of 1 MiB (`dist._DEFAULT_FIRST_BUCKET_BYTES`), so that the first all_reduce
+      starts early in the backward; with a bucket_mb, the first bucket gets the same cap (torch 2.13 uses
+      its small first bucket only when bucket_cap_mb is not given). Buckets are filled in reverse parameter
+      order, roughly the order the backward produces gradients, and launched strictly in bucket order, so
+      every rank issues the same collectives in the same order. torch instead starts with one bucket for
+      everything and, after the first backward, rebuilds them in the order the gradients really arrived;
+      where that order is the reverse parameter order (a stack of layers), its buckets are these.
     - Frozen parameters are in no bucket; a tied parameter (one tensor in two modules) is in one.
     - Unused parameters: a bucket that a missing gradient keeps from filling is launched by finish(), with
       zeros for the missing gradients. Each bucket also sums one flag per parameter, how many ranks produced
@@ -243,18 +253,17 @@ class BucketedDDP(nn.Module):
         (True, True)
     """
 
-    def __init__(self, model: nn.Module, bucket_mb: float = 25.0, first_bucket_mb: float = FIRST_BUCKET_MB,
+    def __init__(self, model: nn.Module, bucket_mb: float | None = None, first_bucket_mb: float | None = None,
                  group=None):
         super().__init__()
-        bucket_mb = number("bucket_mb", bucket_mb, minimum=0, inclusive=False)
-        first_bucket_mb = number("first_bucket_mb", first_bucket_mb, minimum=0, inclusive=False)
+        bucket_mb, first_bucket_mb = bucket_caps_mb(bucket_mb, first_bucket_mb)
         self.module, self.group = model, group
         self.timeline: list[Event] = []
         self._sync, self._next, self._t0 = True, 0, None
         _check_replicas(model, 0, "BucketedDDP", group)
         _broadcast(model, 0, group)  # identical replicas, as torch DDP does at construction
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.buckets = pack_buckets(trainable[::-1], bucket_mb * MiB, min(first_bucket_mb, bucket_mb) * MiB)
+        self.buckets = pack_buckets(trainable[::-1], bucket_mb * MiB, first_bucket_mb * MiB)
         for handle in _hooks.pop(model, []):  # a model wrapped again: the old wrapper's hooks go
             handle.remove()
         _hooks[model] = [p.register_post_accumulate_grad_hook(
@@ -348,22 +357,38 @@ class BucketedDDP(nn.Module):
         self._next, self._t0 = 0, None
 
 
+def bucket_caps_mb(bucket_mb: float | None, first_bucket_mb: float | None) -> tuple[float, float]:
+    """(bucket_mb, first_bucket_mb) as torch 2.13's DistributedDataParallel sets them from bucket_cap_mb
+    (torch/nn/parallel/distributed.py, _BucketCapacityConfig): with none given, 25 MiB after a first bucket of
+    1 MiB; with one given, the same cap for the first bucket too. A first_bucket_mb given wins.
+
+    >>> bucket_caps_mb(None, None), bucket_caps_mb(4.0, None), bucket_caps_mb(4.0, 0.5)
+    ((25.0, 1.0), (4.0, 4.0), (4.0, 0.5))
+    """
+    default = bucket_mb is None
+    bucket_mb = DEFAULT_BUCKET_MB if default else number("bucket_mb", bucket_mb, minimum=0, inclusive=False)
+    if first_bucket_mb is None:
+        return bucket_mb, FIRST_BUCKET_MB if default else bucket_mb
+    return bucket_mb, number("first_bucket_mb", first_bucket_mb, minimum=0, inclusive=False)
+
+
 def pack_buckets(named: list[tuple[str, nn.Parameter]], cap: float, first_cap: float) -> list[Bucket]:
     """Group parameters (given in the order their gradients are expected) into buckets of one device and
-    dtype, each at most `cap` bytes (the first of each kind at most `first_cap`), in the order given."""
+    dtype, in the order given, by torch DDP's rule (torch 2.13's dist._compute_bucket_assignment_by_size): a
+    bucket closes as soon as it holds at least `cap` bytes (the first of each kind `first_cap`), with the
+    tensor that took it there, so it can exceed its cap by that one tensor; what is left forms the last."""
     closed: list[list[int]] = []
     open_: dict[tuple, list[int]] = {}
     sizes: dict[tuple, int] = {}
     had_one: set[tuple] = set()  # kinds whose first bucket is closed
     for position, (_, p) in enumerate(named):
         kind, nbytes = (p.device, p.dtype), p.numel() * p.element_size()
-        if kind in open_ and sizes[kind] + nbytes > (cap if kind in had_one else first_cap):
+        open_.setdefault(kind, []).append(position)
+        sizes[kind] = sizes.get(kind, 0) + nbytes
+        if sizes[kind] >= (cap if kind in had_one else first_cap):
             closed.append(open_.pop(kind))
+            sizes[kind] = 0
             had_one.add(kind)
-        if kind not in open_:
-            open_[kind], sizes[kind] = [], 0
-        open_[kind].append(position)
-        sizes[kind] += nbytes
     packed = sorted(closed + list(open_.values()), key=min)  # launched in the order they should fill
     buckets = []
     for index, positions in enumerate(packed):

@@ -16,7 +16,7 @@ from labkit.models import TinyGPT, char_batches, lesson_text, make_classificatio
 from labkit.parallel import BucketedDDP, average_gradients, broadcast_parameters, count_allreduces
 
 BATCH, STEPS = 24, 4  # 24 examples per step: 24, 12, 8 or 6 per rank on 1 to 4 ranks
-SMALL_MB = 0.004  # buckets of at most 4 KiB: mlp()'s 5.5 k parameters fill several
+SMALL_MB = 0.001  # buckets of about 1 KiB (one closes past it): mlp()'s 5.5 k parameters fill three
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -179,10 +179,24 @@ def against_torch_ddp(make_model, batches, optimizer, find_unused=False, steps=4
     return {
         "same": [torch.equal(a, b) for a, b in zip(ours_model.parameters(), torch_model.parameters(), strict=True)],
         "params": flat(ours_model), "initial": initial, "buckets": ours.buckets, "timeline": ours.timeline,
-        "counted": counted, "steps": steps,
+        "counted": counted, "steps": steps, "ours_layout": our_buckets(ours), "torch_layout": torch_buckets(theirs),
         "no_grad": [n for n, p in ours_model.named_parameters() if p.grad is None],
         "unique": {n: p.numel() for n, p in ours_model.named_parameters()},
     }
+
+
+def torch_buckets(ddp: DistributedDataParallel) -> list[list[int]] | None:
+    """torch DDP's buckets as it rebuilt them after its first backward, in the order the gradients arrived: lists
+    of parameter indices, from DDP's logging data (torch 2.13's "rebuilt_per_bucket_param_indices"); None where
+    it never rebuilds them (find_unused_parameters=True keeps its first layout)."""
+    rebuilt = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices")
+    return None if rebuilt is None else [[int(i) for i in bucket.split()] for bucket in rebuilt.split(",")]
+
+
+def our_buckets(ddp: BucketedDDP) -> list[list[int]]:
+    """BucketedDDP's buckets, as lists of indices into the model's trainable parameters."""
+    index = {n: i for i, (n, _) in enumerate((n, p) for n, p in ddp.module.named_parameters() if p.requires_grad)}
+    return [[index[n] for n in bucket.names] for bucket in ddp.buckets]
 
 
 def check_same_as_torch(results):
@@ -200,7 +214,11 @@ def test_bucketed_ddp_equals_torch_ddp_with_several_buckets():
     buckets, timeline = results[0]["buckets"], results[0]["timeline"]
     assert len(buckets) > 2
     assert [n for b in buckets for n in b.names] == [n for n, _ in mlp().named_parameters()][::-1]
-    assert all(b.nbytes <= SMALL_MB * 2**20 or len(b.names) == 1 for b in buckets)
+    # torch's rule: a bucket closes with the gradient that takes it to the cap or past it; the layout is torch's
+    cap = SMALL_MB * 2**20
+    gradient_nbytes = [(b.numel - b.params[-1].numel()) * 4 for b in buckets]  # without its last gradient
+    assert all(b.numel * 4 >= cap > before for b, before in zip(buckets[:-1], gradient_nbytes, strict=False))
+    assert results[0]["ours_layout"] == results[0]["torch_layout"] and len(buckets) == 3
     # the timeline: every gradient once, then its bucket launched, completed after; all before finish ends
     grads = [e for e in timeline if e.kind == "grad"]
     reduces = [e for e in timeline if e.kind == "all_reduce"]
@@ -212,6 +230,39 @@ def test_bucketed_ddp_equals_torch_ddp_with_several_buckets():
         assert 0 <= last_grad <= event.start <= event.end <= finish.end
         assert event.start < finish.start  # launched during the backward: overlapped
         assert event.nbytes == buckets[event.bucket].nbytes
+
+
+def default_buckets(steps=3):
+    """BucketedDDP and torch DDP with their default bucket sizes on a model of 1.4 MB: their buckets, in bytes
+    and as parameter indices, and whether the trained parameters agree."""
+    x, y = (t.to(labkit.device()) for t in make_classification(BATCH * steps))
+    ours_model, torch_model = (mlp(hidden=256, classes=8, layers=6, seed=labkit.rank()) for _ in range(2))
+    ours, theirs = BucketedDDP(ours_model), DistributedDataParallel(torch_model)
+    for net in (ours, theirs):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(steps):
+            optimizer.zero_grad()
+            F.cross_entropy(net(my_share(x, step)), my_share(y, step)).backward()
+            if net is ours:
+                ours.finish()
+            optimizer.step()
+    sizes = theirs._get_ddp_logging_data()["rebuilt_bucket_sizes"]
+    return {"ours": our_buckets(ours), "theirs": torch_buckets(theirs),
+            "ours nbytes": [b.numel * 4 for b in ours.buckets], "theirs nbytes": [int(n) for n in sizes.split(",")],
+            "gap": max((a - b).abs().max().item() for a, b in zip(ours_model.parameters(), torch_model.parameters(),
+                                                                   strict=True))}
+
+
+def test_default_buckets_are_torch_ddps_with_a_first_bucket_of_1_mib():
+    # torch DDP without bucket_cap_mb: a first bucket closed at 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), so the
+    # first all_reduce starts early, then 25 MiB buckets; BucketedDDP by default lays them out the same way
+    for r in labkit.run(default_buckets, world_size=2):
+        assert r["ours"] == r["theirs"] and r["ours nbytes"] == r["theirs nbytes"]
+        first, rest = r["ours nbytes"]
+        # closed by the 256 x 256 weight that took it past 1 MiB
+        assert first >= torch.distributed._DEFAULT_FIRST_BUCKET_BYTES == 2**20 > first - 256 * 256 * 4
+        assert rest < 25 * 2**20
+        assert r["gap"] < 1e-6  # float32: the same sums, possibly added in another order
 
 
 def test_frozen_parameters_are_in_no_bucket_and_do_not_hold_up_the_others():

@@ -103,7 +103,7 @@ def as_a_class(model, bucket_nbytes):
 
 
 def ddp_capped(model, bucket_nbytes):
-    """DDP's own rule: a bucket holds at most bucket_nbytes; a gradient that would overflow it starts the next.
+    """The at-most rule: a bucket holds at most bucket_nbytes; a gradient that would overflow it starts the next.
     The averages are assigned as new tensors; the futures waited through get_future()."""
     state = {"bucket": [], "works": []}
 
@@ -170,7 +170,7 @@ def accumulate_grad_nodes(model, bucket_nbytes):
 
 def divide_first_send_late(model, bucket_nbytes):
     """Each gradient divided by N before it goes out (DDP's own order); the full bucket is sent by the hook of the
-    NEXT gradient, before that gradient joins: one gradient late, as DDP's rule, still in time."""
+    NEXT gradient, before that gradient joins: one gradient late, as the at-most rule, still in time."""
     bucket, in_flight = [], []
 
     def send():

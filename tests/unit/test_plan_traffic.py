@@ -188,11 +188,11 @@ def test_wrong_types(call, match):
 
 
 @pytest.mark.parametrize("tensors, numel, cap_numel, buckets",
-                         [(12, 1000, 4000, 3), (10, 1000, 3500, 4), (7, 300, 1000, 3), (5, 64, 64, 5)])
+                         [(12, 1000, 4000, 3), (10, 1000, 3500, 3), (7, 300, 1000, 2), (5, 64, 64, 5)])
 def test_ddp_bucket_count_against_the_buckets_ddp_builds(tensors, numel, cap_numel, buckets):
-    # labkit's BucketedDDP packs like torch DDP, never splitting a tensor: with every tensor smaller than a
-    # bucket it needs at least the formula's count (10 x 1000 in 3500: 3 per bucket, 4 buckets, not 3), and
-    # exactly that many when the tensor size divides the bucket size
+    # torch DDP (and labkit's BucketedDDP) never split a tensor and close a bucket with the tensor that takes it
+    # to the cap or past it (10 x 1000 in 3500: 4 per bucket, 3 buckets), so every bucket but the last holds at
+    # least the cap: the formula's ceil(S / cap) is an upper bound, reached when the tensor size divides the cap
     import torch
 
     from labkit.parallel.data import pack_buckets
@@ -200,8 +200,37 @@ def test_ddp_bucket_count_against_the_buckets_ddp_builds(tensors, numel, cap_num
     cap = cap_numel * 4
     built = len(pack_buckets(params, cap, cap))
     formula = ddp_bucket_count(tensors * numel * 4, bucket_mb=cap / 2**20)
-    assert built == buckets and formula <= built
+    assert built == buckets and built <= formula
     assert formula == built or cap_numel % numel != 0
+
+
+@pytest.mark.parametrize("numels, cap_numel, first_cap_numel", [
+    ([150] * 5, 250, 250), ([150] * 5, 250, 150), ([150] * 5, 250, 125), ([150] * 5, 250, 300),
+    ([10, 500, 20, 30, 40, 700, 5, 5, 5], 100, 30), ([64] * 9, 64, 64), ([1000, 1, 1, 1000, 1], 500, 1)])
+def test_the_buckets_are_torch_ddps(numels, cap_numel, first_cap_numel):
+    # the same tensors, in the same order, bucketed by torch's own function (the one DDP calls, torch 2.13)
+    import torch
+    import torch.distributed as dist
+
+    from labkit.parallel.data import pack_buckets
+    tensors = [torch.zeros(n) for n in numels]
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, [first_cap_numel * 4, cap_numel * 4])
+    ours = pack_buckets([(str(i), torch.nn.Parameter(t)) for i, t in enumerate(tensors)], cap_numel * 4,
+                        first_cap_numel * 4)
+    assert [[int(name) for name in bucket.names] for bucket in ours] == theirs
+
+
+def test_the_buckets_are_torch_ddps_with_two_dtypes():
+    # one bucket sequence per dtype, each with its own small first bucket, in the order their first tensors come
+    import torch
+    import torch.distributed as dist
+
+    from labkit.parallel.data import pack_buckets
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.float64, torch.float32, torch.float32, torch.float64]
+    tensors = [torch.zeros(100, dtype=dtype) for dtype in dtypes]
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, [500, 900])
+    ours = pack_buckets([(str(i), torch.nn.Parameter(t)) for i, t in enumerate(tensors)], 900, 500)
+    assert [[int(name) for name in bucket.names] for bucket in ours] == theirs == [[0, 2], [1], [3, 6], [4, 5]]
 
 
 def test_ddp_bucket_count_rejects_an_empty_bucket():
