@@ -6,6 +6,7 @@
     ring_allgather(chunk)     every rank's chunk, in rank order
     broadcast(t, src)         binomial tree from src
     reduce(t, dst)            binomial tree into dst
+    tree_allreduce(t)         reduce into rank 0, then broadcast from it: 2 ceil(log2 N) steps of the whole S
 
 Inside a rank each runs on `group=` (None: the whole world; a group from `labkit.groups.new_group` or a
 mesh axis), whose members must all call it, and numbers ranks inside it: src, dst and the ring's
@@ -19,7 +20,8 @@ from labkit.comm.simulator import run_simulated, simulate
 from labkit.comm.torch_transport import TorchTransport, default_transport
 from labkit.comm.tracing import traced
 from labkit.comm.transport import Transfer, Transport
-from labkit.comm.tree import broadcast, reduce
+from labkit.comm.tree import broadcast, reduce, tree_allreduce
 
 __all__ = ["TorchTransport", "Transfer", "Transport", "broadcast", "default_transport", "naive_allreduce", "reduce",
-           "ring_allgather", "ring_allreduce", "ring_reduce_scatter", "run_simulated", "simulate", "traced"]
+           "ring_allgather", "ring_allreduce", "ring_reduce_scatter", "run_simulated", "simulate", "traced",
+           "tree_allreduce"]

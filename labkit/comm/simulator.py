@@ -107,7 +107,7 @@ def simulate(algorithm: str, world_size: int, numel: int, dtype: torch.dtype = t
     """The transfers of `algorithm` on `world_size` ranks for a tensor of `numel` elements, timed by the model.
 
     `algorithm` is a name in labkit.comm ("ring_allreduce", "naive_allreduce", "ring_reduce_scatter",
-    "ring_allgather", "broadcast", "reduce"). For ring_allgather, `numel` is each rank's chunk."""
+    "ring_allgather", "broadcast", "reduce", "tree_allreduce"). For ring_allgather, `numel` is each rank's chunk."""
     world_size, numel = whole("world_size", world_size), whole("numel", numel, minimum=0)
     inputs = [torch.zeros(numel, dtype=dtype) for _ in range(world_size)]
     return run_simulated(algorithm, inputs, *args, **kwargs)[2]

@@ -1,8 +1,11 @@
-"""Broadcast and Reduce by hand, along a binomial tree: ceil(log2 N) steps instead of N-1.
+"""Broadcast, Reduce and AllReduce by hand, along a binomial tree: ceil(log2 N) steps instead of N-1.
 
 In the broadcast, at step k every rank that already has the data (relative rank v < 2^k) sends it
 to v + 2^k; the reduce runs the same tree backwards, adding as it goes. Cost: lg(p) x (alpha + n beta)
-(Thakur, Rabenseifner & Gropp 2005).
+(Thakur, Rabenseifner & Gropp 2005). `tree_allreduce` is the reduce into rank 0, then the broadcast from it:
+2 lg(p) messages of the whole tensor on the longest path, where the ring sends 2(p-1) of 1/p of it, so the
+tree wins for small tensors on many ranks (latency) and the ring for large ones (bandwidth). NCCL's trees
+are pipelined double binary trees, which keep the logarithmic latency and add the bandwidth back.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from labkit.comm.ops import combiner, finish
 from labkit.comm.torch_transport import resolve_transport
 from labkit.comm.transport import Transport, check_rank, flat_buffer, write_back
 
-__all__ = ["broadcast", "reduce"]
+__all__ = ["broadcast", "reduce", "tree_allreduce"]
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, transport: Transport | None = None) -> torch.Tensor:
@@ -35,16 +38,21 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, transport: Tran
     transport = resolve_transport(transport, group, "broadcast")
     check_rank(transport, src, "broadcast's src")
     transport.check_same_tensors(tensor, "broadcast")
-    n, v = transport.world_size, (transport.rank - src) % transport.world_size
     flat = flat_buffer(tensor)
-    mask, step = 1, 0
+    _broadcast_flat(transport, flat, src)
+    return write_back(tensor, flat)
+
+
+def _broadcast_flat(transport: Transport, flat: torch.Tensor, src: int, first_step: int = 0) -> None:
+    """The binomial broadcast of `flat` from group rank `src`, its steps numbered from `first_step`."""
+    n, v = transport.world_size, (transport.rank - src) % transport.world_size
+    mask, step = 1, first_step
     while mask < n:
         if v < mask and v + mask < n:
             transport.send(flat, (v + mask + src) % n, step, "broadcast")
         elif mask <= v < 2 * mask:
             transport.recv(flat, (v - mask + src) % n)
         mask, step = mask * 2, step + 1
-    return write_back(tensor, flat)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", *, group=None,
@@ -54,9 +62,18 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", *, group=None,
     transport = resolve_transport(transport, group, "reduce")
     check_rank(transport, dst, "reduce's dst")
     transport.check_same_tensors(tensor, "reduce")
-    combine = combiner(op, tensor.dtype)
-    n, v = transport.world_size, (transport.rank - dst) % transport.world_size
     partial = tensor.detach().reshape(-1).clone()
+    _reduce_flat(transport, partial, dst, combiner(op, tensor.dtype))
+    if transport.rank == dst:
+        finish(op, partial, transport.world_size)
+        tensor.detach().copy_(partial.view(tensor.shape))
+    return tensor
+
+
+def _reduce_flat(transport: Transport, partial: torch.Tensor, dst: int, combine) -> int:
+    """The binomial reduce into group rank `dst`: `partial` holds this rank's subtree's combination afterwards
+    (the whole reduction on `dst`). Returns the number of steps the tree takes, ceil(log2 N)."""
+    n, v = transport.world_size, (transport.rank - dst) % transport.world_size
     incoming = transport.scratch(partial.numel(), partial, slot=0)
     mask, step = 1, 0
     while mask < n:
@@ -67,7 +84,27 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", *, group=None,
             transport.recv(incoming, (v + mask + dst) % n)
             combine(partial, incoming)
         mask, step = mask * 2, step + 1
-    if transport.rank == dst:
-        finish(op, partial, n)
-        tensor.detach().copy_(partial.view(tensor.shape))
-    return tensor
+    return (n - 1).bit_length()
+
+
+def tree_allreduce(tensor: torch.Tensor, op="sum", *, group=None, transport: Transport | None = None) -> torch.Tensor:
+    """Reduce `tensor` across the ranks of `group` (None: all ranks), in place, like `dist.all_reduce`: a binomial
+    reduce into group rank 0, then a binomial broadcast from it, 2 ceil(log2 N) steps of the whole tensor
+    (Thakur, Rabenseifner & Gropp 2005, section 4: lg p (alpha + n beta + n gamma) + lg p (alpha + n beta)).
+    Returns it.
+
+    >>> import labkit, torch
+    >>> from labkit import comm
+    >>> def sum_of_ranks():
+    ...     return comm.tree_allreduce(torch.tensor([float(labkit.rank())])).item()
+    >>> labkit.run(sum_of_ranks, world_size=3)                 # 0 + 1 + 2 on every rank
+    [3.0, 3.0, 3.0]
+    """
+    transport = resolve_transport(transport, group, "tree_allreduce")
+    transport.check_same_tensors(tensor, "tree_allreduce")
+    flat = flat_buffer(tensor)
+    steps = _reduce_flat(transport, flat, 0, combiner(op, tensor.dtype))
+    if transport.rank == 0:
+        finish(op, flat, transport.world_size)
+    _broadcast_flat(transport, flat, 0, first_step=steps)
+    return write_back(tensor, flat)

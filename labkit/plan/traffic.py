@@ -12,7 +12,8 @@ import math
 from labkit.checks import choice, finite_result, number, numbers_list, overflow_named, shown, whole
 
 __all__ = ["ALLREDUCE_ALGORITHMS", "GB", "allreduce_seconds", "bus_bandwidth", "busbw_factor", "ddp_bucket_count",
-           "fit_alpha_beta", "naive_allreduce_bytes", "ring_allreduce_bytes", "ring_reduce_scatter_bytes"]
+           "fit_alpha_beta", "naive_allreduce_bytes", "ring_allreduce_bytes", "ring_reduce_scatter_bytes",
+           "tree_beats_ring_below_nbytes"]
 
 GB = 1e9
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
@@ -26,7 +27,7 @@ _BUSBW_FACTORS = {
     "reduce": lambda n: 1.0,
     "alltoall": lambda n: (n - 1) / n,
 }
-ALLREDUCE_ALGORITHMS = ("ring", "naive", "recursive_doubling")
+ALLREDUCE_ALGORITHMS = ("ring", "naive", "recursive_doubling", "tree")
 
 
 def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
@@ -75,6 +76,9 @@ def allreduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency:
       ring:               2(p-1) alpha + 2(p-1)/p n beta + (p-1)/p n gamma
       naive (hub):        2(p-1) (alpha + n beta) + (p-1) n gamma: the hub receives, then sends, p-1 tensors
       recursive_doubling: lg p (alpha + n beta + n gamma): fewer messages, more bytes; wins for small n
+      tree:               2 lg p (alpha + n beta) + lg p n gamma: a binomial reduce into one rank, then a binomial
+                          broadcast from it (labkit.comm.tree_allreduce), each lg p whole-tensor steps
+      (lg p is ceil(log2 p): a tree over p ranks that are not a power of two still needs that many steps)
 
     >>> allreduce_seconds(14.0e9, 8, bandwidth=24.5e9)          # the lesson's 24.5 GB over 24.5 GB/s
     1.0
@@ -88,10 +92,37 @@ def allreduce_seconds(nbytes: float, world_size: int, bandwidth: float, latency:
         seconds = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
     elif algorithm == "naive":
         seconds = 2 * (p - 1) * (alpha + n * beta) + (p - 1) * n * gamma
+    elif algorithm == "tree":
+        steps = (int(p) - 1).bit_length()
+        seconds = 2 * steps * (alpha + n * beta) + steps * n * gamma
     else:
         seconds = math.ceil(math.log2(p)) * (alpha + n * (beta + gamma))
     return finite_result("allreduce_seconds", seconds, nbytes=nbytes, world_size=world_size, bandwidth=bandwidth,
                          latency=latency, gamma_seconds_per_byte=gamma_seconds_per_byte)
+
+
+def tree_beats_ring_below_nbytes(world_size: int, bandwidth: float, latency: float) -> float:
+    """The AllReduce size below which the binomial tree is faster than the ring on `world_size` ranks, in the
+    alpha-beta model with free arithmetic (gamma = 0); 0.0 where the ring is never slower.
+
+    Setting allreduce_seconds' ring and tree equal, 2(p-1) alpha + 2(p-1)/p n beta = 2L (alpha + n beta) with
+    L = ceil(log2 p) steps, gives n = alpha / beta x (p - 1 - L) / (L - (p-1)/p): the ring's latency term
+    2(p-1) alpha grows linearly with p, the tree's 2L alpha only logarithmically, so the size below which the
+    tree wins grows with p (Thakur, Rabenseifner & Gropp 2005, section 4; why NCCL also has tree algorithms).
+
+    >>> round(tree_beats_ring_below_nbytes(8, bandwidth=10e9, latency=20e-6))     # alpha/beta = 200 kB, x 4/2.125
+    376471
+    >>> tree_beats_ring_below_nbytes(2, bandwidth=10e9, latency=20e-6)           # one step either way
+    0.0
+    """
+    p = whole("world_size", world_size)
+    alpha, bandwidth = number("latency", latency), number("bandwidth", bandwidth, inclusive=False)
+    steps = (p - 1).bit_length()
+    if p - 1 - steps <= 0:
+        return 0.0
+    nbytes = alpha * bandwidth * (p - 1 - steps) / (steps - (p - 1) / p)
+    return finite_result("tree_beats_ring_below_nbytes", nbytes, world_size=world_size, bandwidth=bandwidth,
+                         latency=latency)
 
 
 def ddp_bucket_count(gradient_nbytes: float, bucket_mb: float = 25.0) -> int:

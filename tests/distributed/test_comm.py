@@ -33,7 +33,7 @@ def allreduce_both(algorithm, shape, dtype, seed):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
-@pytest.mark.parametrize("algorithm", ["ring_allreduce", "naive_allreduce"])
+@pytest.mark.parametrize("algorithm", ["ring_allreduce", "naive_allreduce", "tree_allreduce"])
 @SETTINGS
 @given(shape=shapes, dtype=st.sampled_from(DTYPES), seed=st.integers(0, 1000))
 def test_allreduce_matches_torch_in_place(world_size, algorithm, shape, dtype, seed):
@@ -111,11 +111,12 @@ def other_ops():
     for name, op in [("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), ("product", dist.ReduceOp.PRODUCT)]:
         expected = mine.clone()
         dist.all_reduce(expected, op=op)
-        results[name] = torch.equal(comm.ring_allreduce(mine.clone(), op=op), expected) and \
-            torch.equal(comm.ring_allreduce(mine.clone(), op=name), expected)
+        results[name] = all(torch.equal(allreduce(mine.clone(), op=how), expected)
+                            for allreduce in (comm.ring_allreduce, comm.tree_allreduce) for how in (op, name))
     total = mine.clone()
     dist.all_reduce(total)
-    results["avg"] = torch.allclose(comm.ring_allreduce(mine.clone(), op="avg"), total / labkit.world_size())
+    results["avg"] = all(torch.allclose(allreduce(mine.clone(), op="avg"), total / labkit.world_size())
+                         for allreduce in (comm.ring_allreduce, comm.tree_allreduce))
     return results
 
 
@@ -174,11 +175,12 @@ def one_rank():
     t = torch.tensor([1.0, 2.0])
     return [comm.ring_allreduce(t.clone()).tolist(), comm.naive_allreduce(t.clone()).tolist(),
             comm.ring_reduce_scatter(t).tolist(), comm.ring_allgather(t).tolist(),
-            comm.broadcast(t.clone(), 0).tolist(), comm.reduce(t.clone(), 0).tolist()]
+            comm.broadcast(t.clone(), 0).tolist(), comm.reduce(t.clone(), 0).tolist(),
+            comm.tree_allreduce(t.clone()).tolist()]
 
 
 def test_world_size_one_is_the_identity():
-    assert labkit.run(one_rank, world_size=1) == [[[1.0, 2.0]] * 6]
+    assert labkit.run(one_rank, world_size=1) == [[[1.0, 2.0]] * 7]
 
 
 # ---- how tensors travel per backend (the rules that matter on GPUs, checked here as pure functions) -----

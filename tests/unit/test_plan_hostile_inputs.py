@@ -82,6 +82,7 @@ VALID = {
     "ring_reduce_scatter_bytes": [{"nbytes": 1.4e10, "world_size": 8}],
     "busbw_factor": [{"collective": "allreduce", "world_size": 8}],
     "ddp_bucket_count": [{"gradient_nbytes": 1.4e10, "bucket_mb": 25.0}],
+    "tree_beats_ring_below_nbytes": [{"world_size": 64, "bandwidth": 1e10, "latency": 2e-5}],
 }
 HOSTILE = [
     0, -1, 0.0, -0.0, -2.5, math.nan, math.inf, -math.inf, 5e-324, 1e300, 1.7e308, -1.7e308,
@@ -96,7 +97,8 @@ def functions():
     """Every public function of labkit.plan (its __all__ less the constants), and traffic's unexported ones."""
     exported = {name: getattr(labkit.plan, name) for name in labkit.plan.__all__ if name not in CONSTANTS}
     return {**exported, **{name: getattr(traffic, name)
-                           for name in ("ring_reduce_scatter_bytes", "busbw_factor", "ddp_bucket_count")}}
+                           for name in ("ring_reduce_scatter_bytes", "busbw_factor", "ddp_bucket_count",
+                                        "tree_beats_ring_below_nbytes")}}
 
 
 def arguments(function) -> list[str]:

@@ -19,6 +19,7 @@ from labkit.plan.traffic import (
     naive_allreduce_bytes,
     ring_allreduce_bytes,
     ring_reduce_scatter_bytes,
+    tree_beats_ring_below_nbytes,
 )
 
 sizes = st.floats(1.0, 1e12)
@@ -67,6 +68,32 @@ def test_lesson_allreduce_takes_a_second_at_the_traffic_per_second():
     assert allreduce_seconds(14.0e9, 8, bandwidth=24.5e9) == pytest.approx(1.0)
 
 
+def test_the_tree_is_a_reduce_then_a_broadcast_of_the_whole_tensor():
+    alpha, bandwidth, n, gamma = 1e-5, 1e9, 8e6, 1e-10
+    for p, steps in ((2, 1), (4, 2), (5, 3), (8, 3), (9, 4), (1000, 10)):
+        expected = 2 * steps * (alpha + n / bandwidth) + steps * n * gamma
+        tree = allreduce_seconds(n, p, bandwidth, alpha, "tree", gamma_seconds_per_byte=gamma)
+        assert tree == pytest.approx(expected)
+    assert allreduce_seconds(n, 1, bandwidth, alpha, "tree") == 0.0
+
+
+@pytest.mark.parametrize("world_size", [4, 5, 8, 16, 64, 1000])
+def test_the_tree_beats_the_ring_exactly_below_the_crossover(world_size):
+    alpha, bandwidth = 2e-5, 1e10
+    crossover = tree_beats_ring_below_nbytes(world_size, bandwidth, alpha)
+    ring, tree = (lambda nbytes, a=a: allreduce_seconds(nbytes, world_size, bandwidth, alpha, a)
+                  for a in ("ring", "tree"))
+    assert crossover > 0 and ring(crossover) == pytest.approx(tree(crossover), rel=1e-12)
+    assert tree(0.99 * crossover) < ring(0.99 * crossover) and tree(1.01 * crossover) > ring(1.01 * crossover)
+
+
+def test_the_crossover_grows_with_the_ranks_and_is_zero_where_the_ring_never_loses():
+    sizes = [tree_beats_ring_below_nbytes(p, 1e10, 2e-5) for p in (4, 8, 64, 512, 4096)]
+    assert sizes == sorted(sizes) and sizes[-1] > 100 * sizes[0]
+    assert [tree_beats_ring_below_nbytes(p, 1e10, 2e-5) for p in (1, 2, 3)] == [0.0, 0.0, 0.0]
+    assert tree_beats_ring_below_nbytes(8, 1e10, 0.0) == 0.0      # no latency: the ring's bytes always win
+
+
 def test_recursive_doubling_wins_small_messages_and_the_ring_large_ones():
     alpha, bandwidth = 1e-5, 1e9
     small = {a: allreduce_seconds(1e3, 16, bandwidth, alpha, a) for a in ("ring", "recursive_doubling")}
@@ -75,7 +102,7 @@ def test_recursive_doubling_wins_small_messages_and_the_ring_large_ones():
 
 
 @given(nbytes=sizes, world_size=ranks, bandwidth=st.floats(1e6, 1e12), faster=st.floats(1.01, 100),
-       algorithm=st.sampled_from(["ring", "naive", "recursive_doubling"]))
+       algorithm=st.sampled_from(["ring", "naive", "recursive_doubling", "tree"]))
 def test_more_bandwidth_takes_less_time(nbytes, world_size, bandwidth, faster, algorithm):
     slow = allreduce_seconds(nbytes, world_size, bandwidth, 1e-6, algorithm)
     assert allreduce_seconds(nbytes, world_size, bandwidth * faster, 1e-6, algorithm) < slow
@@ -150,7 +177,7 @@ def test_sizes_past_the_largest_float_are_named():
     (lambda: allreduce_seconds(1.0, 2, -1e9), "bandwidth=-1000000000.0"),
     (lambda: allreduce_seconds(1.0, 2, math.inf), "bandwidth=inf"),
     (lambda: allreduce_seconds(1.0, 2, 1e9, latency=-1e-6), "latency=-1e-06"),
-    (lambda: allreduce_seconds(1.0, 2, 1e9, algorithm="tree"), "algorithm='tree'"),
+    (lambda: allreduce_seconds(1.0, 2, 1e9, algorithm="butterfly"), "algorithm='butterfly'"),
     (lambda: allreduce_seconds(1.0, 2, 1e9, gamma_seconds_per_byte=-1.0), "gamma_seconds_per_byte"),
     (lambda: allreduce_seconds(1.0, 0, 1e9), "world_size"),
     (lambda: bus_bandwidth("all_reduce", 1.0, 1.0, 2), "collective='all_reduce'"),

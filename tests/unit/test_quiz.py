@@ -153,7 +153,7 @@ def test_the_umbrella_term_is_right_for_the_general_constraint_and_a_trap_for_a_
 def test_every_summary_bullet_is_a_flashcard():
     cards = load_flashcards()
     assert sorted(card.back for card in cards) == sorted(summary_bullets())
-    assert {card.id for card in cards if card.note} == {"dp-never-fixes-too-large", "tp-node-pp-bubble"}
+    assert {card.id for card in cards if card.note} == {"dp-never-fixes-too-large", "tp-node-pp-bubble", "ring-scales"}
     assert all(card.front.strip() and card.front != card.back for card in cards)
     assert len({card.id for card in cards}) == len(cards)
 
@@ -287,6 +287,12 @@ def test_data_parallelism_is_said_to_pool_no_memory_only_when_replicated():
             assert "DDP" in text and ("FSDP" in text or "ZeRO" in text), where
     family = load_distractor_families()["dp-for-too-large"]
     assert family.startswith("Replicated data parallelism (DDP)")
+
+
+def test_the_ring_is_said_to_scale_in_bytes_not_in_latency():
+    """'About 2 x S whatever N' is the ring's bytes; its 2(N-1) messages, each paying alpha, grow with N."""
+    note = {card.id: card for card in load_flashcards()}["ring-scales"].note
+    assert "2(N-1)/N × S" in note and "2(N-1)·α grows with N" in note and "tree" in note and "NCCL" in note
 
 
 def test_tensor_parallel_traffic_is_bandwidth_heavy_and_its_arithmetic_is_right():

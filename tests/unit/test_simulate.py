@@ -13,7 +13,7 @@ from labkit.plan.traffic import allreduce_seconds, naive_allreduce_bytes, ring_a
 
 @settings(max_examples=40, deadline=None)
 @given(world_size=st.integers(1, 9), numel=st.integers(0, 50), segment_elements=st.integers(1, 8),
-       algorithm=st.sampled_from(["ring_allreduce", "naive_allreduce"]))
+       algorithm=st.sampled_from(["ring_allreduce", "naive_allreduce", "tree_allreduce"]))
 def test_simulated_allreduce_is_the_sum(world_size, numel, segment_elements, algorithm):
     inputs = [torch.randint(-5, 6, (numel,)).double() for _ in range(world_size)]
     expected = sum(inputs) if inputs else None
@@ -57,6 +57,18 @@ def test_model_times_show_the_hub_waiting_its_turn():
     model = {"latency": alpha, "bandwidth": 1 / beta}
     assert hub_time == pytest.approx(allreduce_seconds(nbytes, n, algorithm="naive", **model))
     assert ring_time == pytest.approx(allreduce_seconds(nbytes, n, algorithm="ring", **model))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 8, 9, 16])
+def test_the_tree_takes_2_log2_n_steps_of_the_whole_tensor(world_size):
+    nbytes, steps = 4000, (world_size - 1).bit_length()
+    events = comm.simulate("tree_allreduce", world_size, nbytes // 4)
+    assert sorted({e.step for e in events}) == list(range(2 * steps))
+    assert {e.phase for e in events if e.step < steps} == {"reduce"} and all(e.nbytes == nbytes for e in events)
+    assert len(events) == 2 * (world_size - 1)                    # every rank but the root: once in, once out
+    assert sum(e.src == 0 for e in events) == sum(e.dst == 0 for e in events) == steps   # the root's messages
+    model = {"latency": ALPHA_SECONDS, "bandwidth": 1 / BETA_SECONDS_PER_BYTE}
+    assert max(e.end for e in events) == pytest.approx(allreduce_seconds(nbytes, world_size, algorithm="tree", **model))
 
 
 def test_with_model_times_keeps_the_transfers():
