@@ -1,9 +1,11 @@
 """The owner's side of one world: N rank processes in one process group, ready for calls.
 
 A pool starts its ranks on its first call, so that the call's timeout bounds the start as well: the
-ranks must be ready within min(LABKIT_START_TIMEOUT, max(timeout, MIN_START_SECONDS)) seconds (never
-less than a cold start on a busy laptop needs), and the call then has its full timeout. The start
-fails as soon as one rank fails to start, saying where the others were still starting.
+ranks must be ready within min(LABKIT_START_TIMEOUT, max(timeout, the backend's cold start)) seconds
+(`start_budget_seconds`: never less than a cold start needs, on a busy laptop or on a GPU box whose driver
+has not initialised its GPUs yet), and the call then has its full timeout. A grader's 10 s per call is
+thus not its pool's start bound. The start fails as soon as one rank fails to start, saying where the
+others were still starting.
 
 A call sends the same cloudpickled payload to every rank and then pumps everything that comes back
 (replies, both output pipes, exit reports from the fork server) until every rank has answered, one
@@ -61,8 +63,9 @@ from labkit.launch.protocol import (
 )
 from labkit.launch.worker import health_probe
 
-__all__ = ["DEATH_DETAILS_SECONDS", "HEALTH_CHECK_SECONDS", "HEALTH_PROBE", "INTERRUPT_GRACE_SECONDS",
-           "MIN_START_SECONDS", "SETTLE_SECONDS", "STACK_WAIT_SECONDS", "Pool", "RankHandle", "start_budget_seconds"]
+__all__ = ["CUDA_INIT_SECONDS_PER_GPU", "DEATH_DETAILS_SECONDS", "HEALTH_CHECK_SECONDS", "HEALTH_PROBE",
+           "INTERRUPT_GRACE_SECONDS", "MIN_START_SECONDS", "SETTLE_SECONDS", "STACK_WAIT_SECONDS", "Pool", "RankHandle",
+           "cold_start_seconds", "start_budget_seconds"]
 
 SETTLE_SECONDS = 1.5  # after one rank fails, how long the others get to finish or fail too
 INTERRUPT_GRACE_SECONDS = 1.5  # after Ctrl-C, how long ranks get to stop by themselves
@@ -70,15 +73,33 @@ HEALTH_CHECK_SECONDS = 3.0
 STACK_WAIT_SECONDS = 2.0
 DEATH_DETAILS_SECONDS = 1.0  # to collect a dead rank's exit status and last stderr lines
 MIN_START_SECONDS = 10.0  # importing torch and forming a group, on 2 busy cores, takes seconds
+# A cold GPU box: NVIDIA's Driver Persistence docs ("Overview") give "a short (order of 1-3 second) startup cost per
+# GPU" for a GPU the driver has not initialised (ECC scrubbing), so 3 s per rank, as if one after another; and the
+# gloo start's allowance twice over, for importing torch with CUDA and for NCCL's communicator, which labkit
+# creates in init_process_group (device_id is bound, backend.py). Designed from those documented costs; no GPU here.
+CUDA_INIT_SECONDS_PER_GPU = 3.0
 
 _call_ids = itertools.count(1)
 HEALTH_PROBE = serialize.dumps((health_probe, (), {}))  # the call that checks a pool is still in step
 
 
-def start_budget_seconds(call_timeout_seconds: float, start_timeout_seconds: float) -> float:
-    """How long a pool started by a call may take to be ready: the call's timeout, but at least
-    MIN_START_SECONDS and at most the owner's start timeout (LABKIT_START_TIMEOUT)."""
-    return min(start_timeout_seconds, max(call_timeout_seconds, MIN_START_SECONDS))
+def start_budget_seconds(call_timeout_seconds: float, start_timeout_seconds: float, backend: str = "gloo",
+                         world_size: int = 1) -> float:
+    """How long a pool started by a call may take to be ready: the call's timeout, but at least a cold start
+    (`cold_start_seconds`) and at most the owner's start timeout (LABKIT_START_TIMEOUT).
+
+    >>> start_budget_seconds(10, 120), start_budget_seconds(10, 120, "nccl", 8)
+    (10, 44.0)
+    """
+    return min(start_timeout_seconds, max(call_timeout_seconds, cold_start_seconds(backend, world_size)))
+
+
+def cold_start_seconds(backend: str, world_size: int) -> float:
+    """The least time a pool of `world_size` ranks on `backend` is given to start: MIN_START_SECONDS on gloo; on
+    NCCL twice that plus CUDA_INIT_SECONDS_PER_GPU per rank (one GPU each)."""
+    if backend != "nccl":
+        return MIN_START_SECONDS
+    return 2 * MIN_START_SECONDS + CUDA_INIT_SECONDS_PER_GPU * world_size
 
 
 @dataclass
@@ -213,7 +234,8 @@ class Pool:
         tiny collective check that the group is still in step (not, say, one rank a collective ahead);
         if not, the pool is closed."""
         if not self.started:
-            self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds))
+            self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds, self.choice.backend,
+                                             self.world_size))
         call = Call(next(_call_ids), timeout_seconds, payload)
         self.last_call_id = call.call_id
         try:
