@@ -49,6 +49,7 @@ from labkit.launch.errors import (
     still_running,
 )
 from labkit.launch.forkserver import ForkServer, describe_exit
+from labkit.launch.inflight import BUFFER_SIZE, collectives_report, where_in_collectives
 from labkit.launch.output import STREAMS, RankOutput, release_held, start_call
 from labkit.launch.protocol import (
     Call,
@@ -168,6 +169,8 @@ class Pool:
             "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
             "PYTHONUNBUFFERED": "1", "LABKIT_RANK_PROCESS": "1",
         }
+        if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+            env["TORCH_FR_BUFFER_SIZE"] = str(BUFFER_SIZE)  # the hang report's Flight Recorder, on NCCL too
         return RankSpec(rank=rank, world_size=self.world_size, backend=self.choice.backend, store_path=store_path,
                         pg_timeout_seconds=pg_timeout_seconds, threads=threads, cwd=os.getcwd(),
                         sys_path=list(sys.path), env=env)
@@ -286,24 +289,28 @@ class Pool:
         """The results in rank order, or the one exception that says what went wrong; whether the pool
         is kept is decided here."""
         running = [r for r in self.ranks if not r.finished(call.call_id)]
-        stacks = self._stacks(running)
+        # Ranks still running: where each is, and from every live rank, the collectives it has not seen complete
+        stacks = self._stacks([r for r in self.ranks if not r.gone] if running else [])
         self._flush_output()
         replies = self._take_replies(call.call_id)
         self._close_if_group_destroyed(replies)
         failures = [self._death(r) for r in self.ranks if r.gone and r.rank not in replies]
         failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply.outcome != Outcome.OK]
-        failures += [Failure(r.rank, NoReply.STOPPED, *still_running(stacks[r.rank])) for r in running]
+        failures += [Failure(r.rank, NoReply.STOPPED, *_still_running(stacks[r.rank])) for r in running]
         if not failures:
             return [serialize.load_result(r, replies[r].body) for r in range(self.world_size)]
         if not (running or any(r.gone for r in self.ranks) or self.closed) and check_health:
             self._keep_if_in_step(replies)
         else:
             self.close()
-        raise self._call_error(failures, [r.rank for r in running], call.timeout_seconds)
+        notes = collectives_report({rank: stack.collectives if stack else None for rank, stack in stacks.items()})
+        raise self._call_error(failures, [r.rank for r in running], call.timeout_seconds, notes)
 
-    def _call_error(self, failures: list[Failure], running: list[int], timeout_seconds: float) -> Exception:
+    def _call_error(self, failures: list[Failure], running: list[int], timeout_seconds: float,
+                    notes: list[str]) -> Exception:
         """The exception a failed call raises: TypeError if every failure is an unpicklable result,
-        RankTimeout if every failure is a rank still running, RankError otherwise."""
+        RankTimeout if every failure is a rank still running, RankError otherwise; `notes` (which collective
+        each group's ranks are in) go under its headline."""
         restarted = "" if not self.closed else (
             f" The {self.world_size}-rank pool was stopped; the next call starts a fresh one"
             " (variables defined in %%ranks cells are gone)."
@@ -317,9 +324,9 @@ class Pool:
             done = [r.rank for r in self.ranks if r.rank not in running]
             finished = f" ({rank_list(done)} had returned)" if done else ""
             return RankTimeout(f"labkit.run timed out after {timeout_seconds:g} s: {rank_list(running)} "
-                               f"still running{finished}.{restarted}", failures)
+                               f"still running{finished}.{restarted}", failures, notes)
         failed = sorted({f.rank for f in failures if f.kind != NoReply.STOPPED})
-        return RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures)
+        return RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures, notes)
 
     def _take_replies(self, call_id: int) -> dict[int, Reply]:
         """Each rank's reply to `call_id`, by rank (those that replied); every rank's replies are cleared."""
@@ -485,6 +492,11 @@ class Pool:
             self._selector.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.store_path)
+
+
+def _still_running(stack: Stack | None) -> tuple[str, str]:
+    """errors.still_running for a stopped rank, with the collective it is in where its recorder said."""
+    return still_running(stack, where_in_collectives(stack.collectives) if stack else "")
 
 
 def _same_steps(steps: list[dict[str, int] | None]) -> bool:
