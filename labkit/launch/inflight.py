@@ -74,8 +74,9 @@ def summed_by_group(entries: list[dict], members: dict[str, tuple[int, ...]]) ->
         if not entry.get("retired") and entry.get("state") != "completed":
             operation = operation.lstrip("_")
             in_flight.setdefault(key, []).append((_RENAMED.get(operation, operation), seq))
-    return tuple(GroupCollectives(group, members[group], backend, count, tuple(sorted(in_flight.get(key, []),
-                                                                                      key=lambda op: op[1])))
+    # sorted by number, each once (should both recorders ever hold an entry, it is one collective)
+    return tuple(GroupCollectives(group, members[group], backend, count,
+                                  tuple(sorted(set(in_flight.get(key, [])), key=lambda op: (op[1], op[0]))))
                  for key, count in sorted(issued.items()) for group, backend in [key])
 
 

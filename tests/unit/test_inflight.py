@@ -25,6 +25,8 @@ def test_entries_are_summed_per_group_and_backend_and_open_ones_kept_in_order():
         GroupCollectives("0", WORLD, "nccl", 2, (("barrier", 1),)),  # a completed NCCL entry is not open
         GroupCollectives("1", (0, 1), "gloo", 1, ()),
     )  # point-to-point, and groups this rank is not in, left out
+    twice = [entry("nccl:all_reduce", 5, retired=False)] * 2  # one collective in both recorders: said once
+    assert summed_by_group(twice, {"0": WORLD})[0].in_flight == (("all_reduce", 5),)
 
 
 def record(issued, *in_flight, name="0", ranks=WORLD, backend="gloo"):
