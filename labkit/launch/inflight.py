@@ -99,7 +99,7 @@ def collectives_report(reported: dict[int, tuple[GroupCollectives, ...] | None])
             records.setdefault((record.name, record.backend), {})[rank] = record
     several = _groups_on_several_backends(reported.values())
     lines = []
-    for (_, _), by_rank in sorted(records.items()):
+    for _, by_rank in sorted(records.items()):
         if any(record.in_flight for record in by_rank.values()):
             some = next(iter(by_rank.values()))
             label = _label(some, several)
@@ -126,7 +126,7 @@ def _compare(members: tuple[int, ...], by_rank: dict[int, GroupCollectives], rep
             issued[rank] = record.issued if record else 0
         else:
             clusters.setdefault("past", []).append(rank)
-    facts = [_fact(kind, ranks, reference, k, issued, by_rank) for kind, ranks in _ordered(clusters, reference)]
+    facts = [_fact(kind, ranks, reference, k, issued) for kind, ranks in _ordered(clusters, reference)]
     return "; ".join(facts) + ". " + _verdict(clusters, reference, k)
 
 
@@ -138,7 +138,7 @@ def _ordered(clusters: dict[str, list[int]], reference: str) -> list[tuple[str, 
     return sorted(clusters.items(), key=rank_of)
 
 
-def _fact(kind: str, ranks: list[int], reference: str, k: int, issued: dict[int, int], by_rank: dict) -> str:
+def _fact(kind: str, ranks: list[int], reference: str, k: int, issued: dict[int, int]) -> str:
     who, plural = rank_list(ranks), len(ranks) > 1
     if kind.startswith("op:"):
         return f"{who} {'are' if plural else 'is'} in {kind[3:]} #{k}"
@@ -150,7 +150,7 @@ def _fact(kind: str, ranks: list[int], reference: str, k: int, issued: dict[int,
         return f"{who} never called {reference} #{k} ({'they have' if plural else 'it has'} issued {done})"
     if kind == "past":
         return f"{who} completed #{k} and {'are' if plural else 'is'} past it"
-    return f"{who} did not say (no Flight Recorder)"
+    return f"{who} did not say (no answer, or no Flight Recorder)"
 
 
 def _verdict(clusters: dict[str, list[int]], reference: str, k: int) -> str:

@@ -81,9 +81,9 @@ def test_groups_and_backends_are_named_and_a_silent_rank_is_said():
         "collectives there, all completed). So rank 2 diverged."]
     everyone = {r: record(3, ("all_reduce", 3), ranks=(0, 1, 2)) for r in (1, 2)} | {0: None}
     assert collectives_report(everyone) == [
-        "The default group: ranks 1-2 are in all_reduce #3; rank 0 did not say (no Flight Recorder). Every rank "
-        "that said called it, yet it has not completed: look for what they wait for outside this group (another "
-        "group's collective, a point-to-point message)."]
+        "The default group: ranks 1-2 are in all_reduce #3; rank 0 did not say (no answer, or no Flight Recorder). "
+        "Every rank that said called it, yet it has not completed: look for what they wait for outside this group "
+        "(another group's collective, a point-to-point message)."]
     assert collectives_report({r: record(3) for r in WORLD}) == []  # nothing open: nothing to say
 
 
