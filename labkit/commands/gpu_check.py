@@ -5,10 +5,11 @@
    - no CUDA build of torch and no NVIDIA driver: nothing to check, exit 0;
    - a CPU-only torch on a machine with an NVIDIA driver, or CUDA present but unusable: exit 1 with why;
    - GPUs: labkit's kernels against torch's collectives, BucketedDDP against torch's
-     DistributedDataParallel, tensor parallelism against the unsplit layers, and the pool's health
-     check, one rank per GPU under NCCL (at most labkit.MAX_WORLD_SIZE ranks). With one GPU, NCCL runs
-     at world size 1 (it needs one GPU per rank) and two ranks share the GPU over gloo, whose
-     collectives on CUDA tensors are broadcast and all_reduce only (PyTorch's distributed docs).
+     DistributedDataParallel, tensor parallelism against the unsplit layers, the pipeline executor's
+     1F1B against one process, and the pool's health check, one rank per GPU under NCCL (at most
+     labkit.MAX_WORLD_SIZE ranks). With one GPU, NCCL runs at world size 1 (it needs one GPU per rank)
+     and two ranks share the GPU over gloo, whose collectives on CUDA tensors are broadcast and
+     all_reduce only (PyTorch's distributed docs).
 3. Exit status 1 if any check fails.
 """
 
@@ -28,8 +29,8 @@ from labkit.measure import median_seconds
 from labkit.tables import text_table
 
 __all__ = ["KERNEL_DTYPES", "TIMED_NBYTES", "TOLERANCE", "DeviceFacts", "Plan", "Run", "backend_rows", "check_ddp",
-           "check_health", "check_kernels", "check_tp", "device_rows", "execute", "gather_facts", "main", "plan",
-           "print_table", "relative_error"]
+           "check_health", "check_kernels", "check_pipeline", "check_tp", "device_rows", "execute", "gather_facts",
+           "main", "plan", "print_table", "relative_error"]
 
 TIMED_NBYTES = 64 << 20
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.int16, torch.complex64)
@@ -134,7 +135,7 @@ def plan(facts: DeviceFacts, max_world_size: int = labkit.MAX_WORLD_SIZE) -> Pla
         result.notes.append("One GPU: NCCL needs one GPU per rank (two ranks on one device fail, 'Duplicate GPU "
                             "detected'), so NCCL runs at world size 1, where it moves nothing between ranks; two ranks "
                             "then share the GPU over gloo.")
-    result.runs.append(Run("nccl", world, None, ("kernels", "ddp", "tp", "health"),
+    result.runs.append(Run("nccl", world, None, ("kernels", "ddp", "tp", "pipeline", "health"),
                            f"NCCL, {world} rank{'s' if world > 1 else ''}, one GPU each"))
     if world == 1:
         result.runs.append(_shared_gloo_run())
@@ -254,6 +255,35 @@ def check_tp(device: str | None = None) -> list[tuple]:
              error <= 1e-12, "", "")]
 
 
+def check_pipeline(device: str | None = None) -> list[tuple]:
+    """labkit.parallel's pipeline executor, 1F1B over all the ranks (one stage each, 2p micro-batches), against one
+    process running the whole model on the whole batch, in float64: the loss and every stage's gradients agree
+    to 1e-12 (the executor sums micro-batches' scaled losses, one process takes the mean at once). Its messages
+    go between neighbouring stages over the backend's point-to-point (batch_isend_irecv on NCCL). The executor
+    puts its layers on labkit.device(); `device` is accepted for the table's sake only."""
+    import torch.nn.functional as F
+
+    from labkit.models import make_classification, mlp
+    from labkit.parallel import run_pipeline
+
+    stages = labkit.world_size()
+    model = mlp(hidden=16, layers=max(2, stages), dtype=torch.float64).to(labkit.device())
+    reference = mlp(hidden=16, layers=max(2, stages), dtype=torch.float64).to(labkit.device())
+    x, y = make_classification(8 * stages, dtype=torch.float64)
+    x, y = x.to(labkit.device()), y.to(labkit.device())
+    result = run_pipeline(model, "1f1b", 2 * stages, x, y, F.cross_entropy)
+    loss = F.cross_entropy(reference(x), y)
+    loss.backward()
+    mine = [i for layers in result.layers for i in layers]
+    errors = [relative_error(p.grad, q.grad) for i in mine
+              for p, q in zip(model[i].parameters(), reference[i].parameters(), strict=True)]
+    if result.loss is not None:
+        errors.append(relative_error(torch.tensor(result.loss, dtype=torch.float64), loss.detach().cpu()))
+    error = max(errors, default=0.0)
+    return [("1F1B pipeline vs one process", f"{stages} stage(s), {2 * stages} micro-batches: loss and gradients, "
+             f"max relative error {error:.1e}", error <= 1e-12, "", "")]
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest difference between `a` and the reference `b`, over `b`'s largest magnitude (0 when empty)."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-300)).item() if b.numel() else 0.0
@@ -289,6 +319,8 @@ def _on_ranks(checks: tuple[str, ...], device: str | None, timed_nbytes: int) ->
         rows += check_ddp(device)
     if "tp" in checks:
         rows += check_tp(device)
+    if "pipeline" in checks:
+        rows += check_pipeline(device)
     return rows
 
 

@@ -14,7 +14,13 @@ only if, in every case, on every rank:
   dist.batch_isend_irecv returns): the guard keeps the handles, so an unwaited message still arrives instead
   of being lost with its dropped handle (on gloo the ranks would hang), and names the rank that left them;
 - its traffic is the algorithm's: every message through rank 0 for the hub, 2(N-1) chunks to the right
-  neighbour for the ring, exactly the bytes each sends (`labkit.exercises.diagnosis`).
+  neighbour for the ring, exactly the bytes each sends (`labkit.exercises.diagnosis`);
+- its messages, in the order each rank posted them, would also complete on NCCL (GPUs), checked with
+  labkit.comm.stream_model: there a send or receive posted on its own blocks the rank's stream until its peer
+  runs the matching one, so a dist.isend before the dist.recv of the same step, which runs on gloo, hangs when
+  every rank does it (NCCL docs: ncclSend/ncclRecv are "blocking for the GPU"). Safe on both backends: each
+  step's send and receive in one dist.batch_isend_irecv, or by parity (even ranks send first, odd receive
+  first), as labkit.comm's Transport.exchange does.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections import Counter
 
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
+from labkit.comm.stream_model import stream_deadlock
 from labkit.exercises.diagnosis import hub_traffic, ring_traffic, unmatched, wrong_values
 from labkit.exercises.guard import (
     POINT_TO_POINT,
@@ -74,14 +81,22 @@ def _grade(fn, what: str, cases: list[tuple[int, int]], traffic, ring: bool, tim
     timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
     if not callable(fn):
         return Verdict(False, f"pass your function itself, e.g. check(my_allreduce), not {type(fn).__name__}.")
+    order_problem = None  # the first case whose order would hang on NCCL: said once every case is right on gloo
     for world_size, numel in cases:
         problem = _case_problem(fn, world_size, numel, traffic, ring, timeout_seconds)
-        if problem:
-            nbytes = numel * rank_input(0, 1).element_size()
-            return Verdict(False, f"On {world_size} ranks with a tensor of {numel} float32 elements "
-                                  f"(S = {nbytes} bytes), {problem}")
+        if problem and problem.startswith(_NCCL_HANG):
+            order_problem = order_problem or _in_case(world_size, numel, problem)
+        elif problem:
+            return Verdict(False, _in_case(world_size, numel, problem))
+    if order_problem:
+        return Verdict(False, order_problem)
     return Verdict(True, f"{what} gives torch.distributed.all_reduce's answer on 2, 3 and 4 ranks, "
                          "for sizes that N divides and sizes it does not.")
+
+
+def _in_case(world_size: int, numel: int, problem: str) -> str:
+    nbytes = numel * rank_input(0, 1).element_size()
+    return f"On {world_size} ranks with a tensor of {numel} float32 elements (S = {nbytes} bytes), {problem}"
 
 
 def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_seconds: float) -> str | None:
@@ -108,7 +123,7 @@ def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_
     problem = wrong_values(outcomes, numel, ring) or traffic(outcomes, numel)
     if problem:
         _stop_pool_if_unmatched(world_size, [(o.sends, o.recvs) for o in outcomes])
-    return problem
+    return problem or _nccl_order_message([o.posts for o in outcomes], ring)
 
 
 def _unwaited_message(outcomes) -> str | None:
@@ -144,9 +159,44 @@ def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) 
     agree = "the same neighbours: left and right" if ring else "the same hub, rank 0"
     return (f"it never finished (stopped after {timeout_seconds:g} s): some rank waited for a message that never "
             f"came. {where}. Every send needs a matching recv on the other rank, in an order that cannot leave "
-            "ranks all waiting: a blocking dist.send waits for its recv, so post sends with dist.isend before "
-            "the blocking dist.recv (and wait every handle it returns), or order blocking calls by rank parity. "
-            f"Do all ranks agree on {agree}?")
+            f"ranks all waiting: a blocking dist.send waits for its recv. {_SAFE_ORDER} Do all ranks agree on "
+            f"{agree}?")
+
+
+_NCCL_HANG = "it works here on gloo, but it would hang on NCCL (GPUs)"
+_SAFE_ORDER = ("Post a send together with the receive that must run alongside it, in one dist.batch_isend_irecv("
+               "[dist.P2POp(dist.isend, ...), dist.P2POp(dist.irecv, ...)]), and wait every request it returns; or "
+               "order them by rank parity (in a ring: even ranks send first, odd ranks receive first). A dist.isend "
+               "before a blocking dist.recv is not enough: it runs on gloo, but on NCCL the two still run one after "
+               "the other on the rank's GPU stream, and every rank waits in its send.")
+_RING_FIX = ("Post each step's send to the right and receive from the left together, in one dist.batch_isend_irecv("
+             "[dist.P2POp(dist.isend, ...), dist.P2POp(dist.irecv, ...)]), and wait every request it returns; or "
+             "order them by rank parity: even ranks send first, odd ranks receive first.")
+_HUB_FIX = ("Post them in an order in which every send meets a receive that its peer has reached (the hub receives "
+            "from each rank, then sends the sum; every other rank sends, then receives), or post a rank's send and "
+            "receive together in one dist.batch_isend_irecv([...]) and wait every request it returns.")
+
+
+def _nccl_order_message(posts: list[list[tuple]], ring: bool) -> str | None:
+    """None if the messages, as each rank posted them, complete under NCCL's rules (labkit.comm.stream_model);
+    else where every rank would wait, and the orders that are safe on both backends."""
+    stuck = stream_deadlock(posts)
+    if stuck is None:
+        return None
+    waiting = "; ".join(f"rank {rank} in its {_group_text(group)}" for rank, group in enumerate(stuck) if group)
+    return (f"{_NCCL_HANG}. NCCL runs each rank's sends and receives one "
+            "after another on the rank's GPU stream, and a send or a receive posted on its own waits there until "
+            "its peer runs the matching one (NCCL docs, ncclSend/ncclRecv: \"blocking for the GPU\"; operations "
+            "that must progress together go in one group). In the order your ranks posted their messages, these "
+            f"ranks would wait for ever: {waiting}. dist.isend returning at once does not help: it frees the CPU, "
+            f"not the stream. {_RING_FIX if ring else _HUB_FIX}")
+
+
+def _group_text(group: list[tuple]) -> str:
+    """'send to rank 1', or 'batch_isend_irecv of send to rank 1, recv from rank 2': a stuck group of
+    stream_deadlock, whose operations are (op, (src, dst), index, what)."""
+    ops = [f"send to rank {dst}" if op == "send" else f"recv from rank {src}" for op, (src, dst), *_ in group]
+    return ops[0] if len(ops) == 1 else "batch_isend_irecv of " + ", ".join(ops)
 
 
 def _error_message(error: labkit.RankError) -> str:

@@ -11,7 +11,8 @@ gradient of the whole batch in one process. A solution passes only if, on every 
   average_gradients and BucketedDDP do the exercise for you and are switched off), reduced the gradients rather
   than the parameters, with ReduceOp.SUM (or AVG), and waited for every async_op=True handle: handle.wait(),
   a loop on handle.is_completed(), or its future's wait() (handle.get_future().wait(),
-  torch.futures.wait_all); taking the future, or chaining then() on it, does not wait;
+  torch.futures.wait_all); taking the future, chaining then() on it, or a loop on its done() or value(), does
+  not wait (on GPUs done() is True once the all_reduce is queued: `average_guard.WaitWatch`);
 - after fn, every gradient equals the full-batch gradient of one process (float64, within 1e-9), at every step;
 - the replicas stay identical, and equal to one process trained on the whole batch.
 """
@@ -23,6 +24,7 @@ from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.average_guard import (
     BATCH,
+    FUTURE_POLLS,
     STEPS,
     OutOfStep,
     attempt_average,
@@ -132,7 +134,7 @@ def _unwaited_message(rank: int, outcome) -> str:
             f"async_op=True in {STEPS} SGD steps and never waited for them{others}. get_future() and then() do "
             "not wait: the gradients were read (and divided, and stepped with) before the reduction finished, or "
             "changed later under a callback. Call wait() on every future, or torch.futures.wait_all(futures), "
-            "before you use the gradients.")
+            f"before you use the gradients. {FUTURE_POLLS}")
 
 
 def _values_problem(outcomes, reference) -> str | None:

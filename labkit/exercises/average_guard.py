@@ -25,11 +25,14 @@ import labkit
 from labkit.exercises.guard import Guard
 from labkit.models import mlp
 
-__all__ = ["BATCH", "LR", "STEPS", "AverageGuard", "AverageOutcome", "OutOfStep", "Reduction", "attempt_average",
-           "average_batch", "average_model", "calls_of_last_average", "ready_made_caller", "reference_run", "sgd_step",
-           "WaitWatch", "watch_waits"]
+__all__ = ["BATCH", "FUTURE_POLLS", "LR", "STEPS", "AverageGuard", "AverageOutcome", "OutOfStep", "Reduction",
+           "attempt_average", "average_batch", "average_model", "calls_of_last_average", "ready_made_caller",
+           "reference_run", "sgd_step", "WaitWatch", "watch_waits"]
 
-BATCH, STEPS, LR = 24, 3, 0.1  # 24 rows: 2, 3 and 4 ranks all get equal shards
+BATCH, STEPS, LR = 24, 3, 0.1
+FUTURE_POLLS = ("A loop on the future's done(), or reading its value(), is no wait either: on GPUs done() is True as "
+                "soon as the all_reduce is queued, and value() does not synchronise (torch.futures docs), so only "
+                "wait() makes what follows run after the sum.")  # 24 rows: 2, 3 and 4 ranks all get equal shards
 _KEY = 10 ** 9  # _check_in_step's key: (gradient's index + 1) x _KEY + numel, exact in float64
 _READY_MADE = Path(labkit.__file__).parent / "parallel" / "data.py"  # average_gradients, BucketedDDP
 
@@ -91,12 +94,21 @@ def watch_waits(works: list, saved: list) -> None:
 
 
 class WaitWatch:
-    """Which recorded all_reduces the student's code waited for, however it is spelled: the handle's wait(), an
-    is_completed() that answered True, or the wait(), value() or a done() that answered True of a future that
-    stands for the handle: handle.get_future(), a then() chained on one, torch.futures.collect_all (wait_all)
-    of them (torch.futures docs: a chained or collected future completes after the futures it comes from).
-    Taking a future is no wait (it only sets the call's `.future`), and neither is a wait inside a then() or
-    add_done_callback() callback, which runs once the future is done whoever waits."""
+    """Which recorded all_reduces the student's code waited for, counting only what orders the device's stream
+    after the collective, so that the verdict holds on NCCL as on gloo: the handle's wait() (on CUDA it makes
+    the current stream wait for the collective), an is_completed() that answered True (on CUDA: the collective
+    has run, its output usable without more synchronisation), or the wait() of a future that stands for the
+    handle: handle.get_future(), a then() chained on one, torch.futures.collect_all (wait_all) of them
+    (torch.futures docs: a chained or collected future completes after the futures it comes from; wait()
+    "will insert the necessary instructions in the current streams").
+
+    Not waits: a future's done() and value(). The torch.futures docs say that done() returns True for a value
+    on GPUs "even if the asynchronous kernels that are populating those tensors haven't yet completed running
+    on the device", and that value() "will not perform any additional synchronization". On gloo both happen
+    to follow the collective's end; on NCCL a loop on done() ends once the all_reduce is queued. Designed from
+    those documented semantics (no GPU here). Taking a future is no wait either (it only sets the call's
+    `.future`), and neither is a wait inside a then() or add_done_callback() callback, which runs once the
+    future is done whoever waits."""
 
     def __init__(self, works: list):
         self._works = works
@@ -113,8 +125,6 @@ class WaitWatch:
             (dist.Work, "is_completed", lambda ask: _after(ask, self._handle_waited, if_true=True)),
             (dist.Work, "get_future", lambda get: _after(get, self._taken)),
             (future, "wait", lambda wait: _after(wait, self._future_waited)),
-            (future, "value", lambda value: _after(value, self._future_waited)),
-            (future, "done", lambda ask: _after(ask, self._future_waited, if_true=True)),
             (future, "then", lambda then: _after(self._quiet_callbacks(then), self._chained)),
             (future, "add_done_callback", self._quiet_callbacks),
             (torch._C, "_collect_all", lambda collect: _after(collect, self._collected)),

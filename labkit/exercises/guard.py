@@ -10,7 +10,9 @@ if `fn` catches it. Messages are counted in ProcessGroup.send and ProcessGroup.r
 dist.isend and dist.batch_isend_irecv all arrive, once per message. Data moved any other way (the
 rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check. The handle
 each message returns is kept (a dropped, unwaited isend can lose its message on gloo, and the run then hangs)
-and, in `attempt`, watched: a dist.isend or dist.irecv whose handle graded code never waited is reported.
+and, in `attempt`, watched: a dist.isend or dist.irecv whose handle graded code never waited is reported. The
+messages are also kept in the order NCCL would run them (`Outcome.posts`: one group per dist.batch_isend_irecv
+call, one per message posted on its own), for labkit.comm.stream_model to say whether they would hang on NCCL.
 
 Graded code may import parts of torch for the first time while the guard is on (its first torch.optim step
 imports torch._dynamo, and through it FSDP and DTensor). Those imports work: torch's functional collectives,
@@ -164,6 +166,7 @@ class Outcome:
     recvs: list[tuple[int, int]] = field(default_factory=list)  # (src, nbytes)
     forbidden: list[str] = field(default_factory=list)  # what it called that is switched off
     unwaited: list[tuple[str, int]] = field(default_factory=list)  # ("send" or "recv", peer) never waited
+    posts: list[tuple] = field(default_factory=list)  # groups of ("send"/"recv", peer) as NCCL runs them
 
 
 @dataclass
@@ -190,6 +193,8 @@ class Guard:
         self.recvs: list[tuple[int, int]] = []
         self.forbidden: list[str] = []
         self.posted: list[tuple[object, Posted]] = []  # (handle, message) per watched message, kept alive
+        self.posts: list[tuple] = []  # the messages as NCCL would run them: groups of ("send"/"recv", peer)
+        self._batch = None  # the frame of the dist.batch_isend_irecv call that posted the last message
         self.on = False  # True from the first replacement until everything is put back
         self._saved: list[tuple[object, str, object]] = []
 
@@ -271,13 +276,25 @@ class Guard:
 
         def counted(group, tensors, peer, *args, **kwargs):
             messages.append((int(peer), sum(t.numel() * t.element_size() for t in tensors)))
+            batch = _batch_call()
+            self._note_post(name, int(peer), batch)
             work = original(group, tensors, peer, *args, **kwargs)
-            if work is not None and not (tensors[0].is_cuda and _called_from("batch_isend_irecv")):
+            if work is not None and not (tensors[0].is_cuda and batch is not None):
                 self.posted.append((work, Posted(name, int(peer))))
             return work
 
         self._saved.append((dist.ProcessGroup, name, original))
         setattr(dist.ProcessGroup, name, counted)
+
+    def _note_post(self, verb: str, peer: int, batch) -> None:
+        """Add a message to `posts`: to the last group if it comes from the same dist.batch_isend_irecv call
+        (`batch`, that call's frame, kept so that a later call cannot take its identity), else as a group of
+        its own (NCCL runs an unbatched send or receive as one operation on the stream)."""
+        if batch is not None and batch is self._batch:
+            self.posts[-1] += ((verb, peer),)
+        else:
+            self.posts.append(((verb, peer),))
+        self._batch = batch
 
     def watch_waits(self) -> None:
         """From now until the guard ends, note which posted messages' handles graded code waits for, however it
@@ -292,6 +309,7 @@ class Guard:
 
     def _restore(self) -> None:
         self.on = False
+        self._batch = None
         while self._saved:
             owner, name, original = self._saved.pop()
             setattr(owner, name, original)
@@ -300,13 +318,15 @@ class Guard:
 _ABSENT = object()
 
 
-def _called_from(function: str) -> bool:
-    """Whether `function` is on this thread's call stack. On NCCL, dist.batch_isend_irecv coalesces its messages
-    into one handle, the one it returns: the handles of the single messages are torch's, not graded code's."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_name != function:
+def _batch_call():
+    """The frame of the dist.batch_isend_irecv call on this thread's stack, or None. Its messages are one group
+    (on NCCL one ncclGroupStart/End, and one handle, the one it returns: the handles of the single messages are
+    torch's, not graded code's)."""
+    frame = sys._getframe(2)
+    while frame is not None and not (frame.f_code.co_name == "batch_isend_irecv"
+                                     and frame.f_code.co_filename.endswith("distributed_c10d.py")):
         frame = frame.f_back
-    return frame is not None
+    return frame
 
 
 class RefusedOperator:
@@ -353,7 +373,7 @@ def attempt(fn, numel: int) -> Outcome:
     else:
         returned = None
     return Outcome(t.tolist(), returned, t.data_ptr() == memory, guard.sends, guard.recvs, guard.forbidden,
-                   guard.unwaited())
+                   guard.unwaited(), guard.posts)
 
 
 def messages_of_last_attempt() -> tuple[list, list]:

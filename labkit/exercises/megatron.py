@@ -14,7 +14,8 @@ A solution passes only if, on 2 and 3 ranks, on every rank:
 
 - it communicated through dist.all_reduce (SUM) only: exactly one in the forward, in g, and one in the backward,
   in f, each waited for before its operator returned (async_op=True needs handle.wait(), a loop on
-  handle.is_completed(), or its future's wait(): handle.get_future() alone does not wait); labkit.parallel's
+  handle.is_completed(), or its future's wait(): handle.get_future() alone does not wait, nor does a loop on
+  its done()); labkit.parallel's
   own f and g and torch.distributed.nn.functional's autograd collectives do the exercise for you and are
   switched off;
 - neither operator changed its input in place without telling autograd (torch.autograd.Function's rule: an
@@ -32,6 +33,7 @@ import torch
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
+from labkit.exercises.average_guard import FUTURE_POLLS
 from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.megatron_guard import HIDDEN, attempt_megatron, calls_of_last_attempt, reference_mlp
 from labkit.exercises.progress import graded
@@ -130,7 +132,7 @@ def _late_message(rank: int, late) -> str:
         return (f"{started}, took its future (handle.get_future()) and returned without waiting for it: "
                 "get_future() does not wait, so what it returned was read before the sum arrived (right, if at "
                 "all, by luck of timing). Call the future's wait() (or handle.wait()) before you return the "
-                "tensor, or leave out async_op.")
+                f"tensor, or leave out async_op. {FUTURE_POLLS}")
     return (f"{started} and returned without calling wait() on its handle: what it returned was read before the "
             "sum arrived (right, if at all, by luck of timing). Call handle.wait() before you return the tensor, "
             "or leave out async_op.")

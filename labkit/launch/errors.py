@@ -66,11 +66,14 @@ def describe_stack(frame) -> Stack:
     """The call stack ending at `frame`, outermost first, without labkit's own launch frames.
 
     A rank that has finished the call and is writing its result to the owner would show only
-    multiprocessing's `_send`; that stack says the result's size instead."""
+    multiprocessing's `_send`; that stack says the result's size instead. One that has returned and waits for
+    the GPU work it queued (worker.py's `_synchronize_device`) says so: its frames are torch's only."""
     nbytes = _result_being_sent(frame)
     if nbytes is not None:
         return Stack([], sending_result_nbytes=nbytes)
-    return Stack(_below_launch(traceback.extract_stack(frame)))
+    summary = traceback.extract_stack(frame)
+    synchronizing = any(f.name == "_synchronize_device" and f.filename.startswith(_LAUNCH_DIR) for f in summary)
+    return Stack(_below_launch(summary), synchronizing=synchronizing)
 
 
 def _result_being_sent(frame) -> int | None:
@@ -87,14 +90,19 @@ def _result_being_sent(frame) -> int | None:
     return None
 
 
-def still_running(stack: Stack | None) -> tuple[str, str]:
+def still_running(stack: Stack | None, collective: str = "") -> tuple[str, str]:
     """(summary, detail) for a rank that had not answered when the call was abandoned; `stack` is
-    where it was (None: it did not say)."""
+    where it was (None: it did not say), `collective` the collective it is in ("in all_reduce #5 of the
+    default group", labkit.launch.inflight), if any."""
+    also = f"; it is {collective}" if collective else ""
     if stack is not None and stack.sending_result_nbytes is not None:
         return f"was sending its result ({stack.sending_result_nbytes / 1e6:.1f} MB) when the timeout passed", ""
+    if stack is not None and stack.synchronizing:
+        return ("had returned and was waiting for the GPU work it queued (labkit's torch.cuda.synchronize before "
+                f"it replies){also}", format_frames(stack.frames))
     if stack is not None and stack.frames:
-        return f"was still running {where(stack.frames)}", format_frames(stack.frames)
-    return "was still running and did not say where", ""
+        return f"was still running {where(stack.frames)}{also}", format_frames(stack.frames)
+    return f"was still running and did not say where{also}", ""
 
 
 def _below_launch(summary: traceback.StackSummary) -> list[Frame]:
@@ -216,15 +224,20 @@ class Failure:
 
 
 class RankError(RuntimeError):
-    """A call on N ranks failed. `failures` holds one `Failure` per rank that went wrong."""
+    """A call on N ranks failed. `failures` holds one `Failure` per rank that went wrong; `notes`, lines
+    shown under the headline (for a hang: which collective each group's ranks are in, labkit.launch.inflight)."""
 
-    def __init__(self, headline: str, failures: list[Failure]):
+    def __init__(self, headline: str, failures: list[Failure], notes: list[str] | None = None):
         self.failures = failures
         self.headline = headline
+        self.notes = list(notes or [])
         super().__init__(self._render())
 
     def _render(self) -> str:
         lines = [self.headline]
+        if self.notes:
+            lines.append(_COLLECTIVES_TITLE)
+            lines.extend("  " + note for note in self.notes)
         # A dead rank makes its peers fail ("connection closed by peer"), so it goes first.
         ordered = sorted(self.failures, key=lambda f: (f.kind != NoReply.DIED, f.time, f.rank))
         root = ordered[0] if ordered and ordered[0].kind in (Outcome.ERROR, NoReply.DIED) else None
@@ -245,6 +258,10 @@ class RankError(RuntimeError):
     def _render_traceback_(self):
         """IPython shows this instead of the kernel-side frames, which say nothing useful."""
         return [f"{type(self).__name__}: {self.args[0]}"]
+
+
+_COLLECTIVES_TITLE = ("Collectives not completed, as torch's Flight Recorder recorded them on each rank (#k: the "
+                      "k-th collective of that process group since the pool started):")
 
 
 class RankTimeout(RankError, TimeoutError):

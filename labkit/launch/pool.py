@@ -1,9 +1,11 @@
 """The owner's side of one world: N rank processes in one process group, ready for calls.
 
 A pool starts its ranks on its first call, so that the call's timeout bounds the start as well: the
-ranks must be ready within min(LABKIT_START_TIMEOUT, max(timeout, MIN_START_SECONDS)) seconds (never
-less than a cold start on a busy laptop needs), and the call then has its full timeout. The start
-fails as soon as one rank fails to start, saying where the others were still starting.
+ranks must be ready within min(LABKIT_START_TIMEOUT, max(timeout, the backend's cold start)) seconds
+(`start_budget_seconds`: never less than a cold start needs, on a busy laptop or on a GPU box whose driver
+has not initialised its GPUs yet), and the call then has its full timeout. A grader's 10 s per call is
+thus not its pool's start bound. The start fails as soon as one rank fails to start, saying where the
+others were still starting.
 
 A call sends the same cloudpickled payload to every rank and then pumps everything that comes back
 (replies, both output pipes, exit reports from the fork server) until every rank has answered, one
@@ -47,6 +49,7 @@ from labkit.launch.errors import (
     still_running,
 )
 from labkit.launch.forkserver import ForkServer, describe_exit
+from labkit.launch.inflight import BUFFER_SIZE, collectives_report, where_in_collectives
 from labkit.launch.output import STREAMS, RankOutput, release_held, start_call
 from labkit.launch.protocol import (
     Call,
@@ -61,8 +64,9 @@ from labkit.launch.protocol import (
 )
 from labkit.launch.worker import health_probe
 
-__all__ = ["DEATH_DETAILS_SECONDS", "HEALTH_CHECK_SECONDS", "HEALTH_PROBE", "INTERRUPT_GRACE_SECONDS",
-           "MIN_START_SECONDS", "SETTLE_SECONDS", "STACK_WAIT_SECONDS", "Pool", "RankHandle", "start_budget_seconds"]
+__all__ = ["CUDA_INIT_SECONDS_PER_GPU", "DEATH_DETAILS_SECONDS", "HEALTH_CHECK_SECONDS", "HEALTH_PROBE",
+           "INTERRUPT_GRACE_SECONDS", "MIN_START_SECONDS", "SETTLE_SECONDS", "STACK_WAIT_SECONDS", "Pool", "RankHandle",
+           "cold_start_seconds", "start_budget_seconds"]
 
 SETTLE_SECONDS = 1.5  # after one rank fails, how long the others get to finish or fail too
 INTERRUPT_GRACE_SECONDS = 1.5  # after Ctrl-C, how long ranks get to stop by themselves
@@ -70,15 +74,33 @@ HEALTH_CHECK_SECONDS = 3.0
 STACK_WAIT_SECONDS = 2.0
 DEATH_DETAILS_SECONDS = 1.0  # to collect a dead rank's exit status and last stderr lines
 MIN_START_SECONDS = 10.0  # importing torch and forming a group, on 2 busy cores, takes seconds
+# A cold GPU box: NVIDIA's Driver Persistence docs ("Overview") give "a short (order of 1-3 second) startup cost per
+# GPU" for a GPU the driver has not initialised (ECC scrubbing), so 3 s per rank, as if one after another; and the
+# gloo start's allowance twice over, for importing torch with CUDA and for NCCL's communicator, which labkit
+# creates in init_process_group (device_id is bound, backend.py). Designed from those documented costs; no GPU here.
+CUDA_INIT_SECONDS_PER_GPU = 3.0
 
 _call_ids = itertools.count(1)
 HEALTH_PROBE = serialize.dumps((health_probe, (), {}))  # the call that checks a pool is still in step
 
 
-def start_budget_seconds(call_timeout_seconds: float, start_timeout_seconds: float) -> float:
-    """How long a pool started by a call may take to be ready: the call's timeout, but at least
-    MIN_START_SECONDS and at most the owner's start timeout (LABKIT_START_TIMEOUT)."""
-    return min(start_timeout_seconds, max(call_timeout_seconds, MIN_START_SECONDS))
+def start_budget_seconds(call_timeout_seconds: float, start_timeout_seconds: float, backend: str = "gloo",
+                         world_size: int = 1) -> float:
+    """How long a pool started by a call may take to be ready: the call's timeout, but at least a cold start
+    (`cold_start_seconds`) and at most the owner's start timeout (LABKIT_START_TIMEOUT).
+
+    >>> start_budget_seconds(10, 120), start_budget_seconds(10, 120, "nccl", 8)
+    (10, 44.0)
+    """
+    return min(start_timeout_seconds, max(call_timeout_seconds, cold_start_seconds(backend, world_size)))
+
+
+def cold_start_seconds(backend: str, world_size: int) -> float:
+    """The least time a pool of `world_size` ranks on `backend` is given to start: MIN_START_SECONDS on gloo; on
+    NCCL twice that plus CUDA_INIT_SECONDS_PER_GPU per rank (one GPU each)."""
+    if backend != "nccl":
+        return MIN_START_SECONDS
+    return 2 * MIN_START_SECONDS + CUDA_INIT_SECONDS_PER_GPU * world_size
 
 
 @dataclass
@@ -147,6 +169,8 @@ class Pool:
             "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
             "PYTHONUNBUFFERED": "1", "LABKIT_RANK_PROCESS": "1",
         }
+        if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+            env["TORCH_FR_BUFFER_SIZE"] = str(BUFFER_SIZE)  # the hang report's Flight Recorder, on NCCL too
         return RankSpec(rank=rank, world_size=self.world_size, backend=self.choice.backend, store_path=store_path,
                         pg_timeout_seconds=pg_timeout_seconds, threads=threads, cwd=os.getcwd(),
                         sys_path=list(sys.path), env=env)
@@ -213,7 +237,8 @@ class Pool:
         tiny collective check that the group is still in step (not, say, one rank a collective ahead);
         if not, the pool is closed."""
         if not self.started:
-            self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds))
+            self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds, self.choice.backend,
+                                             self.world_size))
         call = Call(next(_call_ids), timeout_seconds, payload)
         self.last_call_id = call.call_id
         try:
@@ -264,24 +289,28 @@ class Pool:
         """The results in rank order, or the one exception that says what went wrong; whether the pool
         is kept is decided here."""
         running = [r for r in self.ranks if not r.finished(call.call_id)]
-        stacks = self._stacks(running)
+        # Ranks still running: where each is, and from every live rank, the collectives it has not seen complete
+        stacks = self._stacks([r for r in self.ranks if not r.gone] if running else [])
         self._flush_output()
         replies = self._take_replies(call.call_id)
         self._close_if_group_destroyed(replies)
         failures = [self._death(r) for r in self.ranks if r.gone and r.rank not in replies]
         failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply.outcome != Outcome.OK]
-        failures += [Failure(r.rank, NoReply.STOPPED, *still_running(stacks[r.rank])) for r in running]
+        failures += [Failure(r.rank, NoReply.STOPPED, *_still_running(stacks[r.rank])) for r in running]
         if not failures:
             return [serialize.load_result(r, replies[r].body) for r in range(self.world_size)]
         if not (running or any(r.gone for r in self.ranks) or self.closed) and check_health:
             self._keep_if_in_step(replies)
         else:
             self.close()
-        raise self._call_error(failures, [r.rank for r in running], call.timeout_seconds)
+        notes = collectives_report({rank: stack.collectives if stack else None for rank, stack in stacks.items()})
+        raise self._call_error(failures, [r.rank for r in running], call.timeout_seconds, notes)
 
-    def _call_error(self, failures: list[Failure], running: list[int], timeout_seconds: float) -> Exception:
+    def _call_error(self, failures: list[Failure], running: list[int], timeout_seconds: float,
+                    notes: list[str]) -> Exception:
         """The exception a failed call raises: TypeError if every failure is an unpicklable result,
-        RankTimeout if every failure is a rank still running, RankError otherwise."""
+        RankTimeout if every failure is a rank still running, RankError otherwise; `notes` (which collective
+        each group's ranks are in) go under its headline."""
         restarted = "" if not self.closed else (
             f" The {self.world_size}-rank pool was stopped; the next call starts a fresh one"
             " (variables defined in %%ranks cells are gone)."
@@ -295,9 +324,9 @@ class Pool:
             done = [r.rank for r in self.ranks if r.rank not in running]
             finished = f" ({rank_list(done)} had returned)" if done else ""
             return RankTimeout(f"labkit.run timed out after {timeout_seconds:g} s: {rank_list(running)} "
-                               f"still running{finished}.{restarted}", failures)
+                               f"still running{finished}.{restarted}", failures, notes)
         failed = sorted({f.rank for f in failures if f.kind != NoReply.STOPPED})
-        return RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures)
+        return RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures, notes)
 
     def _take_replies(self, call_id: int) -> dict[int, Reply]:
         """Each rank's reply to `call_id`, by rank (those that replied); every rank's replies are cleared."""
@@ -463,6 +492,11 @@ class Pool:
             self._selector.close()
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.store_path)
+
+
+def _still_running(stack: Stack | None) -> tuple[str, str]:
+    """errors.still_running for a stopped rank, with the collective it is in where its recorder said."""
+    return still_running(stack, where_in_collectives(stack.collectives) if stack else "")
 
 
 def _same_steps(steps: list[dict[str, int] | None]) -> bool:

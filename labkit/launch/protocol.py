@@ -34,8 +34,8 @@ from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 __all__ = ["Call", "Chained", "ExceptionDescription", "ExceptionLink", "Exited", "ForkRank", "Forked",
-           "Frame", "Interrupt", "Outcome", "RankSpec", "Ready", "Reply", "SignalRanks", "Stack",
-           "StackRequest", "StartFailed", "TextEnum", "encode", "receive", "send"]
+           "Frame", "GroupCollectives", "Interrupt", "Outcome", "RankSpec", "Ready", "Reply", "SignalRanks",
+           "Stack", "StackRequest", "StartFailed", "TextEnum", "encode", "receive", "send"]
 
 
 class TextEnum(str, Enum):
@@ -170,14 +170,30 @@ class Frame(NamedTuple):
     function: str
 
 
+class GroupCollectives(NamedTuple):
+    """What one of a rank's process groups has issued on one backend, as torch's Flight Recorder records it
+    (labkit/launch/inflight.py): `issued` collectives so far, and those not completed, oldest first, as
+    (operation, sequence number), the number being the collective's place among the group's collectives."""
+
+    name: str  # c10d's group name: "0" for the default group, the same on every member rank
+    ranks: tuple[int, ...]  # its members' global ranks
+    backend: str  # "gloo" or "nccl"
+    issued: int
+    in_flight: tuple[tuple[str, int], ...]
+
+
 class Stack(NamedTuple):
     """A rank's main thread, outermost frame first, without labkit's own launch frames.
 
     `sending_result_nbytes` is set instead when the thread is sending a finished call's result to the
-    owner: its frames would only show multiprocessing's `_send`."""
+    owner: its frames would only show multiprocessing's `_send`. `synchronizing`: the call has returned and
+    the rank waits for the GPU work it queued (worker.py). `collectives`: its groups' collectives, None where
+    the Flight Recorder could not say."""
 
     frames: list[Frame]
     sending_result_nbytes: int | None = None
+    synchronizing: bool = False
+    collectives: tuple[GroupCollectives, ...] | None = None
 
 
 # ---- errors as data ----------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 A worker talks to the owner (the notebook's kernel, or a script) over two sockets, in the messages
 of protocol.py. On the job socket its main thread receives each `Call` (a cloudpickled
 `(fn, args, kwargs)`), runs it and sends back a `Reply`. On the control socket a second thread
-answers a `StackRequest` with the main thread's `Stack`, even while that thread waits inside a
+answers a `StackRequest` with the main thread's `Stack` and the collectives the rank has not seen
+complete (torch's Flight Recorder, inflight.py), even while that thread waits inside a
 collective (c10d releases the GIL while it waits), takes `Interrupt`s, and ends the process when the
 owner goes away. Output goes to fds 1 and 2, pipes the owner drains; after each call a marker line on
 both says "everything before me belongs to that call".
@@ -42,6 +43,7 @@ from typing import NamedTuple
 from labkit.groups import group_is_up
 from labkit.launch import protocol
 from labkit.launch.errors import describe_exception, describe_stack
+from labkit.launch.inflight import recorded_collectives
 from labkit.launch.output import end_of_call_marker
 from labkit.launch.protocol import (
     Call,
@@ -112,7 +114,8 @@ def _serve_control(control: Connection, main_thread: int) -> None:
             os._exit(0)  # the owner is gone: no rank may outlive it
         if isinstance(request, StackRequest):
             frame = sys._current_frames().get(main_thread)
-            protocol.send(control, describe_stack(frame) if frame else protocol.Stack([]))
+            stack = describe_stack(frame) if frame else protocol.Stack([])
+            protocol.send(control, stack._replace(collectives=recorded_collectives()))
         elif isinstance(request, Interrupt):
             _interrupt(request.call_id, main_thread)
 

@@ -52,7 +52,8 @@ COMPUTE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 class UnitEvent:
     """One bar of FullyShardedDP.timeline, in seconds since the step's first forward began. kind "all_gather"
     and "reduce_scatter": posted at `start`, complete at `end`; "compute": the unit's forward or backward,
-    between its hooks (for the root unit, the whole model's). `phase`: "forward" or "backward"."""
+    between its hooks (for the root unit, the whole model's). `phase`: "forward" or "backward". `end` is NaN
+    for a bar that never ended (a forward that raised, a backward that never reached the unit)."""
     kind: str
     unit: int
     name: str
@@ -222,7 +223,7 @@ class FullyShardedDP(nn.Module):
             mark.wait()
         if self._clock is not None:
             for event in self.timeline:
-                event.start, event.end = self._clock.seconds(event.start), self._clock.seconds(event.end)
+                event.start, event.end = self._seconds(event.start), self._seconds(event.end)
         self._planned = self._order or self._planned
         self._clock, self._order, self._running, self._marks = None, [], {}, []
 
@@ -277,6 +278,15 @@ class FullyShardedDP(nn.Module):
             if event.end != event.end:  # NaN: no future marked it (gloo's reduce-scatter): now, an upper bound
                 event.end = self._clock.mark()
             unit.add_gradient(piece)
+
+    def _seconds(self, mark) -> float:
+        """A mark of the step's Stopwatch in seconds; NaN for an end never marked (a unit's forward that raised,
+        a unit whose backward never ran). On CUDA a mark is a torch.cuda.Event and the Stopwatch waits for it
+        and reads elapsed_time, which an unmarked end (the float NaN) has not: designed from torch.cuda.Event's
+        documented API (no GPU here), checked on the CPU with event-like marks (tests/distributed/test_fsdp.py)."""
+        if isinstance(mark, float) and mark != mark:
+            return mark
+        return self._clock.seconds(mark)
 
     def _event(self, kind: str, unit: FlatUnit, phase: str, nbytes: int = 0) -> UnitEvent:
         if self._clock is None:  # a backward with no forward since finish(): a timeline of its own

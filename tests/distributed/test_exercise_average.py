@@ -190,6 +190,27 @@ def future_then_never_waited(model):
         dist.all_reduce(p.grad, async_op=True).get_future().then(lambda future: future.value()[0].div_(n()))
 
 
+def future_polled_until_done(model):
+    """A loop on each future's done(): on gloo it ends with the sum, but on CUDA done() is True once queued."""
+    params = list(model.parameters())
+    futures = [dist.all_reduce(p.grad, async_op=True).get_future() for p in params]
+    for future in futures:
+        while not future.done():
+            pass
+    for p in params:
+        p.grad /= n()
+
+
+def future_value_read(model):
+    """The sum read from each future's value(), which does not synchronise on CUDA, with no wait()."""
+    params = list(model.parameters())
+    futures = [dist.all_reduce(p.grad, async_op=True).get_future() for p in params]
+    for p, future in zip(params, futures, strict=True):
+        while not future.done():
+            pass
+        p.grad = future.value()[0] / n()
+
+
 def rank_dependent_order(model):
     params = list(model.parameters())
     for p in params[::-1] if dist.get_rank() % 2 else params:
@@ -224,6 +245,9 @@ def torch_ddp(model):
     (future_never_waited, "took the futures (handle.get_future()) of 12 all_reduce(s) with async_op=True in 3 SGD "
                           "steps and never waited for them. get_future() and then() do not wait"),
     (future_then_never_waited, "of 12 all_reduce(s) with async_op=True in 3 SGD steps and never waited for them."),
+    (future_polled_until_done, "A loop on the future's done(), or reading its value(), is no wait either: on GPUs "
+                               "done() is True as soon as the all_reduce is queued"),
+    (future_value_read, "and never waited for them"),
     (rank_dependent_order, "the ranks all-reduced the gradients in different orders"),
     (labkit_average, "called labkit.parallel's average_gradients"),
     (labkit_bucketed, "called labkit.parallel's BucketedDDP"),

@@ -43,18 +43,20 @@ def notebook_03_solution(t):
     rank, n = labkit.rank(), labkit.world_size()
     chunks = list(t.tensor_split(n))
     right, left = (rank + 1) % n, (rank - 1) % n
+
+    def hop(outgoing, incoming):
+        for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, outgoing, right),
+                                               dist.P2POp(dist.irecv, incoming, left)]):
+            request.wait()
+
     for step in range(n - 1):
         send, receive = (rank - step - 1) % n, (rank - step - 2) % n
         incoming = torch.empty_like(chunks[receive])
-        pending = dist.isend(chunks[send], right)
-        dist.recv(incoming, left)
-        pending.wait()
+        hop(chunks[send], incoming)
         chunks[receive] += incoming
     for step in range(n - 1):
         send, receive = (rank - step) % n, (rank - step - 1) % n
-        pending = dist.isend(chunks[send], right)
-        dist.recv(chunks[receive], left)
-        pending.wait()
+        hop(chunks[send], chunks[receive])
 
 
 def test_the_notebooks_solutions_pass_and_say_what_was_checked():
@@ -150,6 +152,28 @@ def test_every_message_is_counted_once_with_its_peer_and_bytes():
     (sent, received, _), (sent_by_1, received_by_1, t) = labkit.run(count_each_way_of_sending, world_size=2)
     assert sent == [(1, 12)] * 4 and received == []
     assert sent_by_1 == [] and received_by_1 == [(0, 12)] * 4 and t == [0.0, 1.0, 2.0]
+
+
+def post_in_groups():
+    """Rank 0: two batches back to back (two groups), then a batch of two, then an isend on its own; rank 1 the
+    matching receives. The guard keeps them in the groups NCCL would run."""
+    t = torch.arange(3.0)
+    peer = 1 - labkit.rank()
+    op = dist.isend if labkit.rank() == 0 else dist.irecv
+    with Guard() as guard:
+        works = dist.batch_isend_irecv([dist.P2POp(op, t, peer)])
+        works += dist.batch_isend_irecv([dist.P2POp(op, t, peer)])
+        works += dist.batch_isend_irecv([dist.P2POp(op, t, peer), dist.P2POp(op, t.clone(), peer)])
+        works.append(op(t, peer))
+        for work in works:
+            work.wait()
+    return guard.posts
+
+
+def test_the_guard_keeps_each_batch_as_one_group_and_each_lone_message_as_its_own():
+    sent, received = labkit.run(post_in_groups, world_size=2)
+    assert sent == [(("send", 1),), (("send", 1),), (("send", 1), ("send", 1)), (("send", 1),)]
+    assert received == [(("recv", 0),), (("recv", 0),), (("recv", 0), ("recv", 0)), (("recv", 0),)]
 
 
 def guarded_error_then_collectives():

@@ -3,6 +3,7 @@ process with B does, and as torch's fully_shard (FSDP2) does; the full parameter
 forward and backward; each rank holds 1/N of the training state and sends 1.5x what DDP sends."""
 
 import copy
+import time
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import labkit
-from labkit import groups
+from labkit import groups, measure
 from labkit.measure import peak_training_state
 from labkit.parallel import FullyShardedDP, count_collectives
 from labkit.plan import training_memory
@@ -271,6 +272,69 @@ def test_the_next_units_all_gather_starts_before_the_current_units_compute_ends(
         assert bar("all_gather", norm, "forward")[0] < bar("compute", block, "forward")[1]  # prefetched
         assert bar("all_gather", block, "backward")[0] < bar("compute", norm, "backward")[1]
         assert all(start <= end for _, _, _, start, end in timeline)  # every bar complete, in seconds
+
+
+class EventMark:
+    """A stand-in for torch.cuda.Event(enable_timing=True) as labkit.measure.Stopwatch uses it on CUDA: a mark
+    that must be synchronized and is read with elapsed_time."""
+
+    def __init__(self):
+        self.seconds = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, later):
+        return (later.seconds - self.seconds) * 1e3  # milliseconds, as CUDA events count
+
+
+class EventStopwatch(measure.Stopwatch):
+    """labkit.measure.Stopwatch's CUDA path, on the CPU: marks are events; seconds() synchronizes one, as it does on
+    CUDA (a mark that is not an event fails there, as it would on a GPU)."""
+
+    def __init__(self, device):
+        super().__init__("cpu")
+        self.cuda, self.start = True, EventMark()
+
+    def mark(self):
+        return EventMark()
+
+
+class Failing(nn.Linear):
+    fail = False
+
+    def forward(self, x):
+        if self.fail:
+            raise RuntimeError("this unit's forward failed")
+        return super().forward(x)
+
+
+def timelines_with_event_marks():
+    """A step, then a step whose middle unit raises in its forward: finish() closes both timelines with event-like
+    marks (the CUDA path), the bar that never ended as NaN."""
+    saved, measure.Stopwatch = measure.Stopwatch, EventStopwatch
+    try:
+        model = FullyShardedDP(nn.Sequential(nn.Linear(4, 6), Failing(6, 6), nn.Linear(6, 2)).to(labkit.device()))
+        x = torch.ones(3, 4, device=labkit.device())
+        model(x).sum().backward()
+        model.finish()
+        complete = [(e.kind, e.unit, e.phase, e.start, e.end) for e in model.timeline]
+        model.module[1].fail = True
+        try:
+            model(x)
+        except RuntimeError:
+            model.finish()
+        return complete, [(e.kind, e.unit, e.phase, e.end) for e in model.timeline]
+    finally:
+        measure.Stopwatch = saved
+
+
+def test_finish_closes_a_timeline_with_a_bar_that_never_ended():
+    for complete, broken in labkit.run(timelines_with_event_marks, world_size=2):
+        assert complete and all(0 <= start <= end for _, _, _, start, end in complete)  # in seconds, from events
+        never_ended = [bar for bar in broken if bar[3] != bar[3]]
+        assert [bar[:3] for bar in never_ended] == [("compute", 1, "forward")], broken
+        assert all(end >= 0 for *_, end in broken if end == end)
 
 
 # --- bad input, said clearly ---

@@ -51,7 +51,7 @@ def test_one_gpu_runs_nccl_alone_then_two_ranks_sharing_it_over_gloo():
     verdict = plan(facts(gpu_count=1))
     assert verdict.exit_code is None and not verdict.problems
     assert [(r.backend, r.world_size, r.device) for r in verdict.runs] == [("nccl", 1, None), ("gloo", 2, "cuda:0")]
-    assert set(verdict.runs[0].checks) == {"kernels", "ddp", "tp", "health"}
+    assert set(verdict.runs[0].checks) == {"kernels", "ddp", "tp", "pipeline", "health"}
     assert verdict.runs[1].checks == ("kernels",) and "broadcast and all_reduce only" in verdict.runs[1].why
     assert any("NCCL needs one GPU per rank" in note for note in verdict.notes)
 
@@ -132,11 +132,47 @@ def test_a_wrong_kernel_fails_its_check():
 
 
 def test_every_check_of_a_run_passes_on_cpu_ranks():
-    rows = gpu_check.execute(Run("gloo", 2, None, ("kernels", "ddp", "tp", "health"), "gloo on the CPU"),
+    rows = gpu_check.execute(Run("gloo", 2, None, ("kernels", "ddp", "tp", "pipeline", "health"), "gloo on the CPU"),
                              timed_nbytes=0)
     checks = {row[0] for row in rows}
-    assert {"BucketedDDP vs torch DDP", "ParallelMLP vs the unsplit MLP", "pool health check"} <= checks
+    assert {"BucketedDDP vs torch DDP", "ParallelMLP vs the unsplit MLP", "1F1B pipeline vs one process",
+            "pool health check"} <= checks
     assert all(row[2] for row in rows), [row for row in rows if not row[2]]
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 4])
+def test_the_pipeline_check_passes_on_cpu_ranks(world_size):
+    per_rank = labkit.run(gpu_check.check_pipeline, world_size=world_size)
+    assert [rows[0][0] for rows in per_rank] == ["1F1B pipeline vs one process"] * world_size
+    assert all(rows[0][2] for rows in per_rank), per_rank
+    assert f"{world_size} stage(s), {2 * world_size} micro-batches" in per_rank[0][0][1]
+
+
+def pipeline_with_a_wrong_gradient():
+    """check_pipeline with an executor whose last stage's gradients come out twice too large."""
+    from labkit import parallel
+
+    original = parallel.run_pipeline
+
+    def doubled(model, *args, **kwargs):
+        result = original(model, *args, **kwargs)
+        if labkit.rank() == labkit.world_size() - 1:
+            for i in result.layers[-1]:
+                for p in model[i].parameters():
+                    p.grad *= 2
+        return result
+
+    parallel.run_pipeline = doubled
+    try:
+        return gpu_check.check_pipeline()
+    finally:
+        parallel.run_pipeline = original
+
+
+def test_a_wrong_pipeline_fails_its_check_on_the_stage_that_is_wrong():
+    rows = labkit.run(pipeline_with_a_wrong_gradient, world_size=2)
+    assert [r[0][2] for r in rows] == [True, False]
+    assert "max relative error 1.0e+00" in rows[1][0][1]
 
 
 def test_table_printing(capsys):

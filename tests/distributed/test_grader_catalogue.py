@@ -33,22 +33,29 @@ def bounds(numel, n):
     return [(sum(lengths[:i]), lengths[i]) for i in range(n)]
 
 
-# ---- ring: right solutions, four ways ------------------------------------------------------------------
+# ---- ring: right solutions, four ways, each safe on NCCL too ---------------------------------------------
 
-def ring_isend_irecv(t):
-    """The lesson's numbering; every step posts isend and irecv, then waits for both."""
+def ring_isend_irecv_by_parity(t):
+    """The lesson's numbering; every step posts isend and irecv in parity order (even ranks the send first, odd
+    ranks the receive, as labkit's Transport.exchange), then waits for both."""
     rank, n = me()
     chunks = list(t.tensor_split(n))
     right, left = (rank + 1) % n, (rank - 1) % n
+
+    def posted(outgoing, incoming):
+        if rank % 2 == 0:
+            return [dist.isend(outgoing, right), dist.irecv(incoming, left)]
+        return [dist.irecv(incoming, left), dist.isend(outgoing, right)]
+
     for step in range(n - 1):
         send, receive = (rank - step - 1) % n, (rank - step - 2) % n
         incoming = torch.empty_like(chunks[receive])
-        for work in (dist.isend(chunks[send], right), dist.irecv(incoming, left)):
+        for work in posted(chunks[send], incoming):
             work.wait()
         chunks[receive] += incoming
     for step in range(n - 1):
         send, receive = (rank - step) % n, (rank - step - 1) % n
-        for work in (dist.isend(chunks[send], right), dist.irecv(chunks[receive], left)):
+        for work in posted(chunks[send], chunks[receive]):
             work.wait()
 
 
@@ -78,7 +85,8 @@ def ring_blocking_by_parity(t):
 
 
 def ring_narrow_and_copy(t):
-    """Chunks as t.narrow views; every chunk is received into a buffer, then added or copied in."""
+    """Chunks as t.narrow views; every chunk is received into a buffer, then added or copied in; each step one
+    dist.batch_isend_irecv that lists the receive first."""
     rank, n = me()
     chunks = [t.narrow(0, start, length) for start, length in bounds(t.numel(), n)]
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -87,9 +95,9 @@ def ring_narrow_and_copy(t):
             offset = 1 if phase == "reduce-scatter" else 0
             send, receive = (rank - step - offset) % n, (rank - step - offset - 1) % n
             buffer = torch.zeros(chunks[receive].numel())
-            pending = dist.isend(chunks[send], right)
-            dist.recv(buffer, left)
-            pending.wait()
+            ops = [dist.P2POp(dist.irecv, buffer, left), dist.P2POp(dist.isend, chunks[send], right)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
             if phase == "reduce-scatter":
                 chunks[receive].add_(buffer)
             else:
@@ -216,19 +224,19 @@ def ring_even_sizes_only(t):
 
 def ring_sums_twice(t):
     result = t.clone()
-    ring_isend_irecv(result)
+    ring_batch_isend_irecv(result)
     t += result
 
 
 def ring_not_in_place(t):
     result = t.clone()
-    ring_isend_irecv(result)
+    ring_batch_isend_irecv(result)
     return result
 
 
 def ring_new_memory(t):
     result = t.clone()
-    ring_isend_irecv(result)
+    ring_batch_isend_irecv(result)
     t.set_(result)
 
 
@@ -238,6 +246,42 @@ def ring_blocking_sends_deadlock(t):
     incoming = torch.empty_like(t)
     dist.send(t, (rank + 1) % n)
     dist.recv(incoming, (rank - 1) % n)
+
+
+def ring_isend_then_recv(t):
+    """Notebook 03's solution until issue 25: dist.isend, then the blocking dist.recv, then the isend's wait. Right
+    on gloo; on NCCL every rank's send waits on its stream for a receive its neighbour posts only after its own
+    send."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(n - 1):
+        send, receive = (rank - step - 1) % n, (rank - step - 2) % n
+        incoming = torch.empty_like(chunks[receive])
+        pending = dist.isend(chunks[send], right)
+        dist.recv(incoming, left)
+        pending.wait()
+        chunks[receive] += incoming
+    for step in range(n - 1):
+        send, receive = (rank - step) % n, (rank - step - 1) % n
+        pending = dist.isend(chunks[send], right)
+        dist.recv(chunks[receive], left)
+        pending.wait()
+
+
+def ring_isend_irecv_posted_apart(t):
+    """isend and irecv posted one after the other on every rank, both waited: the same order as above on NCCL."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        reducing = step < n - 1
+        s = step if reducing else step - (n - 1)
+        send, receive = ((rank - s - 1) % n, (rank - s - 2) % n) if reducing else ((rank - s) % n, (rank - s - 1) % n)
+        incoming = torch.empty_like(chunks[receive])
+        for work in (dist.isend(chunks[send], right), dist.irecv(incoming, left)):
+            work.wait()
+        chunks[receive].add_(incoming) if reducing else chunks[receive].copy_(incoming)
 
 
 def ring_from_any_source(t):
@@ -257,7 +301,7 @@ def ring_catches_the_guard(t):
     try:
         dist.all_reduce(t)
     except Exception:  # noqa: BLE001 - the point: swallowing the guard's error does not help
-        ring_isend_irecv(t)
+        ring_batch_isend_irecv(t)
 
 
 def labkit_ring(t):
@@ -385,6 +429,19 @@ def hub_batch_isend_irecv(t):
 
 
 # ---- hub: wrong solutions --------------------------------------------------------------------------------
+
+def hub_irecv_before_isend(t):
+    """Every other rank posts the receive of the sum before its send, then waits for both: right on gloo; on NCCL
+    rank 1's stream waits in its receive while rank 0 waits in its receive from rank 1."""
+    rank, n = me()
+    if rank == 0:
+        hub_blocking(t)
+    else:
+        result = torch.empty_like(t)
+        for work in (dist.irecv(result, 0), dist.isend(t, 0)):
+            work.wait()
+        t.copy_(result)
+
 
 def hub_never_sends_back(t):
     rank, n = me()
@@ -551,9 +608,10 @@ def hub_irecv_never_waited(t):
         dist.recv(t, 0)
 
 
-RING_RIGHT = [ring_isend_irecv, ring_blocking_by_parity, ring_narrow_and_copy, ring_batch_isend_irecv]
+RING_RIGHT = [ring_isend_irecv_by_parity, ring_blocking_by_parity, ring_narrow_and_copy, ring_batch_isend_irecv]
 HUB_RIGHT = [hub_blocking, hub_isend_irecv, hub_buffer_then_copy, hub_batch_isend_irecv]
 
+NCCL_HANG = "it works here on gloo, but it would hang on NCCL (GPUs)"
 COLLECTIVES = [  # (wrong solution, what its verdict must say): the same for the ring and the hub
     (torch_all_reduce, "called torch.distributed.all_reduce"),
     (world_group_allreduce, "called ProcessGroup.allreduce"),
@@ -584,6 +642,8 @@ RING_WRONG = COLLECTIVES + [
     (ring_from_any_source, "A dist.recv without src takes a message from any rank"),
     (ring_isend_never_waited, "rank 0's isend handle(s) were never waited"),
     (ring_batch_waits_only_the_recv, "rank 0's isend handle(s) were never waited"),
+    (ring_isend_then_recv, NCCL_HANG),
+    (ring_isend_irecv_posted_apart, NCCL_HANG),
 ]
 HUB_WRONG = COLLECTIVES + [
     (labkit_hub, "labkit.comm's ring_allreduce and naive_allreduce are the course's own answer"),
@@ -598,6 +658,7 @@ HUB_WRONG = COLLECTIVES + [
     (hub_broadcasts_objects, "called torch.distributed.broadcast_object_list"),
     (hub_isend_never_waited, "isend handle(s) were never waited"),
     (hub_irecv_never_waited, "rank 0's irecv handle(s) were never waited (1 irecv from rank 1, 1 irecv from rank 2)"),
+    (hub_irecv_before_isend, NCCL_HANG),
 ]
 
 
@@ -627,6 +688,24 @@ def test_ring_grader_rejects_each_mistake_and_names_it(mistake, phrase):
 def test_hub_grader_rejects_each_mistake_and_names_it(mistake, phrase):
     verdict = check_naive_allreduce(mistake, timeout_seconds=DEADLOCK_SECONDS)
     assert not verdict and phrase in verdict.message and "rank " in verdict.message, verdict
+
+
+def test_the_isend_before_recv_ring_is_told_why_it_hangs_on_nccl_and_what_to_do():
+    """The old reference solution: every rank's stream would wait in its send (the one-stream NCCL model of
+    labkit.comm.stream_model), said rank by rank, with both safe orders."""
+    message = check_ring_allreduce(ring_isend_then_recv).message
+    assert ("these ranks would wait for ever: rank 0 in its send to rank 1; rank 1 in its send to rank 2; "
+            "rank 2 in its send to rank 0.") in message, message  # the first case has 3 ranks
+    for advice in ("dist.batch_isend_irecv([dist.P2POp(dist.isend, ...), dist.P2POp(dist.irecv, ...)])",
+                   "wait every request it returns", "even ranks send first, odd ranks receive first",
+                   "\"blocking for the GPU\"", "it frees the CPU, not the stream"):
+        assert advice in message, (advice, message)
+
+
+def test_a_ring_that_hangs_is_advised_the_orders_that_are_safe_on_nccl():
+    message = check_ring_allreduce(ring_blocking_sends_deadlock, timeout_seconds=DEADLOCK_SECONDS).message
+    assert "dist.batch_isend_irecv" in message and "A dist.isend before a blocking dist.recv is not enough" in message
+    assert "post sends with dist.isend before the blocking dist.recv" not in message  # the advice until issue 25
 
 
 # ---- ZeRO-1's sharded step (notebook 11): right solutions ------------------------------------------------

@@ -9,7 +9,8 @@
 # 3. python -m labkit.commands.gpu_check, then pytest tests/gpu (-ra, $PYTEST_FLAGS: -x unless set), then
 #    tests/gpu/run_notebooks.py if time is left.
 # Everything is tee'd to $OUT/gpu_log.txt (pytest's JUnit XML to $OUT/junit.xml). Every step has a timeout, within
-# one deadline of $TOTAL_SECONDS (360) for the whole run. Exit status: pytest's (124 if it ran out of time).
+# one deadline of $TOTAL_SECONDS (360) for the whole run. Exit status: the first that is not 0 of pytest's,
+# gpu_check's and run_notebooks' (124 where one ran out of time or was skipped for lack of it).
 # Where there is no GPU, each step says so and every test skips with its reason.
 #
 # Variables: PYTHON (python3), OUT (/tmp/labkit-gpu-out), SITE (/tmp/site), TOTAL_SECONDS (360), PYTEST_FLAGS (-x).
@@ -95,5 +96,12 @@ step "pytest tests/gpu" 330 "$PYTHON" -m pytest tests/gpu -ra -p no:cacheprovide
     --junitxml="$OUT/junit.xml"
 pytest_status=$?
 step "run_notebooks" 60 "$PYTHON" tests/gpu/run_notebooks.py
-say "done after $SECONDS s: pytest exit status $pytest_status, gpu_check exit status $gpu_check_status"
-exit "$pytest_status"
+notebooks_status=$?
+say "done after $SECONDS s: pytest exit status $pytest_status, gpu_check exit status $gpu_check_status," \
+    "run_notebooks exit status $notebooks_status"
+for status in "$pytest_status" "$gpu_check_status" "$notebooks_status"; do
+    if ((status != 0)); then
+        exit "$status"
+    fi
+done
+exit 0

@@ -153,15 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         print("No CUDA here (torch.cuda.is_available() is False): nothing to run under NCCL. `make notebooks` runs "
               "every notebook on the CPU.")
         return 0
+    if gpus == 1 and not args.world_size:  # before the packages: nothing runs, so nothing is missing
+        print("One GPU: NCCL needs one GPU per rank, and every notebook runs on 2 or more ranks, so under labkit's "
+              "'auto' they would run over gloo, as CI runs them. Nothing to check here; tests/gpu covers one GPU.")
+        return 0
     missing = [name for name in ("papermill", "ipykernel") if importlib.util.find_spec(name) is None]
     if missing:
         print(f"{' and '.join(missing)} missing in {sys.executable}: `{sys.executable} -m pip install papermill "
               "ipykernel` (or carry their wheels to a machine without a network), then run this again.")
         return 1
-    if gpus == 1 and not args.world_size:
-        print("One GPU: NCCL needs one GPU per rank, and every notebook runs on 2 or more ranks, so under labkit's "
-              "'auto' they would run over gloo, as CI runs them. Nothing to check here; tests/gpu covers one GPU.")
-        return 0
     world_size = args.world_size or (min(gpus, 8) if gpus else 2)
     if gpus and world_size > gpus:
         print(f"--world-size {world_size} > {gpus} GPUs: labkit would fall back to gloo.")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import pytest
 import torch
@@ -130,8 +131,14 @@ def one_rank_all_reduces(device):
 
 @needs_gpus(2)
 def test_a_mismatched_nccl_collective_times_out_in_its_own_call_and_the_next_call_works():
-    with pytest.raises(labkit.RankTimeout, match="rank 0"):
+    """On NCCL rank 0's all_reduce returns once queued and the rank waits in .item(): the Flight Recorder's line
+    still names the all_reduce it is in, and rank 1 as the one that never called it (labkit.launch.inflight)."""
+    with pytest.raises(labkit.RankTimeout, match="rank 0") as info:
         labkit.run(one_rank_all_reduces, None, world_size=2, backend="nccl", timeout=10)
+    report = str(info.value)
+    assert re.search(r"rank 0 is in all_reduce #(\d+); rank 1 never called all_reduce #\1 .*So rank 1 diverged\.",
+                     report), report
+    assert re.search(r"rank 0: .*; it is in all_reduce #\d+ of the default group", report), report  # (nccl) may follow
     assert labkit.run(lambda: labkit.rank(), world_size=2, backend="nccl") == [0, 1]
 
 
