@@ -22,6 +22,7 @@ def test_memory_bars_stack_the_three_parts_under_the_gpu_line():
     assert [trace.name for trace in figure.data] == ["weights", "grads", "optimizer"]
     assert figure.data[2].y[0] == pytest.approx(84)  # replicated: 12 bytes x 7e9 in GB
     assert figure.layout.shapes[0].y0 == 80 and "GB" in figure.layout.yaxis.title.text
+    assert figure.layout.title.text == "Memory per GPU before activations"
 
 
 def test_zero_memory_bars_are_plans_numbers_stage_by_stage():
@@ -216,6 +217,7 @@ def test_memory_bars_stack_activations_on_top_when_the_plans_count_them():
     options = memory_options(7e9, 8, sequence=2048, micro_batch=8)
     figure = memory_bars(options, gpu_nbytes=80e9)
     assert [trace.name for trace in figure.data] == ["weights", "grads", "optimizer", "activations"]
+    assert figure.layout.title.text == "Memory per GPU, activations included"
     assert figure.data[3].y[0] == pytest.approx(34 * 2048 * 8 * 4096 * 32 / 1e9)   # 73.0 GB, replicated
     assert [sum(trace.y[i] for trace in figure.data) for i in range(len(options))] == pytest.approx(
         [option["total"] / 1e9 for option in options.values()])
