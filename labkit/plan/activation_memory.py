@@ -13,11 +13,12 @@ and 1-byte dropout masks: s b h (34 + 5 a s / h) bytes per layer (their equation
       5 a s^2 b bytes, split over t
 
 With tensor parallelism t that is s b h (10 + 24/t + 5as/(ht)) (equation 2); sequence parallelism splits the
-replicated 10 as well: s b h (34/t + 5as/(ht)) (equation 3). Selective recomputation recomputes the attention
-core and keeps no scores; so does a flash-attention kernel (Dao et al. 2022), which recomputes them inside its
-backward: s b h 34/t with both. Full recomputation keeps only each layer's input, 2 s b h (the paper's Table 2
-sums all of these over L layers). Other layouts are other byte counts: `bytes_per_value` (4 for float32) and
-`dropout=False` (no masks, and the softmax output is saved once, not twice).
+replicated 10 as well: s b h (34/t + 5as/(ht)) (equation 3). Selective recomputation (section 5) recomputes the
+attention core and keeps no scores; a flash-attention kernel (Dao et al. 2022) never stores them either, it
+recomputes them inside its backward: then s b h (10 + 24/t), or s b h 34/t with sequence parallelism. Full
+recomputation keeps only each layer's input, 2 s b h. The paper's Table 2 lists these per layer; L layers keep L
+times as much. Other layouts are other byte counts: `bytes_per_value` (4 for float32) and `dropout=False` (no
+masks, and the softmax output is then saved once, not also as the dropout's output).
 """
 
 from __future__ import annotations

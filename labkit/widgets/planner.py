@@ -145,7 +145,7 @@ def _activation_settings(values: dict) -> dict:
 
 def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
     """The planner's summary as HTML, from its control `values` and `memory_options`' result: batch, steps,
-    clock, traffic, and whether your choice fits (with the ways out that do)."""
+    clock, traffic, your choice's activations, and whether it fits with them (with the ways out that do)."""
     weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[values["convention"]]
     scenario = ("params", "per_device_batch", "devices", "accumulation_steps", "examples", "step_compute_seconds",
                 "overlap")
