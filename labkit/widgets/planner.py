@@ -157,7 +157,7 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
     yours, activations = options[plan.YOUR_CHOICE]["total"], options[plan.YOUR_CHOICE].get("activations", 0)
     fits = [name for name, option in options.items() if option["total"] <= gpu_memory_gb * GB]
     ways_out = ", ".join(fits) or "more GPUs with ZeRO-3 or tensor x pipeline parallelism, or a smaller model"
-    if values["recompute"] != "full":
+    if values["recompute"] != "full" and yours - activations <= gpu_memory_gb * GB:   # the activations tip it over
         ways_out += "; or full activation recomputation, or fewer sequences per micro-batch"
     replicated = values["zero_stage"] == 0 and values["lora_rank"] == 0
     why = "replicated data parallelism (DDP) pools no memory; " if replicated else ""

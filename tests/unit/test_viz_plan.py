@@ -156,9 +156,10 @@ def test_planner_says_replicated_data_parallelism_pools_no_memory():
     controls, _ = controls_of(app)
     summary = app.children[0].children[1]
     assert "replicated data parallelism (DDP) pools no memory" in summary.value and "TP x PP over 8" in summary.value
-    assert "or full activation recomputation" in summary.value  # 73 GB of activations: only TP x PP fits
+    assert "activation recomputation" not in summary.value      # 112 GB of state: recomputing cannot help
     controls["ZeRO stage (0 = DDP)"].value = 1                  # 38.5 GB of state and 73 GB of activations
     assert "does not fit" in summary.value and "pools no memory" not in summary.value
+    assert "or full activation recomputation, or fewer sequences per micro-batch" in summary.value
     controls["recomputation"].value = "full"                    # 38.5 + 4.3 GB: sharded, it fits
     assert "fits" in summary.value and "does not fit" not in summary.value
     assert "4.3 GB per GPU: 8 x 2,048 tokens, each layer's input only" in summary.value
