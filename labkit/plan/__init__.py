@@ -4,6 +4,7 @@ Bytes and seconds are plain floats, bandwidths bytes/s; GB = 1e9 bytes wherever 
 `print(worked_example())` recomputes the lesson's 7B example, Steps 1-6.
 """
 
+from labkit.plan.activation_memory import RECOMPUTE, activation_nbytes
 from labkit.plan.axis_traffic import (
     GPTShape,
     ParallelLayout,
@@ -21,6 +22,7 @@ from labkit.plan.memory import (
     attention_lora_shapes,
     lora_params,
     memory_options,
+    tp_in_node,
     training_memory,
     transformer_params,
 )
@@ -40,10 +42,12 @@ from labkit.plan.worked_example import WorkedExample, worked_example
 __all__ = [
     "GB",
     "GPTShape",
+    "RECOMPUTE",
     "ParallelLayout",
     "YOUR_CHOICE",
     "ZERO_STAGES",
     "WorkedExample",
+    "activation_nbytes",
     "allreduce_seconds",
     "attention_lora_shapes",
     "axis_traffic",
@@ -67,6 +71,7 @@ __all__ = [
     "scale_lr",
     "step_seconds",
     "steps_per_epoch",
+    "tp_in_node",
     "training_memory",
     "transformer_params",
     "worked_example",

@@ -10,28 +10,33 @@ import plotly.graph_objects as go
 from labkit.checks import choice
 from labkit.plan import GB, ring_allreduce_bytes
 from labkit.plan.step_time import data_parallel_speedup
-from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED, log_axis
+from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, PURPLE, RED, log_axis
 
 __all__ = ["STAGE_LABELS", "UNITS", "memory_bars", "speedup_chart", "zero_memory_bars"]
 
-PARTS = {"weights": BLUE, "grads": ORANGE, "optimizer": GREEN}  # memory_bars' stack, bottom to top
+PARTS = {"weights": BLUE, "grads": ORANGE, "optimizer": GREEN, "activations": PURPLE}  # memory_bars', bottom up
 STAGE_LABELS = {0: "DDP<br>nothing sharded", 1: "ZeRO-1<br>optimizer state", 2: "ZeRO-2<br>+ gradients",
                 3: "ZeRO-3<br>+ weights"}  # zero_memory_bars' bars: the stage, and what it shards
 UNITS = {"GB": GB, "MB": 1e6}  # the bars' unit: GB for models people train, MB for the small ones measured here
 
 
 def memory_bars(plans: dict[str, dict[str, float]], gpu_nbytes: float | None = None,
-                title: str = "Memory per GPU before activations", unit: str = "GB") -> go.Figure:
+                title: str | None = None, unit: str = "GB") -> go.Figure:
     """One stacked bar per plan: bytes per GPU of weights, grads and optimizer state (`training_memory`'s dicts),
-    with the GPU's memory as a dashed line; heights in `unit` (a key of UNITS: GB = 1e9 bytes, MB = 1e6)."""
+    and activations where the plans hold them (memory_options with a sequence), with the GPU's memory as a dashed
+    line; heights in `unit` (a key of UNITS: GB = 1e9 bytes, MB = 1e6). The title says "before activations"
+    unless the plans count them."""
     scale = UNITS[choice("unit", unit, UNITS)]
     labels = list(plans)
-    figure = go.Figure([go.Bar(x=labels, y=[plans[label][part] / scale for label in labels], name=part,
+    drawn = {part: color for part, color in PARTS.items() if any(part in plans[label] for label in labels)}
+    figure = go.Figure([go.Bar(x=labels, y=[plans[label].get(part, 0) / scale for label in labels], name=part,
                                marker_color=color, hovertemplate=f"%{{x}}: %{{y:.1f}} {unit}<extra>{part}</extra>")
-                        for part, color in PARTS.items()])
+                        for part, color in drawn.items()])
     if gpu_nbytes:
         figure.add_hline(y=gpu_nbytes / scale, line={"dash": "dash", "color": RED},
                          annotation_text=f"GPU memory {gpu_nbytes / scale:g} {unit}", annotation_position="top right")
+    if title is None:
+        title = "Memory per GPU" + (", activations included" if "activations" in drawn else " before activations")
     figure.update_layout(barmode="stack", title=title, height=380, margin={"t": 50},
                          yaxis_title=f"memory per GPU, {unit} (1e{math.log10(scale):.0f} bytes)")
     return figure

@@ -24,6 +24,10 @@ CONVENTIONS = {
     "18 B (fp32 grads: Megatron-LM)": (2, 4, 12),
     "20 B (DeepSpeed's estimator)": (2, 2, 16),
 }
+RECOMPUTATION = {"none": "none", "selective (the attention scores)": "selective",
+                 "full (keep each layer's input)": "full"}  # the dropdown's labels: plan.RECOMPUTE's choices
+SEQUENCES = [2**k for k in range(7, 16)]  # 128 to 32,768 tokens
+HEADS = [2**k for k in range(8)]  # 1 to 128: powers of two, so tp_in_node's degree divides every sequence above
 LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "180px", "450px", 500  # fit a 1280 px window with the file browser open
 _LABEL_STYLE = {"description_width": LABEL_WIDTH}
 NOTE = "<div style='font-size:0.9em; line-height:1.3'>{}</div>"  # under the parameters field, 3 lines at most
@@ -34,6 +38,9 @@ def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
     the memory per GPU against the GPU's and the speedup against bandwidth, all redrawn from labkit.plan whenever
     a control changes. The ZeRO stage (0 = replicated DDP, 1-3 sharded) sets "your choice"'s memory
     (plan.memory_options) and the traffic per step that the clock and the speedup count (ZeRO-3: 1.5x DDP's).
+    Every way's memory includes its activations (plan.activation_nbytes): one micro-batch of "per-device batch"
+    sequences of the sequence length through a model of the width, layers and heads given, with the recomputation
+    chosen; sequence parallelism applies to the "TP x PP" way, the only one that splits layers.
     A size that does not read as a count is refused with a message; the last good one stays."""
     good = {"params": number("params", params, inclusive=False)}
     size = _control(widgets.Text, "parameters", value=plan.format_count(params), placeholder="70B, 6.7 billion, 7e9")
@@ -65,8 +72,8 @@ def _control(kind, description: str, **kw) -> widgets.Widget:
 
 
 def _controls(gpu_memory_gb: float) -> dict[str, widgets.Widget]:
-    """The planner's controls by the name the plan takes: the hardware, the training run, then the ways to save
-    memory."""
+    """The planner's controls by the name the plan takes: the hardware, the training run, the ways to save
+    memory, then the model's shape and what its activations keep."""
     return {
         "devices": _control(widgets.IntSlider, "GPUs (data parallel)", value=8, min=1, max=64),
         "gpu_memory_gb": _control(widgets.FloatSlider, "GPU memory GB", value=gpu_memory_gb, min=8, max=192, step=1),
@@ -84,8 +91,16 @@ def _controls(gpu_memory_gb: float) -> dict[str, widgets.Widget]:
                                        style=_LABEL_STYLE, layout=widgets.Layout(width=CONTROL_WIDTH)),
         "zero_stage": _control(widgets.IntSlider, "ZeRO stage (0 = DDP)", value=0, min=0, max=3),
         "lora_rank": _control(widgets.IntSlider, "LoRA rank (0 = full)", value=0, min=0, max=256),
-        "d_model": _control(widgets.IntSlider, "LoRA: model width", value=4096, min=256, max=16384, step=256),
-        "layers": _control(widgets.IntSlider, "LoRA: layers", value=32, min=1, max=128),
+        "d_model": _control(widgets.IntSlider, "model width", value=4096, min=256, max=16384, step=256),
+        "layers": _control(widgets.IntSlider, "layers", value=32, min=1, max=128),
+        "heads": _control(widgets.SelectionSlider, "attention heads", options=HEADS, value=32),
+        "sequence": _control(widgets.SelectionSlider, "sequence length", options=SEQUENCES, value=2048),
+        "recompute": widgets.Dropdown(options=list(RECOMPUTATION.items()), value="none", description="recomputation",
+                                      style=_LABEL_STYLE, layout=widgets.Layout(width=CONTROL_WIDTH)),
+        "flash_attention": widgets.Checkbox(value=True, description="flash attention", style=_LABEL_STYLE,
+                                            layout=widgets.Layout(width=CONTROL_WIDTH)),
+        "sequence_parallel": widgets.Checkbox(value=False, description="sequence parallel (TP x PP)",
+                                              style=_LABEL_STYLE, layout=widgets.Layout(width=CONTROL_WIDTH)),
     }
 
 
@@ -108,10 +123,11 @@ def _draw(values: dict, summary: widgets.HTML, memory: FigureSlot, speed: Figure
     options = plan.memory_options(values["params"], values["devices"], lora_rank=values["lora_rank"],
                                   zero_stage=values["zero_stage"], weight_bytes=weight_bytes,
                                   grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
-                                  d_model=values["d_model"], layers=values["layers"])
+                                  d_model=values["d_model"], layers=values["layers"], **_activation_settings(values))
     summary.value = describe(values, options)
     memory.draw(memory_bars(options, values["gpu_memory_gb"] * GB, title=(
-        f"Memory per GPU, {plan.format_count(values['params'])} parameters, before activations"
+        f"Memory per GPU, {plan.format_count(values['params'])} parameters, "
+        f"{values['per_device_batch']} x {values['sequence']:,} tokens"
     )).update_layout(width=FIGURE_WIDTH))
     bandwidths = [10 ** (k / 10) * GB for k in range(-10, 31)]
     speed.draw(speedup_chart(values["devices"], values["step_compute_seconds"],
@@ -120,9 +136,16 @@ def _draw(values: dict, summary: widgets.HTML, memory: FigureSlot, speed: Figure
         width=FIGURE_WIDTH, legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}, height=430))
 
 
+def _activation_settings(values: dict) -> dict:
+    """memory_options' activation arguments from the controls: a micro-batch is the per-device batch."""
+    return {"sequence": values["sequence"], "micro_batch": values["per_device_batch"], "heads": values["heads"],
+            "recompute": values["recompute"], "flash_attention": values["flash_attention"],
+            "sequence_parallel": values["sequence_parallel"], "accumulation_steps": values["accumulation_steps"]}
+
+
 def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
     """The planner's summary as HTML, from its control `values` and `memory_options`' result: batch, steps,
-    clock, traffic, and whether your choice fits (with the ways out that do)."""
+    clock, traffic, your choice's activations, and whether it fits with them (with the ways out that do)."""
     weight_bytes, grad_bytes, optimizer_bytes = CONVENTIONS[values["convention"]]
     scenario = ("params", "per_device_batch", "devices", "accumulation_steps", "examples", "step_compute_seconds",
                 "overlap")
@@ -131,13 +154,17 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
                                   bytes_per_param=weight_bytes + grad_bytes + optimizer_bytes,
                                   bandwidth=values["bandwidth_gb"] * GB)
     gpu_memory_gb, devices = values["gpu_memory_gb"], values["devices"]
-    yours = options[plan.YOUR_CHOICE]["total"]
+    yours, activations = options[plan.YOUR_CHOICE]["total"], options[plan.YOUR_CHOICE].get("activations", 0)
     fits = [name for name, option in options.items() if option["total"] <= gpu_memory_gb * GB]
     ways_out = ", ".join(fits) or "more GPUs with ZeRO-3 or tensor x pipeline parallelism, or a smaller model"
+    if values["recompute"] != "full" and yours - activations <= gpu_memory_gb * GB:   # the activations tip it over
+        ways_out += "; or full activation recomputation, or fewer sequences per micro-batch"
     replicated = values["zero_stage"] == 0 and values["lora_rank"] == 0
     why = "replicated data parallelism (DDP) pools no memory; " if replicated else ""
     verdict = (f"<b style='color:{GREEN}'>fits</b>" if yours <= gpu_memory_gb * GB else
                f"<b style='color:{RED}'>does not fit</b>: {why}try {ways_out}")
+    kept = {"none": "no recomputation", "selective": "the attention scores recomputed",
+            "full": "each layer's input only"}[values["recompute"]]
     rows = [
         ("effective batch", f"{example.parallel_batch:,} (1 GPU: {example.baseline_batch:,})"),
         ("steps per epoch", f"{example.parallel_steps:,} (1 GPU: {example.baseline_steps:,})"),
@@ -146,6 +173,8 @@ def describe(values: dict, options: dict[str, dict[str, float]]) -> str:
         ("traffic per step", f"{example.ring_bytes_per_rank / GB:,.2f} GB per rank: {_collectives(values)}"),
         ("its time at this bandwidth", f"{example.comm_seconds:,.3f} s, step {example.parallel_step_seconds:,.3f} s"),
         ("speedup over 1 GPU", f"{example.speedup:,.2f}x of {devices}x"),
+        ("activations", f"{activations / GB:,.1f} GB per GPU: {values['per_device_batch']} x "
+                        f"{values['sequence']:,} tokens, {kept}"),
         ("memory per GPU", f"{yours / GB:,.1f} GB of {gpu_memory_gb:g} GB: {verdict}"),
     ]
     body = "".join(f"<tr><td style='white-space:nowrap; vertical-align:top'>{name}</td>"

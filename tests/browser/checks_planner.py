@@ -92,9 +92,15 @@ def check_layout(found: dict, where: str) -> None:
 
 
 def check_typed_size(page: Page, planner) -> None:
-    """Sizes typed into the parameters field, each then Enter: "70 GB" is refused with a whole message and the
-    plan stays; "1B" turns the verdict to "fits" without moving the charts; "70B" redraws the memory chart for
-    70B, with bars."""
+    """Full recomputation chosen (the activations of 8 x 2048 tokens at the 7B's shape fall from 73 GB to 4.3), then
+    sizes typed into the parameters field, each then Enter: "70 GB" is refused with a whole message and the plan
+    stays; "1B" turns the verdict to "fits" without moving the charts; "70B" redraws the memory chart for 70B,
+    with bars."""
+    recomputation = planner.locator(".widget-dropdown").filter(has_text="recomputation").locator("select")
+    recomputation.scroll_into_view_if_needed()
+    recomputation.select_option(label="full (keep each layer's input)")
+    page.wait_for_function("area => area.innerText.includes(\"each layer's input only\")",
+                           arg=planner.element_handle(), timeout=15_000)
     field = planner.locator(".widget-text input").first
     field.scroll_into_view_if_needed()
     before = planner.evaluate(MEMORY_CHART)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import labkit.plan
 from labkit.plan import traffic
 
-CONSTANTS = {"GB", "YOUR_CHOICE", "ZERO_STAGES"}
+CONSTANTS = {"GB", "RECOMPUTE", "YOUR_CHOICE", "ZERO_STAGES"}
 # Functions known to fail the sweep, as strict xfails: once one is fixed its XPASS fails and it leaves this set.
 # (labkit.plan.counts, issue 13, was here until its errors named `count` and `text`.)
 KNOWN_GAPS: set[str] = set()
@@ -49,8 +49,14 @@ VALID = {
     "fit_alpha_beta": [{"nbytes": [1e6, 4e6, 16e6], "seconds": [0.00135, 0.0036, 0.0126], "world_size": 4}],
     "lora_params": [{"shapes": [(4096, 4096), (4096, 11008)], "rank": 8}],
     "memory_options": [{"params": 7e9, "devices": 8, "lora_rank": lora_rank, "zero_stage": 3, "weight_bytes": 2,
-                        "grad_bytes": 2, "optimizer_bytes": 12, "d_model": 4096, "layers": 32}
-                       for lora_rank in (0, 16)],
+                        "grad_bytes": 2, "optimizer_bytes": 12, "d_model": 4096, "layers": 32, "sequence": sequence,
+                        "micro_batch": 8, "heads": 32, "recompute": "none", "flash_attention": False,
+                        "sequence_parallel": True, "accumulation_steps": 2}
+                       for lora_rank, sequence in ((0, None), (16, 2048), (0, 2048))],
+    "activation_nbytes": [{"layers": 32, "d_model": 4096, "heads": 32, "sequence": 2048, "micro_batch": 8,
+                           "recompute": recompute, "tp": 8, "sequence_parallel": True, "flash_attention": False,
+                           "bytes_per_value": 2, "dropout": True} for recompute in ("none", "full")],
+    "tp_in_node": [{"devices": 64, "heads": 32, "gpus_per_node": 8}],
     "naive_allreduce_bytes": [{"nbytes": 1.4e10, "world_size": 8}],
     "parallelism_for": [{"params": 7e9, "largest_layer_params": 0.2e9, "gpu_nbytes": 80e9, "weight_bytes": 2,
                          "grad_bytes": 2, "optimizer_bytes": 12}],
@@ -59,7 +65,7 @@ VALID = {
     "step_seconds": [{"compute_seconds": 1.0, "comm_seconds": 0.5, "overlap": 0.5}],
     "steps_per_epoch": [{"examples": 40_000, "effective_batch": 128}],
     "training_memory": [{"params": 7e9, "weight_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12,
-                         "zero_stage": 3, "dp": 8}],
+                         "zero_stage": 3, "dp": 8, "activations_nbytes": activations} for activations in (None, 73e9)],
     "transformer_params": [{"vocab": 50257, "d_model": 768, "layers": 12, "d_ff": 3072, "context": 1024,
                             "tied_embeddings": False, "bias": True}],
     "zero_collective_bytes_per_param": [{"zero_stage": stage, "weight_bytes": 2, "grad_bytes": 2}

@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from labkit.plan import attention_lora_shapes, lora_params, memory_options, training_memory, transformer_params
+from labkit.plan import (
+    activation_nbytes,
+    attention_lora_shapes,
+    lora_params,
+    memory_options,
+    tp_in_node,
+    training_memory,
+    transformer_params,
+)
 
 
 def test_lesson_seven_b_needs_112_gb():
@@ -157,3 +165,125 @@ def test_memory_options_your_choice_combines_zero_and_lora():
     assert combined["total"] == pytest.approx((2e9 + 16 * adapters) / 4)
     with pytest.raises(ValueError, match="lora_rank"):
         memory_options(1e9, 4, lora_rank=-1)
+
+
+# Activations (Korthikanti et al. 2022): s tokens, b sequences, width h, a heads, L layers, 16-bit values
+LLAMA_7B = {"layers": 32, "d_model": 4096, "heads": 32}
+
+
+def test_the_7b_micro_batch_of_8_by_2048_keeps_73_gb_without_recomputation_and_4_3_with_full():
+    sbhl = 2048 * 8 * 4096 * 32
+    assert activation_nbytes(**LLAMA_7B, sequence=2048, micro_batch=8) == 34 * sbhl == 73_014_444_032
+    assert activation_nbytes(**LLAMA_7B, sequence=2048, micro_batch=8, recompute="full") == 2 * sbhl
+    # without flash attention the scores come back: sbh(34 + 5as/h), 5 x 32 x 2048 / 4096 = 80 more
+    assert activation_nbytes(**LLAMA_7B, sequence=2048, micro_batch=8, flash_attention=False) == (34 + 80) * sbhl
+
+
+shapes = st.fixed_dictionaries({"layers": st.integers(1, 96), "heads": st.sampled_from([1, 2, 4, 8, 16, 32, 64]),
+                                "head_dim": st.sampled_from([16, 64, 128]), "sequence_per_rank": st.integers(1, 512),
+                                "micro_batch": st.integers(1, 16), "t": st.sampled_from([1, 2, 4, 8])})
+
+
+@given(shape=shapes)
+def test_activations_follow_the_papers_equations_1_to_3_and_table_2(shape):
+    t, L, a, b = shape["t"], shape["layers"], shape["heads"] * shape["t"], shape["micro_batch"]
+    h, s = a * shape["head_dim"], shape["sequence_per_rank"] * shape["t"]
+    sbh = s * b * h
+
+    def kept(**kw):
+        return activation_nbytes(L, h, a, s, b, flash_attention=False, **kw)
+    # relative 1e-12: the formula and the check add the same terms in another order, in float64
+    assert kept() == pytest.approx(L * sbh * (34 + 5 * a * s / h), rel=1e-12)                       # equation 1
+    assert kept(tp=t) == pytest.approx(L * sbh * (10 + 24 / t + 5 * a * s / (h * t)), rel=1e-12)     # equation 2
+    assert kept(tp=t, sequence_parallel=True) == pytest.approx(L * sbh * (34 / t + 5 * a * s / (h * t)), rel=1e-12)
+    assert kept(tp=t, recompute="selective") == pytest.approx(L * sbh * (10 + 24 / t), rel=1e-12)    # Table 2
+    assert kept(tp=t, recompute="selective", sequence_parallel=True) == pytest.approx(L * sbh * 34 / t, rel=1e-12)
+    assert kept(tp=t, recompute="full") == 2 * sbh * L
+    assert activation_nbytes(L, h, a, s, b, tp=t) == kept(tp=t, recompute="selective")   # flash keeps no scores
+
+
+@given(shape=shapes, sequence_parallel=st.booleans(), flash=st.booleans())
+def test_recomputation_and_sequence_parallelism_only_shrink_and_everything_scales_with_batch_and_depth(
+        shape, sequence_parallel, flash):
+    t, L, a, b = shape["t"], shape["layers"], shape["heads"] * shape["t"], shape["micro_batch"]
+    h, s = a * shape["head_dim"], shape["sequence_per_rank"] * shape["t"]
+
+    def kept(recompute="none", layers=L, micro_batch=b, split=sequence_parallel):
+        return activation_nbytes(layers, h, a, s, micro_batch, recompute, t, split, flash)
+    assert kept("full") <= kept("selective") <= kept("none")
+    assert kept(split=True) <= kept(split=False)
+    assert kept(layers=2 * L) == pytest.approx(2 * kept(), rel=1e-12)
+    assert kept(micro_batch=3 * b) == pytest.approx(3 * kept(), rel=1e-12)
+
+
+def test_other_layouts_are_other_byte_counts():
+    # float32 values without dropout: the 16 sbh numbers each block keeps, at 4 bytes (notebook 09 measures them),
+    # and without flash attention the softmax output, a s^2 b numbers, once
+    s, b, h, a = 32, 8, 64, 4
+    assert activation_nbytes(2, h, a, s, b, bytes_per_value=4, dropout=False) == 2 * 16 * 4 * s * b * h
+    assert activation_nbytes(2, h, a, s, b, bytes_per_value=4, dropout=False, flash_attention=False) == \
+        2 * 4 * (16 * s * b * h + a * s * s * b)
+    assert activation_nbytes(2, h, a, s, b, recompute="full", bytes_per_value=4) == 2 * 4 * s * b * h
+
+
+def test_training_memory_counts_activations_only_when_given():
+    assert set(training_memory(7e9)) == {"weights", "grads", "optimizer", "total"}
+    memory = training_memory(7e9, zero_stage=1, dp=8, activations_nbytes=73e9)
+    assert memory == pytest.approx({"weights": 14e9, "grads": 14e9, "optimizer": 10.5e9, "activations": 73e9,
+                                    "total": 111.5e9})
+    assert training_memory(7e9, activations_nbytes=0)["total"] == 112e9
+
+
+def test_memory_options_add_each_ways_activations_to_its_total():
+    before = memory_options(7e9, 8, lora_rank=16)
+    after = memory_options(7e9, 8, lora_rank=16, sequence=2048, micro_batch=8, accumulation_steps=2)
+    assert all("activations" not in option for option in before.values()) and list(after) == list(before)
+    per_replica = activation_nbytes(**LLAMA_7B, sequence=2048, micro_batch=8)
+    for name, option in after.items():
+        assert option["total"] == pytest.approx(before[name]["total"] + option["activations"], rel=1e-12)
+        if name != "TP x PP over 8":
+            assert option["activations"] == per_replica      # ZeRO shards no activations
+    # TP 8 x PP 1 inside one node: equation 2's sbh(10 + 24/8) per layer; with sequence parallelism 34/8
+    sbhl = 2048 * 8 * 4096 * 32
+    assert after["TP x PP over 8"]["activations"] == 13 * sbhl
+    split = memory_options(7e9, 8, sequence=2048, micro_batch=8, sequence_parallel=True)
+    assert split["TP x PP over 8"]["activations"] == 34 / 8 * sbhl
+    assert split["ZeRO-1 over 8"] == after["ZeRO-1 over 8"]          # no tensor parallelism there: nothing to split
+    full = memory_options(7e9, 8, sequence=2048, micro_batch=8, recompute="full")
+    assert round(full["ZeRO-1 over 8"]["total"] / 1e9, 2) == 42.79 and full["replicated"]["total"] > 112e9
+
+
+def test_a_pipelines_first_stage_holds_its_layers_for_each_micro_batch_in_flight():
+    # 64 GPUs: TP 8 inside a node, PP 8; 32 layers, 4 per stage; 1F1B keeps min(pp, m) micro-batches in flight
+    per_layer = activation_nbytes(1, 4096, 32, 2048, 1, tp=8)
+    for m, in_flight in ((1, 1), (2, 2), (8, 8), (16, 8)):
+        option = memory_options(7e9, 64, sequence=2048, accumulation_steps=m)["TP x PP over 64"]
+        assert option["activations"] == pytest.approx(in_flight * 4 * per_layer, rel=1e-12)
+
+
+def test_tensor_parallelism_stays_inside_a_node_with_whole_heads():
+    assert [tp_in_node(n, 32) for n in (1, 2, 6, 8, 12, 16, 64)] == [1, 2, 2, 8, 4, 8, 8]
+    assert tp_in_node(8, 12) == 4 and tp_in_node(8, 7) == 1 and tp_in_node(16, 32, gpus_per_node=16) == 16
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: activation_nbytes(32, 4096, 32, 2048, 8, recompute="some"), "recompute='some': use one of 'none'"),
+    (lambda: activation_nbytes(32, 4096, 32, 2048, 8, tp=3), "tp=3: 32 heads do not split over 3"),
+    (lambda: activation_nbytes(32, 4096, 32, 2050, 8, tp=4, sequence_parallel=True), "sequence=2050: .* tp=4"),
+    (lambda: activation_nbytes(0, 4096, 32, 2048, 8), "layers=0"),
+    (lambda: activation_nbytes(32, 4096, 32, 2048, 8, bytes_per_value=-2), "bytes_per_value=-2"),
+    (lambda: training_memory(7e9, activations_nbytes=-1), "activations_nbytes=-1"),
+    (lambda: memory_options(7e9, 8, sequence=2048, recompute="partial"), "recompute='partial'"),
+    (lambda: memory_options(7e9, 8, sequence=0), "sequence=0"),
+    (lambda: memory_options(7e9, 8, sequence=2048, accumulation_steps=0), "accumulation_steps=0"),
+])
+def test_bad_activation_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_activation_flags_are_flags():
+    with pytest.raises(TypeError, match="sequence_parallel=1: pass True or False"):
+        activation_nbytes(32, 4096, 32, 2048, 8, sequence_parallel=1)
+    with pytest.raises(TypeError, match="flash_attention='yes'"):
+        memory_options(7e9, 8, sequence=2048, flash_attention="yes")

@@ -3,7 +3,14 @@
 import plotly.graph_objects as go
 import pytest
 
-from labkit.plan import YOUR_CHOICE, memory_options, training_memory, zero_memory_table, zero_traffic_bytes
+from labkit.plan import (
+    YOUR_CHOICE,
+    activation_nbytes,
+    memory_options,
+    training_memory,
+    zero_memory_table,
+    zero_traffic_bytes,
+)
 from labkit.viz import zero_memory_bars
 from labkit.viz.plan import STAGE_LABELS, memory_bars, speedup_chart
 from labkit.widgets import FigureSlot, planner
@@ -15,6 +22,7 @@ def test_memory_bars_stack_the_three_parts_under_the_gpu_line():
     assert [trace.name for trace in figure.data] == ["weights", "grads", "optimizer"]
     assert figure.data[2].y[0] == pytest.approx(84)  # replicated: 12 bytes x 7e9 in GB
     assert figure.layout.shapes[0].y0 == 80 and "GB" in figure.layout.yaxis.title.text
+    assert figure.layout.title.text == "Memory per GPU before activations"
 
 
 def test_zero_memory_bars_are_plans_numbers_stage_by_stage():
@@ -94,8 +102,11 @@ def test_planner_recomputes_when_a_control_moves():
     summary, (memory, speed) = app.children[0].children[1], figures_of(app)
     assert isinstance(memory, go.FigureWidget) and "does not fit" in summary.value
     controls["parameters"].value = "1B"
+    assert "does not fit" in summary.value        # 16 GB of state, but 73 GB of activations at 7B's shape
+    controls["model width"].value, controls["layers"].value = 2048, 16    # a 1B model's shape
     memory, speed = figures_of(app)
     assert "fits" in summary.value and "does not fit" not in summary.value
+    assert f"{activation_nbytes(16, 2048, 32, 2048, 8) / 1e9:.1f} GB per GPU: 8 x 2,048 tokens" in summary.value
     assert memory.data[0].y[0] == pytest.approx(2.0)  # 1e9 bf16 weights = 2 GB
     before = speed.data[0].y
     controls["GPUs (data parallel)"].value = 4
@@ -132,8 +143,8 @@ def test_planner_sizes_lora_by_the_model_it_is_told():
     app = planner()
     controls, _ = controls_of(app)
     controls["parameters"].value = "100M"
-    controls["LoRA: model width"].value = 512
-    controls["LoRA: layers"].value = 8
+    controls["model width"].value = 512
+    controls["layers"].value = 8
     memory = figures_of(app)[0]
     bars = dict(zip(memory.data[0].x, memory.data[0].y, strict=True))  # weights, GB
     adapters = 16 * (512 + 512) * 4 * 8                                 # rank 16 on q, k, v, o of 8 layers
@@ -144,9 +155,14 @@ def test_planner_says_replicated_data_parallelism_pools_no_memory():
     app = planner()
     controls, _ = controls_of(app)
     summary = app.children[0].children[1]
-    assert "replicated data parallelism (DDP) pools no memory" in summary.value and "ZeRO-3 over 8" in summary.value
-    controls["ZeRO stage (0 = DDP)"].value = 1                  # 38.5 GB per GPU: sharded, it fits
-    assert "fits" in summary.value and "pools no memory" not in summary.value
+    assert "replicated data parallelism (DDP) pools no memory" in summary.value and "TP x PP over 8" in summary.value
+    assert "activation recomputation" not in summary.value      # 112 GB of state: recomputing cannot help
+    controls["ZeRO stage (0 = DDP)"].value = 1                  # 38.5 GB of state and 73 GB of activations
+    assert "does not fit" in summary.value and "pools no memory" not in summary.value
+    assert "or full activation recomputation, or fewer sequences per micro-batch" in summary.value
+    controls["recomputation"].value = "full"                    # 38.5 + 4.3 GB: sharded, it fits
+    assert "fits" in summary.value and "does not fit" not in summary.value
+    assert "4.3 GB per GPU: 8 x 2,048 tokens, each layer's input only" in summary.value
 
 
 def test_planner_zero_stage_shards_the_memory_and_zero_3_moves_half_as_much_again():
@@ -159,8 +175,8 @@ def test_planner_zero_stage_shards_the_memory_and_zero_3_moves_half_as_much_agai
         stage.value = k
         memory, speed = figures_of(app)
         yours = memory.data[0].x.index(YOUR_CHOICE)
-        assert sum(trace.y[yours] for trace in memory.data) == pytest.approx(
-            training_memory(7e9, zero_stage=k, dp=8)["total"] / 1e9)
+        assert sum(trace.y[yours] for trace in memory.data) == pytest.approx(training_memory(
+            7e9, zero_stage=k, dp=8, activations_nbytes=activation_nbytes(32, 4096, 32, 2048, 8))["total"] / 1e9)
         assert f"{zero_traffic_bytes(7e9, 8, zero_stage=k) / 1e9:,.2f} GB per rank" in summary.value
         speedups[k] = speed.data[0].y
     assert "24.50 GB per rank: the gradients' AllReduce (DDP)" in summary.value
@@ -179,7 +195,7 @@ def test_planner_conventions_keep_their_byte_counts():
     for label, (weights, grads, optimizer) in CONVENTIONS.items():
         controls["bytes per parameter"].value = label
         assert label.startswith(f"{weights + grads + optimizer} B")
-        assert sum(trace.y[0] for trace in figures_of(app)[0].data) == pytest.approx(
+        assert sum(trace.y[0] for trace in figures_of(app)[0].data[:3]) == pytest.approx(
             7 * (weights + grads + optimizer))
 
 
@@ -196,3 +212,36 @@ def test_a_figure_slot_replaces_its_figure_whole_and_closes_the_old_one():
     first = slot.figure
     slot.draw(go.Figure(go.Bar(y=[2])))
     assert slot.figure is not first and slot.figure.data[0].y == (2,) and first.comm is None
+
+
+def test_memory_bars_stack_activations_on_top_when_the_plans_count_them():
+    options = memory_options(7e9, 8, sequence=2048, micro_batch=8)
+    figure = memory_bars(options, gpu_nbytes=80e9)
+    assert [trace.name for trace in figure.data] == ["weights", "grads", "optimizer", "activations"]
+    assert figure.layout.title.text == "Memory per GPU, activations included"
+    assert figure.data[3].y[0] == pytest.approx(34 * 2048 * 8 * 4096 * 32 / 1e9)   # 73.0 GB, replicated
+    assert [sum(trace.y[i] for trace in figure.data) for i in range(len(options))] == pytest.approx(
+        [option["total"] / 1e9 for option in options.values()])
+
+
+def test_planner_counts_activations_with_the_recomputation_and_sequence_parallelism_chosen():
+    app = planner()
+    controls, _ = controls_of(app)
+    summary = app.children[0].children[1]
+
+    def bars():
+        memory = figures_of(app)[0]
+        assert memory.data[3].name == "activations"
+        return dict(zip(memory.data[3].x, memory.data[3].y, strict=True))
+    sbhl = 2048 * 8 * 4096 * 32 / 1e9                           # GB per unit of s b h L
+    assert bars()["replicated"] == pytest.approx(34 * sbhl) and bars()["TP x PP over 8"] == pytest.approx(13 * sbhl)
+    controls["sequence parallel (TP x PP)"].value = True         # equation 3: the replicated 10 sbh split too
+    assert bars()["TP x PP over 8"] == pytest.approx(34 / 8 * sbhl) and bars()["replicated"] == pytest.approx(34 * sbhl)
+    controls["flash attention"].value = False                   # the scores come back: + 5as/h = 80 sbh per layer
+    assert bars()["replicated"] == pytest.approx(114 * sbhl)
+    controls["recomputation"].value = "selective"
+    assert bars()["replicated"] == pytest.approx(34 * sbhl)
+    controls["sequence length"].value = 4096
+    controls["per-device batch"].value = 2
+    assert bars()["replicated"] == pytest.approx(34 * sbhl / 2) and "2 x 4,096 tokens" in summary.value
+    assert "2 x 4,096 tokens" in figures_of(app)[0].layout.title.text
