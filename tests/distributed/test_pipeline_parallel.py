@@ -395,6 +395,55 @@ def test_every_plan_completes_on_one_stream_per_rank(kind):
                 assert [s for s in steps if isinstance(s, Action)] == schedule(kind, p, m)[r]
 
 
+def posting_points(steps):
+    """Where each message of a stage's plan is posted: message -> the number of actions before its group."""
+    points, actions = {}, 0
+    for step in steps:
+        if isinstance(step, Action):
+            actions += 1
+        else:
+            points.update(dict.fromkeys(step, actions))
+    return points
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_receives_posted_ahead_come_earlier_never_before_their_buffer_can_be_made(kind):
+    """gloo's plan (receives_ahead): the same actions and messages; every receive posted no later than in the
+    NCCL plan, and, but for the first of its kind and chunk, before the action of its kind that comes before its
+    own; a gradient's after the forward whose output it is (its buffer is shaped like that output); sends where
+    they were. The single-stream model shows why NCCL keeps the other order: there such a plan hangs."""
+    moved = 0
+    for p in range(1, 6):
+        for m in range(1, 11):
+            chunks = 2 if kind == "interleaved" else 1
+            if kind == "interleaved" and m % p:
+                continue
+            plan, ahead = (communication_plan(kind, p, m, chunks, receives_ahead=a) for a in (False, True))
+            for r in range(p):
+                actions = [s for s in plan[r] if isinstance(s, Action)]
+                assert [s for s in ahead[r] if isinstance(s, Action)] == actions
+                now, before = posting_points(ahead[r]), posting_points(plan[r])
+                assert now.keys() == before.keys(), (kind, p, m, r)
+                where = {(a.kind, a.microbatch, a.chunk): k for k, a in enumerate(actions)}
+                for message, k in now.items():
+                    if message.op == "send" or message.what == "header":
+                        assert k == before[message], (kind, p, m, r, str(message))
+                        continue
+                    assert k <= before[message], (kind, p, m, r, str(message))
+                    moved += k < before[message]
+                    if message.what == "gradient":
+                        mine = message.chunk - (r == p - 1)  # the chunk whose output the gradient is for
+                        assert k > where[("F", message.microbatch, mine)], (kind, p, m, r, str(message))
+    assert moved > 0
+    assert stream_deadlock(plan_posts("1f1b", 2, 4, receives_ahead=True)) is not None
+    assert stream_deadlock(plan_posts("interleaved", 2, 4, 2, receives_ahead=True)) is not None
+
+
+def test_receives_ahead_must_be_a_flag():
+    with pytest.raises(TypeError, match="receives_ahead=1: pass True or False"):
+        communication_plan("1f1b", 2, 2, receives_ahead=1)
+
+
 def recorded_step(cases, batched):
     """On every rank: each case's groups as posted (with sizes), the result, the gradients, and the
     synchronize calls, through a recording StageLink and a recording labkit.measure.synchronize."""
@@ -433,18 +482,27 @@ def recorded_step(cases, batched):
 @pytest.mark.parametrize("batched", [True, False])
 def test_posted_groups_follow_the_plan_complete_on_one_stream_and_train_right(batched):
     """On gloo ranks, both paths (one batch_isend_irecv per group, the path NCCL takes, and paired
-    isend/irecv): the groups as posted, sizes included, are the plan's and pass the single-stream model; the
-    step equals one process's; every clock reading follows labkit.measure.synchronize(labkit.device())."""
+    isend/irecv, each receive posted ahead): the groups as posted, sizes included, are the plan's (batched: it
+    passes the single-stream model); each send's size is its receive's; the step equals one process's; every
+    clock reading follows labkit.measure.synchronize(labkit.device())."""
     p, cases = 3, [("gpipe", 3, 1), ("1f1b", 4, 1), ("1f1b", 1, 1), ("interleaved", 6, 2)]
     per_rank = labkit.run(recorded_step, cases, batched, world_size=p)
     loss, grads = reference()
     for c, (kind, m, chunks) in enumerate(cases):
         posts = [[tuple(op[:5] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
                  for r in range(p)]
-        assert posts == plan_posts(kind, p, m, chunks), (kind, m)
+        assert posts == plan_posts(kind, p, m, chunks, receives_ahead=not batched), (kind, m)
         sized = [[tuple(op[:6] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
                  for r in range(p)]
-        assert stream_deadlock(sized) is None, (kind, m)  # the sizes of each send and its receive agree too
+        if batched:
+            assert stream_deadlock(sized) is None, (kind, m)  # the sizes of each send and its receive agree too
+        ends = {}  # (from, to, what, micro-batch, chunk) -> nbytes, as the sender and as the receiver posted it
+        for r in range(p):
+            for op in (op for group in sized[r] for op in group if op[0] != "barrier"):
+                pair = (r, op[1]) if op[0] == "send" else (op[1], r)
+                ends.setdefault((*pair, *op[2:5]), {})[op[0]] = op[5]
+        assert ends and all(set(sizes) == {"send", "recv"} and len(set(sizes.values())) == 1
+                            for sizes in ends.values()), (kind, m)
         assert {op[6] for r in range(p) for group in per_rank[r][c][0] for op in group if len(op) > 1} == {"cpu"}
         seen = {}
         for r in range(p):
