@@ -12,7 +12,8 @@ import math
 from labkit.checks import choice, finite_result, number, numbers_list, overflow_named, shown, whole
 
 __all__ = ["ALLREDUCE_ALGORITHMS", "GB", "allreduce_seconds", "bus_bandwidth", "busbw_factor", "ddp_bucket_count",
-           "fit_alpha_beta", "fit_point_to_point", "naive_allreduce_bytes", "ring_allreduce_bytes", "ring_reduce_scatter_bytes"]
+           "fit_alpha_beta", "fit_point_to_point", "naive_allreduce_bytes", "ring_allreduce_bytes",
+           "ring_reduce_scatter_bytes"]
 
 GB = 1e9
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
