@@ -23,7 +23,7 @@ from labkit.parallel import (
     simulate_pipeline,
     stage_layers,
 )
-from labkit.parallel.pipeline import communication_plan
+from labkit.parallel.pipeline import HandOver, communication_plan
 from labkit.plan import bubble_fraction
 
 KINDS = ["gpipe", "1f1b"]
@@ -128,6 +128,59 @@ def test_simulated_timeline_respects_dependencies_and_each_stages_order():
             mine = [e for e in events if e.stage == r]
             assert [(e.kind, e.microbatch) for e in mine] == [(a.kind, a.microbatch) for a in actions]
             assert all(a.end <= b.start for a, b in zip(mine, mine[1:], strict=False))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_free_hand_overs_give_the_formula_whichever_plan_is_walked(kind):
+    for p in range(1, 5):
+        for m in range(1, 9):
+            for ahead in (False, True):
+                events = simulate_pipeline(kind, p, m, 1.0, 2.0, handover=HandOver(rendezvous=True),
+                                           receives_ahead=ahead)
+                assert measured_bubble(events) == pytest.approx(bubble_fraction(p, m), abs=1e-12), (kind, p, m)
+
+
+def test_a_priced_hand_over_as_worked_by_hand():
+    """GPipe, 2 stages, 2 micro-batches, F = B = 1, each send 0.02 to post and there 0.03 after its post began,
+    each receive 0.01 to post. Stage 0: F0 0-1, posts the header (until 1.02) and a0 (1.04), F1 1.04-2.04, posts
+    a1 (sent from 2.04, posted 2.06) and g0's receive (2.07). Stage 1 posts the header's receive (until 0.01),
+    waits for the header (in at 1.03) to make a0's buffer, posts a0's receive (1.04): a0 is in at 1.05, so F0 runs
+    1.05-2.05; a1's receive (2.06), a1 in at 2.07: F1 2.07-3.07, B0 3.07-4.07, sends g0 (4.07-4.09, in at 4.10):
+    stage 0's B0 4.10-5.10 while stage 1's B1 runs 4.09-5.09, sends g1 (in at 5.12; stage 0 posted its receive
+    until 5.11): B1 5.12-6.12."""
+    cost = HandOver(alpha_seconds=0.03, send_post_seconds=0.02, recv_post_seconds=0.01)
+    events = simulate_pipeline("gpipe", 2, 2, 1.0, 1.0, handover=cost)
+    starts = {(e.stage, e.kind, e.microbatch): round(e.start, 6) for e in events}
+    assert starts == {(0, "F", 0): 0.0, (0, "F", 1): 1.04, (0, "B", 0): 4.1, (0, "B", 1): 5.12,
+                      (1, "F", 0): 1.05, (1, "F", 1): 2.07, (1, "B", 0): 3.07, (1, "B", 1): 4.09}
+
+
+def test_costlier_hand_overs_leave_a_larger_bubble_and_posting_ahead_saves_gloos_round_trip():
+    for kind in KINDS:
+        bubbles = [measured_bubble(simulate_pipeline(kind, 4, 8, 0.02, 0.04, handover=HandOver(
+            alpha_seconds=a, send_post_seconds=a / 2, recv_post_seconds=a / 8), receives_ahead=True))
+            for a in (0.0, 1e-4, 1e-3, 1e-2)]
+        assert bubbles[0] == pytest.approx(bubble_fraction(4, 8)) and bubbles == sorted(bubbles), bubbles
+        gloo = HandOver(alpha_seconds=1e-3, rendezvous=True)
+        late, ahead = (measured_bubble(simulate_pipeline(kind, 4, 8, 0.02, 0.04, handover=gloo, receives_ahead=a))
+                       for a in (False, True))
+        assert late > ahead > bubble_fraction(4, 8), (kind, late, ahead)
+    nbytes = simulate_pipeline("1f1b", 4, 8, handover=HandOver(beta_seconds_per_byte=1e-3), message_nbytes=100)
+    assert measured_bubble(nbytes) > bubble_fraction(4, 8)  # 0.1 per message: the bytes count
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: simulate_pipeline("1f1b", 2, 2, send_seconds=1.0, handover=HandOver()), ValueError,
+     "send_seconds=1.0 with a handover"),
+    (lambda: simulate_pipeline("1f1b", 2, 2, handover=1e-3), TypeError, "handover=0.001: pass a HandOver"),
+    (lambda: HandOver(alpha_seconds=-1.0), ValueError, "alpha_seconds=-1.0"),
+    (lambda: HandOver(rendezvous="yes"), TypeError, "rendezvous='yes'"),
+    (lambda: simulate_pipeline("1f1b", 2, 2, message_nbytes=-1), ValueError, "message_nbytes=-1"),
+    (lambda: simulate_pipeline("1f1b", 2, 2, receives_ahead=None), TypeError, "receives_ahead=None"),
+])
+def test_the_simulators_bad_arguments_get_clear_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
 
 
 def test_stage_layers_balance_by_layer_count():
