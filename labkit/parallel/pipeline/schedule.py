@@ -177,8 +177,8 @@ def communication_plan(kind: str, stages: int, microbatches: int, chunks: int = 
     the forward whose output it differentiates). Gloo matches by tag and moves data on its own threads, and a
     send it posts goes straight onto the wire only if the receive is already posted; else it announces itself
     and waits for the receiver's answer, a round trip (gloo/transport/tcp/pair.cc: Pair::send, Pair::recv). A
-    receive posted ahead lets the message arrive while the receiver still computes, as a GPU's copy engine
-    would. On NCCL's single stream such a plan hangs (tested): there it stays False.
+    receive posted ahead lets the message arrive while the receiver still computes. On NCCL's single stream
+    such a plan hangs (tested): there it stays False.
 
     >>> def show(step):
     ...     return str(step) if isinstance(step, Action) else "[" + " ".join(map(str, step)) + "]"

@@ -83,7 +83,7 @@ def simulate_pipeline(kind: str, stages: int, microbatches: int, forward_seconds
     (19.0, 0.1579)
     >>> cost = HandOver(alpha_seconds=0.03, send_post_seconds=0.02)  # a send: there 0.03 on, its poster busy 0.02
     >>> events = simulate_pipeline("gpipe", 2, 2, 1.0, 1.0, handover=cost)
-    >>> round(max(e.end for e in events), 2), round(measured_bubble(events), 4)  # 6 + 4 sends; the header first
+    >>> round(max(e.end for e in events), 2), round(measured_bubble(events), 4)  # 6 of compute, 0.12 handing over
     (6.12, 0.3464)
     """
     plan = communication_plan(kind, stages, microbatches, chunks, flag("receives_ahead", receives_ahead))
