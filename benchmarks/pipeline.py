@@ -1,87 +1,134 @@
-"""The pipeline bubble and the activations held, measured on real gloo ranks against the formulas.
+"""The pipeline bubble on real gloo ranks, against the formula and against the simulator priced with this
+machine's hand-over cost; and the activations held.
 
-For p = 2 and 4 stages and m = 1 to 16 micro-batches, GPipe and 1F1B run one training step of a small MLP
-with labkit.parallel.run_pipeline, each forward EMULATED to take 20 ms and each backward 40 ms (the real
-compute is well under a millisecond; the stages sleep the rest, so that 4 ranks on a 2-core laptop overlap
-as GPUs would). Measured bubble = 1 - (sum of action times) / (makespan x p), the median of 3 steps; the
-formula is (p-1)/(m+p-1) (labkit.plan.bubble_fraction), which the simulator reproduces exactly. The makespan
-runs from the barrier that starts every stage's clock to the last action's end: each step's slowest rank,
-then the median of the steps (labkit.measure.slowest_rank_median). What the measurement adds over the
-formula is the real cost of each hand-over between stages (posting sends, waking a waiting rank: about a
-millisecond on a loaded 2-core machine), which the formula takes as zero. Peak in-flight: the most
-micro-batches whose activations a stage held awaiting their backward; GPipe holds m, 1F1B min(p - r, m) on
-stage r, so min(p, m) on stage 0.
+For p = 1 to 4 stages and m = 1 to 16 micro-batches, GPipe and 1F1B run training steps of a small MLP with
+labkit.parallel.run_pipeline, each forward EMULATED to take 20 ms and each backward 40 ms (the real compute is
+well under a millisecond; the stages sleep the rest, so that 4 ranks on a 2-core laptop overlap as GPUs would).
+Measured bubble = 1 - (sum of action times) / (makespan x p): the least of ROUNDS steps, the settings taking
+turns (labkit.parallel.pipeline.steps_taking_turns: a busy machine only adds idle time); "spread" is the most
+minus the least of them, the noise the measurement was taken in.
 
-    python benchmarks/pipeline.py
+The formula (p-1)/(m+p-1) (labkit.plan.bubble_fraction) counts hand-overs between stages as free. They are not:
+each costs its sender the time to post it, its receiver the time to post the receive, and the message its time
+on the way. handover_seconds_by_size times exactly that on labkit's transport, before each round and in the same
+ranks (a ping-pong between ranks 0 and 1, each message sent after 20 ms of emulated compute to a rank waiting for
+it; alpha + n beta fitted with plan.fit_point_to_point, fitted_handover), so that both see the same load; and
+"simulated" is simulate_pipeline with that HandOver, walking the plan the executor posts on gloo (receives
+ahead). The last lines give the worst |simulated - measured| and |formula - measured| per schedule.
+
+    python benchmarks/pipeline.py            about 6 minutes on 2 cores
 """
 
-import statistics
+import math
+import os
 
 import torch
 import torch.nn.functional as F
 
 import labkit
-from labkit.measure import slowest_rank_median
 from labkit.models import make_classification, mlp
-from labkit.parallel import measured_bubble, run_pipeline, simulate_pipeline
+from labkit.parallel import run_pipeline, simulate_pipeline
+from labkit.parallel.pipeline import (
+    HANDOVER_SIZES,
+    HandOver,
+    bubbles_by_round,
+    fitted_handover,
+    handover_seconds_by_size,
+    measured_bubble,
+    steps_taking_turns,
+)
 from labkit.plan import bubble_fraction
 from labkit.tables import text_table
 
-STAGES = [2, 4]
-MICROBATCHES = [1, 2, 4, 8, 16]
+STAGES = [1, 2, 3, 4]
+MICROBATCHES = list(range(1, 17))
 KINDS = ["gpipe", "1f1b"]
 FORWARD_S, BACKWARD_S = 0.020, 0.040
 EMULATED = (FORWARD_S, BACKWARD_S)
-REPEATS = 3
-HEADER = ("p", "m", "schedule", "formula", "simulated", "measured", "rel.err", "makespan ms", "ideal ms",
-          "peak stage 0", "max stage", "expected")
+ROUNDS = 5
+EXAMPLES, HIDDEN = 64, 64  # the batch; every activation between stages is HIDDEN float32 wide
+HEADER = ("p", "m", "schedule", "formula", "simulated", "measured", "spread", "sim - meas", "formula - meas",
+          "peak held", "expected")
 
 
-def measure(configs):
-    """On every rank: for each (kind, m), this stage's events in each of REPEATS steps (seconds from the barrier
-    that starts every stage's clock) and the most micro-batches it held in any step."""
-    x, y = make_classification(64)
-    model = mlp(layers=3)  # 7 layers: stages of 4 and 3 layers, or 2, 2, 2, 1
+def steps(settings):
+    """On every rank: each setting's events in each of ROUNDS rounds, the most micro-batches it held, and the
+    hand-over readings taken before each round (handover_seconds_by_size: ranks 0 and 1), in the same conditions."""
+    x, y = make_classification(EXAMPLES)
+    model = mlp(layers=3, hidden=HIDDEN)  # 7 layers: enough for 4 stages
     run_pipeline(model, "1f1b", 4, x, y, F.cross_entropy)  # warm: the first backward of a process is slow
-    steps = {}
-    for kind, m in configs:
-        results = [run_pipeline(model, kind, m, x, y, F.cross_entropy, emulate_compute_seconds=EMULATED)
-                   for _ in range(REPEATS)]
-        steps[kind, m] = [result.events for result in results], max(result.peak_in_flight for result in results)
-    return steps
+    peaks, readings = {}, []
+
+    def step(kind, m):
+        result = run_pipeline(model, kind, m, x, y, F.cross_entropy, emulate_compute_seconds=EMULATED)
+        peaks[kind, m] = max(peaks.get((kind, m), 0), result.peak_in_flight)
+        return result
+
+    events = {setting: [] for setting in settings}
+    for _ in range(ROUNDS):
+        if labkit.world_size() > 1:
+            readings.append(handover_seconds_by_size(HANDOVER_SIZES, FORWARD_S, rounds=3))
+        for setting, kept in steps_taking_turns(step, settings, 1).items():
+            events[setting] += kept
+    return events, peaks, readings
 
 
-def rows(p: int) -> list[tuple[tuple, float]]:
-    """The table's lines for `p` stages, each with its relative error of the measured bubble against the formula."""
-    configs = [(kind, m) for m in MICROBATCHES for kind in KINDS]
-    per_rank = labkit.run(measure, configs, world_size=p, timeout=600)
-    makespans = slowest_rank_median([{config: [max(e.end for e in events) for events in steps]
-                                      for config, (steps, _) in rank.items()} for rank in per_rank])
-    return [row(p, kind, m, [rank[kind, m] for rank in per_rank], makespans[kind, m]) for kind, m in configs]
+def rows(p: int, settings) -> tuple[list[tuple], str]:
+    """The table's lines for `p` stages, with (kind, sim - meas, formula - meas) for the summary, and the
+    hand-over fitted during the run."""
+    per_rank = labkit.run(steps, settings, world_size=p, timeout=900)
+    bubbles = bubbles_by_round([events for events, _, _ in per_rank])
+    handover, said = HandOver(), "p = 1: no hand-overs"
+    if p > 1:
+        handover, one_way = fitted_handover([readings for _, _, readings in per_rank])
+        said = f"p = {p}: {described(handover, one_way)}"
+    lines = []
+    for kind, m in settings:
+        formula, measured = bubble_fraction(p, m), min(bubbles[kind, m])
+        simulated = measured_bubble(simulate_pipeline(kind, p, m, FORWARD_S, BACKWARD_S, handover=handover,
+                                                      message_nbytes=activation_nbytes(m), receives_ahead=True))
+        peak, expected = per_rank[0][1][kind, m], m if kind == "gpipe" else min(p, m)
+        lines.append(((p, m, kind, f"{formula:.3f}", f"{simulated:.3f}", f"{measured:.3f}",
+                       f"{max(bubbles[kind, m]) - measured:.3f}", f"{simulated - measured:+.4f}",
+                       f"{formula - measured:+.4f}", peak, expected), (kind, simulated - measured, formula - measured)))
+    return lines, said
 
 
-def row(p: int, kind: str, m: int, stages: list, makespan_seconds: float) -> tuple[tuple, float]:
-    """One line of the table from each stage's (events of each step, peak), and the bubble's relative error."""
-    formula = bubble_fraction(p, m)
-    steps = zip(*(events for events, _ in stages), strict=True)  # step -> each stage's events
-    measured = statistics.median(measured_bubble([e for events in step for e in events]) for step in steps)
-    error = (measured - formula) / formula if formula else 0.0
-    simulated = measured_bubble(simulate_pipeline(kind, p, m, FORWARD_S, BACKWARD_S))
-    ideal_ms = (m + p - 1) * (FORWARD_S + BACKWARD_S) * 1e3
-    peaks = [peak for _, peak in stages]
-    return (p, m, kind, f"{formula:.3f}", f"{simulated:.3f}", f"{measured:.3f}", f"{error:+.1%}",
-            f"{makespan_seconds * 1e3:.1f}", f"{ideal_ms:.0f}", peaks[0], max(peaks),
-            m if kind == "gpipe" else min(p, m)), error
+def described(handover, one_way) -> str:
+    """The fitted hand-over in a line."""
+    return ("one-way " + ", ".join(f"{n} B {s * 1e6:.0f} us" for n, s in one_way.items()) +
+            f"; alpha {handover.alpha_seconds * 1e6:.0f} us, beta {handover.beta_seconds_per_byte * 1e9:.2f} ns/B, "
+            f"posting a send {handover.send_post_seconds * 1e6:.0f} us, a receive "
+            f"{handover.recv_post_seconds * 1e6:.0f} us, rendezvous {handover.rendezvous}")
+
+
+def activation_nbytes(microbatches: int) -> int:
+    """Bytes of the largest micro-batch's activation between two stages (float32, HIDDEN wide)."""
+    return math.ceil(EXAMPLES / microbatches) * HIDDEN * 4
 
 
 def main():
-    print(f"pipeline: one step of mlp(layers=3) on p gloo ranks, emulated compute {FORWARD_S * 1e3:.0f} ms forward / "
-          f"{BACKWARD_S * 1e3:.0f} ms backward per stage, median of {REPEATS} steps, torch {torch.__version__}")
-    lines, errors = zip(*(line for p in STAGES for line in rows(p)), strict=True)
+    load = os.getloadavg()[0]
+    print(f"pipeline: mlp(layers=3) on p gloo ranks, emulated compute {FORWARD_S * 1e3:.0f} ms forward / "
+          f"{BACKWARD_S * 1e3:.0f} ms backward per stage, least of {ROUNDS} steps, torch {torch.__version__}, "
+          f"{os.cpu_count()} cores, load average {load:.1f}")
+    settings = [(kind, m) for m in MICROBATCHES for kind in KINDS]
+    lines, summary = [], []
+    for p in STAGES:
+        table, said = rows(p, settings)
+        print(f"hand-over measured during {said}")
+        lines += [line for line, _ in table]
+        summary += [numbers for _, numbers in table]
     print(text_table(HEADER, lines, align=">" * len(HEADER)))
-    print("bubble = 1 - busy / (makespan x p); formula (p-1)/(m+p-1); ideal makespan (m+p-1)(F+B); "
-          "expected peak: GPipe m, 1F1B min(p, m) on stage 0")
-    print(f"largest relative difference, measured vs formula: {max(abs(e) for e in errors):.1%}")
+    print("bubble = 1 - busy / (makespan x p); formula (p-1)/(m+p-1); simulated: simulate_pipeline with the hand-over "
+          "measured during the same run; spread: most - least of the steps; expected peak held on stage 0: GPipe m, "
+          "1F1B min(p, m)")
+    for kind in KINDS:
+        sim = max((abs(s), i) for i, (k, s, _) in enumerate(summary) if k == kind)
+        formula = max((abs(f), i) for i, (k, _, f) in enumerate(summary) if k == kind)
+        print(f"{kind}: worst |simulated - measured| {sim[0]:.4f} (p={lines[sim[1]][0]}, m={lines[sim[1]][1]}); "
+              f"worst |formula - measured| {formula[0]:.4f} (p={lines[formula[1]][0]}, m={lines[formula[1]][1]})")
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
     labkit.shutdown()
 
 

@@ -23,6 +23,7 @@ from labkit.parallel.fsdp import FullyShardedDP, UnitEvent
 from labkit.parallel.mesh import AXES, MAX_LAYOUT_RANKS, Mesh, MeshPlace, mesh_layout
 from labkit.parallel.pipeline import (
     Action,
+    HandOver,
     PipelineEvent,
     PipelineResult,
     measured_bubble,
@@ -63,7 +64,8 @@ from labkit.parallel.zero import ShardedOptimizer
 from labkit.plan.counts import shard_sizes  # notebook 05 shows the cut the tensor-parallel layers use
 
 __all__ = ["AXES", "Action", "AllReduceCounter", "Bucket", "BucketedDDP", "CollectiveCounter", "ColumnParallelLinear",
-           "Event", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "ParallelMLP", "PipelineEvent", "PipelineResult",
+           "Event", "HandOver", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "ParallelMLP", "PipelineEvent",
+           "PipelineResult",
            "RowParallelLinear", "ShardedOptimizer", "all_reduce_sum", "average_gradients", "broadcast_parameters",
            "copy_to_tensor_parallel", "count_allreduces", "count_collectives", "gather_from_tensor_parallel",
            "measured_bubble", "mesh_layout", "peak_in_flight", "record_collective", "reduce_from_tensor_parallel",

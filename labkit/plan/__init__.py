@@ -34,6 +34,7 @@ from labkit.plan.traffic import (
     allreduce_seconds,
     bus_bandwidth,
     fit_alpha_beta,
+    fit_point_to_point,
     naive_allreduce_bytes,
     ring_allreduce_bytes,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "data_parallel_speedup",
     "effective_batch",
     "fit_alpha_beta",
+    "fit_point_to_point",
     "format_count",
     "lora_params",
     "memory_options",

@@ -12,8 +12,8 @@ import math
 from labkit.checks import choice, finite_result, number, numbers_list, overflow_named, shown, whole
 
 __all__ = ["ALLREDUCE_ALGORITHMS", "GB", "allreduce_seconds", "bus_bandwidth", "busbw_factor", "ddp_bucket_count",
-           "fit_alpha_beta", "naive_allreduce_bytes", "ring_allreduce_bytes", "ring_reduce_scatter_bytes",
-           "tree_beats_ring_below_nbytes"]
+           "fit_alpha_beta", "fit_point_to_point", "naive_allreduce_bytes", "ring_allreduce_bytes",
+           "ring_reduce_scatter_bytes", "tree_beats_ring_below_nbytes"]
 
 GB = 1e9
 MiB = 2**20  # torch DDP's bucket_cap_mb counts MiB
@@ -181,20 +181,37 @@ def fit_alpha_beta(nbytes: list[float], seconds: list[float], world_size: int) -
     when noise pushes the intercept below zero, the fit is redone through the origin (alpha = 0, the least-squares
     answer under alpha >= 0). Refused, saying why: sizes that are not positive, times that are negative, NaN or
     inf, fewer than two sizes, and times that do not grow with size (no bandwidth to find)."""
-    sizes, times = numbers_list("nbytes", nbytes, inclusive=False), numbers_list("seconds", seconds)
     p = whole("world_size", world_size, minimum=2)
+    return _fit_line("fit_alpha_beta", nbytes, seconds, 2.0 * (p - 1), 2 * (p - 1) / p, world_size=world_size)
+
+
+def fit_point_to_point(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares (alpha, beta) of one message's time t = alpha + n beta (Thakur, Rabenseifner & Gropp 2005)
+    to measured one-way times of messages of `nbytes`: seconds per message and per byte, fit_alpha_beta's
+    convention for a single point-to-point message (a pipeline's hand-over between stages), and its refusals.
+
+    >>> alpha, beta = fit_point_to_point([1e3, 1e6], [1.01e-4, 1.1e-3])   # 0.1 ms + 1 ns per byte
+    >>> round(alpha * 1e6, 1), round(beta * 1e9, 3)
+    (100.0, 1.0)
+    """
+    return _fit_line("fit_point_to_point", nbytes, seconds, 1.0, 1.0)
+
+
+def _fit_line(name: str, nbytes, seconds, messages: float, share: float, **shown_too) -> tuple[float, float]:
+    """Least squares of t = messages alpha + share n beta over the (nbytes, seconds) pairs, alpha >= 0 (else
+    through the origin), beta > 0; errors name `name` and its arguments."""
+    sizes, times = numbers_list("nbytes", nbytes, inclusive=False), numbers_list("seconds", seconds)
     if len(sizes) != len(times) or len(sizes) < 2:
-        raise ValueError(f"fit_alpha_beta needs at least two (nbytes, seconds) measurements of equal count; got "
+        raise ValueError(f"{name} needs at least two (nbytes, seconds) measurements of equal count; got "
                          f"{len(sizes)} nbytes and {len(times)} seconds.")
-    with overflow_named("fit_alpha_beta", nbytes=nbytes, seconds=seconds, world_size=world_size) as finite:
-        xs = [2 * (p - 1) / p * n for n in sizes]  # bytes each rank sends
-        k = 2.0 * (p - 1)  # messages each rank sends
+    with overflow_named(name, nbytes=nbytes, seconds=seconds, **shown_too) as finite:
+        xs = [share * n for n in sizes]  # bytes each rank sends
         mean_x, mean_t = finite(sum(xs) / len(xs)), finite(sum(times) / len(times))
         spread = finite(sum((x - mean_x) ** 2 for x in xs))
         if spread == 0:
-            raise ValueError(f"nbytes={shown(nbytes)}: fit_alpha_beta needs measurements at more than one size.")
+            raise ValueError(f"nbytes={shown(nbytes)}: {name} needs measurements at more than one size.")
         beta = finite(sum((x - mean_x) * (t - mean_t) for x, t in zip(xs, times, strict=True)) / spread)
-        alpha = finite((mean_t - beta * mean_x) / k)
+        alpha = finite((mean_t - beta * mean_x) / messages)
         if alpha < 0:  # noise below a small latency
             products = finite(sum(x * t for x, t in zip(xs, times, strict=True)))
             alpha, beta = 0.0, products / finite(sum(x * x for x in xs))

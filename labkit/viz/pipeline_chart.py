@@ -42,16 +42,20 @@ def pipeline_timeline(events, title: str = "Pipeline timeline", unit_seconds: fl
 
 
 def bubble_chart(measured: dict[str, dict[int, float]], stages: int, most_microbatches: int = 32,
-                 chunks: tuple[int, ...] = (1,)) -> go.Figure:
+                 chunks: tuple[int, ...] = (1,), simulated: dict[str, dict[int, float]] | None = None) -> go.Figure:
     """The bubble fraction (p-1)/(m+p-1) against micro-batches m, with measured points per schedule:
     `measured[name] = {m: bubble}`, each schedule in its own marker so that coinciding points stay visible;
-    one curve per number of chunks v in `chunks` ((p-1)/(v m+p-1): interleaved 1F1B with v chunks per stage).
+    one curve per number of chunks v in `chunks` ((p-1)/(v m+p-1): interleaved 1F1B with v chunks per stage);
+    `simulated[name] = {m: bubble}` (simulate_pipeline with priced hand-overs), a dotted line per schedule.
     The log axis is labelled at powers of two, the m one usually tries."""
     ms = list(range(1, most_microbatches + 1))
     figure = go.Figure()
     for v in items("chunks", chunks, "a tuple of chunk counts, as (1, 2)"):
         figure.add_scatter(x=ms, y=[bubble_fraction(stages, m, v) for m in ms], mode="lines",
                            name=f"(p-1)/(m+p-1), p = {stages}" if v == 1 else f"(p-1)/({v}m+p-1), {v} chunks")
+    for i, (name, points) in enumerate((simulated or {}).items()):
+        figure.add_scatter(x=list(points), y=list(points.values()), mode="lines", name=f"simulated, {name}",
+                           line={"dash": "dot" if i % 2 == 0 else "dash"})
     for i, (name, points) in enumerate(measured.items()):
         figure.add_scatter(x=list(points), y=list(points.values()), mode="markers", name=f"measured, {name}",
                            marker=MARKERS[i % len(MARKERS)])

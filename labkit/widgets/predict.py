@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 import ipywidgets as widgets
 
+from labkit.checks import number
 from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED
 
 __all__ = ["CONTROL_WIDTH", "PredictThenRun", "distinct_wrong_guesses"]
@@ -39,7 +40,10 @@ class PredictThenRun(widgets.VBox):
       (with theory or with an earlier guess) are dropped: see `distinct_wrong_guesses`;
     - `show`: how a value is written ("1.5 x S", "27%"); `measured_label`: "measured", or "labkit.plan" where
       the experiment reveals arithmetic rather than runs something.
-    A prediction within `tolerance` (relative) of the measurement counts as right.
+    A prediction counts as right when it `agrees` with theory, where there is one (the question asks for it; a
+    noisy measurement only scatters around it), else with the measurement: within `tolerance` (relative) plus
+    `abs_tolerance`. That is the band a notebook asserts its measurement against theory with, so a right
+    prediction is never told "not quite" by a measurement the notebook itself accepts.
 
     >>> app = PredictThenRun("2 + 2?", widgets.IntSlider(value=5, max=9), lambda: 4, wrong_guesses={5: "no"})
     >>> app.control.value = 3
@@ -53,9 +57,10 @@ class PredictThenRun(widgets.VBox):
                  formula: str = "", why: str = "",
                  wrong_guesses: Mapping[float, str] | Iterable[tuple[float, str]] = (),
                  show: Callable[[float], str] = "{:g}".format, measured_label: str = "measured",
-                 tolerance: float = 0.05, button: str = "Run the experiment"):
+                 tolerance: float = 0.05, abs_tolerance: float = 0.0, button: str = "Run the experiment"):
         self.control, self.experiment, self.measure, self.show = control, experiment, measure, show
-        self.theory, self.formula, self.why, self.tolerance = theory, formula, why, tolerance
+        self.theory, self.formula, self.why = theory, formula, why
+        self.tolerance, self.abs_tolerance = number("tolerance", tolerance), number("abs_tolerance", abs_tolerance)
         self.wrong_guesses = distinct_wrong_guesses(wrong_guesses, theory, tolerance)
         self.measured_label = measured_label
         self.runs, self._result = 0, None
@@ -128,17 +133,28 @@ class PredictThenRun(widgets.VBox):
                 f"its result), compared with the prediction set then: {self.show(prediction)}. Expand to read "
                 f"the comparison, or set your own prediction and press the button first.</summary>{body}</details>")
 
+    def agrees(self, value: float, reference: float) -> bool:
+        """Whether `value` is within this widget's band of `reference`: |value - reference| <= tolerance x
+        |reference| + abs_tolerance. The verdict's test, and the one a notebook asserts its measurement against
+        theory with."""
+        return abs(value - reference) <= self.tolerance * abs(reference) + self.abs_tolerance + 1e-12
+
     def verdict(self, prediction: float, measured: float) -> str:
-        """Right (within tolerance), or what is wrong with this guess: a typical wrong guess's reason, else by
-        how much it is off."""
-        if math.isclose(prediction, measured, rel_tol=self.tolerance, abs_tol=1e-12):
-            return f"<b style='color:{GREEN}'>✅ Right</b>: {self.show(prediction)} is what was {self.measured_label}."
+        """Right (it agrees with theory, or without theory with the measurement), or what is wrong with this
+        guess: a typical wrong guess's reason, else by how much it is off."""
+        if self.theory is not None:
+            reference, against = self.theory, f"theory's {self.show(self.theory)}"
+            seen = f" (the {self.measured_label}: {self.show(measured)})"
+        else:
+            reference, against, seen = measured, f"the {self.measured_label} {self.show(measured)}", ""
+        if self.agrees(prediction, reference):
+            said = "what theory gives" if self.theory is not None else f"what was {self.measured_label}"
+            return f"<b style='color:{GREEN}'>✅ Right</b>: {self.show(prediction)} is {said}{seen}."
         reason = next((why for guess, why in self.wrong_guesses.items()
                        if math.isclose(prediction, guess, rel_tol=self.tolerance, abs_tol=1e-12)), None)
         if reason is None:
-            direction = "above" if prediction > measured else "below"
-            reason = (f"{self.show(prediction)} is {direction} the {self.measured_label} "
-                      f"{self.show(measured)}.")
+            direction = "above" if prediction > reference else "below"
+            reason = f"{self.show(prediction)} is {direction} {against}{seen}."
         return f"<b style='color:{RED}'>❌ Not quite</b>: {reason}"
 
 

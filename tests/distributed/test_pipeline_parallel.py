@@ -23,7 +23,7 @@ from labkit.parallel import (
     simulate_pipeline,
     stage_layers,
 )
-from labkit.parallel.pipeline import communication_plan
+from labkit.parallel.pipeline import HandOver, communication_plan
 from labkit.plan import bubble_fraction
 
 KINDS = ["gpipe", "1f1b"]
@@ -128,6 +128,59 @@ def test_simulated_timeline_respects_dependencies_and_each_stages_order():
             mine = [e for e in events if e.stage == r]
             assert [(e.kind, e.microbatch) for e in mine] == [(a.kind, a.microbatch) for a in actions]
             assert all(a.end <= b.start for a, b in zip(mine, mine[1:], strict=False))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_free_hand_overs_give_the_formula_whichever_plan_is_walked(kind):
+    for p in range(1, 5):
+        for m in range(1, 9):
+            for ahead in (False, True):
+                events = simulate_pipeline(kind, p, m, 1.0, 2.0, handover=HandOver(rendezvous=True),
+                                           receives_ahead=ahead)
+                assert measured_bubble(events) == pytest.approx(bubble_fraction(p, m), abs=1e-12), (kind, p, m)
+
+
+def test_a_priced_hand_over_as_worked_by_hand():
+    """GPipe, 2 stages, 2 micro-batches, F = B = 1, each send 0.02 to post and there 0.03 after its post began,
+    each receive 0.01 to post. Stage 0: F0 0-1, posts the header (until 1.02) and a0 (1.04), F1 1.04-2.04, posts
+    a1 (sent from 2.04, posted 2.06) and g0's receive (2.07). Stage 1 posts the header's receive (until 0.01),
+    waits for the header (in at 1.03) to make a0's buffer, posts a0's receive (1.04): a0 is in at 1.05, so F0 runs
+    1.05-2.05; a1's receive (2.06), a1 in at 2.07: F1 2.07-3.07, B0 3.07-4.07, sends g0 (4.07-4.09, in at 4.10):
+    stage 0's B0 4.10-5.10 while stage 1's B1 runs 4.09-5.09, sends g1 (in at 5.12; stage 0 posted its receive
+    until 5.11): B1 5.12-6.12."""
+    cost = HandOver(alpha_seconds=0.03, send_post_seconds=0.02, recv_post_seconds=0.01)
+    events = simulate_pipeline("gpipe", 2, 2, 1.0, 1.0, handover=cost)
+    starts = {(e.stage, e.kind, e.microbatch): round(e.start, 6) for e in events}
+    assert starts == {(0, "F", 0): 0.0, (0, "F", 1): 1.04, (0, "B", 0): 4.1, (0, "B", 1): 5.12,
+                      (1, "F", 0): 1.05, (1, "F", 1): 2.07, (1, "B", 0): 3.07, (1, "B", 1): 4.09}
+
+
+def test_costlier_hand_overs_leave_a_larger_bubble_and_posting_ahead_saves_gloos_round_trip():
+    for kind in KINDS:
+        bubbles = [measured_bubble(simulate_pipeline(kind, 4, 8, 0.02, 0.04, handover=HandOver(
+            alpha_seconds=a, send_post_seconds=a / 2, recv_post_seconds=a / 8), receives_ahead=True))
+            for a in (0.0, 1e-4, 1e-3, 1e-2)]
+        assert bubbles[0] == pytest.approx(bubble_fraction(4, 8)) and bubbles == sorted(bubbles), bubbles
+        gloo = HandOver(alpha_seconds=1e-3, rendezvous=True)
+        late, ahead = (measured_bubble(simulate_pipeline(kind, 4, 8, 0.02, 0.04, handover=gloo, receives_ahead=a))
+                       for a in (False, True))
+        assert late > ahead > bubble_fraction(4, 8), (kind, late, ahead)
+    nbytes = simulate_pipeline("1f1b", 4, 8, handover=HandOver(beta_seconds_per_byte=1e-3), message_nbytes=100)
+    assert measured_bubble(nbytes) > bubble_fraction(4, 8)  # 0.1 per message: the bytes count
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: simulate_pipeline("1f1b", 2, 2, send_seconds=1.0, handover=HandOver()), ValueError,
+     "send_seconds=1.0 with a handover"),
+    (lambda: simulate_pipeline("1f1b", 2, 2, handover=1e-3), TypeError, "handover=0.001: pass a HandOver"),
+    (lambda: HandOver(alpha_seconds=-1.0), ValueError, "alpha_seconds=-1.0"),
+    (lambda: HandOver(rendezvous="yes"), TypeError, "rendezvous='yes'"),
+    (lambda: simulate_pipeline("1f1b", 2, 2, message_nbytes=-1), ValueError, "message_nbytes=-1"),
+    (lambda: simulate_pipeline("1f1b", 2, 2, receives_ahead=None), TypeError, "receives_ahead=None"),
+])
+def test_the_simulators_bad_arguments_get_clear_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
 
 
 def test_stage_layers_balance_by_layer_count():
@@ -395,6 +448,55 @@ def test_every_plan_completes_on_one_stream_per_rank(kind):
                 assert [s for s in steps if isinstance(s, Action)] == schedule(kind, p, m)[r]
 
 
+def posting_points(steps):
+    """Where each message of a stage's plan is posted: message -> the number of actions before its group."""
+    points, actions = {}, 0
+    for step in steps:
+        if isinstance(step, Action):
+            actions += 1
+        else:
+            points.update(dict.fromkeys(step, actions))
+    return points
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_receives_posted_ahead_come_earlier_never_before_their_buffer_can_be_made(kind):
+    """gloo's plan (receives_ahead): the same actions and messages; every receive posted no later than in the
+    NCCL plan, and, but for the first of its kind and chunk, before the action of its kind that comes before its
+    own; a gradient's after the forward whose output it is (its buffer is shaped like that output); sends where
+    they were. The single-stream model shows why NCCL keeps the other order: there such a plan hangs."""
+    moved = 0
+    for p in range(1, 6):
+        for m in range(1, 11):
+            chunks = 2 if kind == "interleaved" else 1
+            if kind == "interleaved" and m % p:
+                continue
+            plan, ahead = (communication_plan(kind, p, m, chunks, receives_ahead=a) for a in (False, True))
+            for r in range(p):
+                actions = [s for s in plan[r] if isinstance(s, Action)]
+                assert [s for s in ahead[r] if isinstance(s, Action)] == actions
+                now, before = posting_points(ahead[r]), posting_points(plan[r])
+                assert now.keys() == before.keys(), (kind, p, m, r)
+                where = {(a.kind, a.microbatch, a.chunk): k for k, a in enumerate(actions)}
+                for message, k in now.items():
+                    if message.op == "send" or message.what == "header":
+                        assert k == before[message], (kind, p, m, r, str(message))
+                        continue
+                    assert k <= before[message], (kind, p, m, r, str(message))
+                    moved += k < before[message]
+                    if message.what == "gradient":
+                        mine = message.chunk - (r == p - 1)  # the chunk whose output the gradient is for
+                        assert k > where[("F", message.microbatch, mine)], (kind, p, m, r, str(message))
+    assert moved > 0
+    assert stream_deadlock(plan_posts("1f1b", 2, 4, receives_ahead=True)) is not None
+    assert stream_deadlock(plan_posts("interleaved", 2, 4, 2, receives_ahead=True)) is not None
+
+
+def test_receives_ahead_must_be_a_flag():
+    with pytest.raises(TypeError, match="receives_ahead=1: pass True or False"):
+        communication_plan("1f1b", 2, 2, receives_ahead=1)
+
+
 def recorded_step(cases, batched):
     """On every rank: each case's groups as posted (with sizes), the result, the gradients, and the
     synchronize calls, through a recording StageLink and a recording labkit.measure.synchronize."""
@@ -433,18 +535,27 @@ def recorded_step(cases, batched):
 @pytest.mark.parametrize("batched", [True, False])
 def test_posted_groups_follow_the_plan_complete_on_one_stream_and_train_right(batched):
     """On gloo ranks, both paths (one batch_isend_irecv per group, the path NCCL takes, and paired
-    isend/irecv): the groups as posted, sizes included, are the plan's and pass the single-stream model; the
-    step equals one process's; every clock reading follows labkit.measure.synchronize(labkit.device())."""
+    isend/irecv, each receive posted ahead): the groups as posted, sizes included, are the plan's (batched: it
+    passes the single-stream model); each send's size is its receive's; the step equals one process's; every
+    clock reading follows labkit.measure.synchronize(labkit.device())."""
     p, cases = 3, [("gpipe", 3, 1), ("1f1b", 4, 1), ("1f1b", 1, 1), ("interleaved", 6, 2)]
     per_rank = labkit.run(recorded_step, cases, batched, world_size=p)
     loss, grads = reference()
     for c, (kind, m, chunks) in enumerate(cases):
         posts = [[tuple(op[:5] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
                  for r in range(p)]
-        assert posts == plan_posts(kind, p, m, chunks), (kind, m)
+        assert posts == plan_posts(kind, p, m, chunks, receives_ahead=not batched), (kind, m)
         sized = [[tuple(op[:6] if op[0] != "barrier" else op for op in group) for group in per_rank[r][c][0]]
                  for r in range(p)]
-        assert stream_deadlock(sized) is None, (kind, m)  # the sizes of each send and its receive agree too
+        if batched:
+            assert stream_deadlock(sized) is None, (kind, m)  # the sizes of each send and its receive agree too
+        ends = {}  # (from, to, what, micro-batch, chunk) -> nbytes, as the sender and as the receiver posted it
+        for r in range(p):
+            for op in (op for group in sized[r] for op in group if op[0] != "barrier"):
+                pair = (r, op[1]) if op[0] == "send" else (op[1], r)
+                ends.setdefault((*pair, *op[2:5]), {})[op[0]] = op[5]
+        assert ends and all(set(sizes) == {"send", "recv"} and len(set(sizes.values())) == 1
+                            for sizes in ends.values()), (kind, m)
         assert {op[6] for r in range(p) for group in per_rank[r][c][0] for op in group if len(op) > 1} == {"cpu"}
         seen = {}
         for r in range(p):

@@ -47,6 +47,7 @@ VALID = {
     "format_count": [{"count": 7e9}],
     "parse_count": [{"text": "70B"}],
     "fit_alpha_beta": [{"nbytes": [1e6, 4e6, 16e6], "seconds": [0.00135, 0.0036, 0.0126], "world_size": 4}],
+    "fit_point_to_point": [{"nbytes": [1e3, 1e6], "seconds": [1.1e-4, 1.1e-3]}],
     "lora_params": [{"shapes": [(4096, 4096), (4096, 11008)], "rank": 8}],
     "memory_options": [{"params": 7e9, "devices": 8, "lora_rank": lora_rank, "zero_stage": 3, "weight_bytes": 2,
                         "grad_bytes": 2, "optimizer_bytes": 12, "d_model": 4096, "layers": 32, "sequence": sequence,

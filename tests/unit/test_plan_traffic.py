@@ -16,6 +16,7 @@ from labkit.plan.traffic import (
     busbw_factor,
     ddp_bucket_count,
     fit_alpha_beta,
+    fit_point_to_point,
     naive_allreduce_bytes,
     ring_allreduce_bytes,
     ring_reduce_scatter_bytes,
@@ -135,6 +136,20 @@ def test_fit_takes_tuples_and_arrays():
     expected = fit_alpha_beta(sizes, times, 4)
     assert expected == pytest.approx((1e-4, 5e-10))
     assert fit_alpha_beta(tuple(sizes), np.array(times), 4) == pytest.approx(expected)
+
+
+def test_point_to_point_fit_recovers_one_messages_alpha_and_beta():
+    alpha, beta = 4e-4, 1.5e-9
+    sizes_ = [2.0 ** k for k in range(8, 21, 2)]
+    assert fit_point_to_point(sizes_, [alpha + s * beta for s in sizes_]) == pytest.approx((alpha, beta), rel=1e-6)
+    noisy = [alpha + s * beta + (2e-5 if k % 2 else -2e-5) for k, s in enumerate(sizes_)]  # noise either way
+    fitted = fit_point_to_point(sizes_, noisy)
+    assert fitted[0] == pytest.approx(alpha, rel=0.1) and fitted[1] == pytest.approx(beta, rel=0.1)
+    assert fit_point_to_point([1e3, 1e6], [0.0, 1e-3])[0] == 0.0  # never a negative latency
+    with pytest.raises(ValueError, match=r"seconds=\[0.001, 0.001\] do not grow with nbytes"):
+        fit_point_to_point([1e3, 1e6], [1e-3, 1e-3])
+    with pytest.raises(ValueError, match="fit_point_to_point needs at least two"):
+        fit_point_to_point([1e3], [1e-3])
 
 
 def test_fit_refuses_times_that_give_no_bandwidth():

@@ -2,6 +2,8 @@
 nobody at the keyboard drives it (a later cell asks for the result): the shown comparison states the prediction,
 the measurement, theory and the explanation, and the experiment runs once."""
 
+import math
+
 import ipywidgets as widgets
 import pytest
 
@@ -48,7 +50,7 @@ def test_pressing_again_with_another_prediction_updates_without_rerunning():
     assert "Right" in app.feedback.value and "hub" not in app.feedback.value
     app.control.value = 0.5                                                 # no typical guess: how far off
     app.button.click()
-    assert "0.5 x S is below the measured 1.5 x S" in app.feedback.value
+    assert "0.5 x S is below theory's 1.5 x S (the measured: 1.5 x S)" in app.feedback.value
     assert len(app.calls) == 1
 
 
@@ -110,3 +112,45 @@ def test_wrong_guesses_that_coincide_at_a_small_size_are_kept_once_and_never_equ
     app.control.value = 1.0                                                 # the hub's value is the answer here
     app.button.click()
     assert "Right" in app.feedback.value and "hub" not in app.feedback.value
+
+
+def bubble_app(measured: float) -> PredictThenRun:
+    """Notebook 06's question: GPipe's bubble on 4 stages with 8 micro-batches, theory 3/11, measured on a busy
+    machine above it; the notebook accepts a measurement within 15 % of theory plus 0.02."""
+    return PredictThenRun("Idle share?", widgets.FloatSlider(value=0.75, min=0, max=1, step=0.01), lambda: measured,
+                          theory=3 / 11, formula="(p-1)/(m+p-1)", wrong_guesses={0.75: "one micro-batch's"},
+                          show=lambda v: f"{v:.1%}", tolerance=0.15, abs_tolerance=0.02)
+
+
+def test_a_right_prediction_is_right_whatever_the_noise_the_notebook_accepts():
+    """Item 15 of issue 25: 3/11 = 27.3 % predicted, 33 % measured (within the notebook's band of theory,
+    0.15 x 27.3 % + 2 % = 6.1 %, but 17 % off the prediction, which the old test, within 15 % of the
+    measurement, called not quite): the prediction is right."""
+    app = bubble_app(measured=0.33)
+    assert app.agrees(app.measured, app.theory) and not math.isclose(3 / 11, 0.33, rel_tol=0.15)
+    app.control.value = 3 / 11
+    app.button.click()
+    assert "Right" in app.feedback.value and "Not quite" not in app.feedback.value
+    assert "27.3% is what theory gives (the measured: 33.0%)" in app.feedback.value
+    app.control.value = 0.30                                                # inside the band: right too
+    app.button.click()
+    assert "Right" in app.feedback.value
+
+
+def test_a_wrong_prediction_is_told_not_quite_even_near_the_noisy_measurement():
+    app = bubble_app(measured=0.33)
+    app.control.value = 0.36                                                # 9 % from what was measured
+    app.button.click()
+    assert "Not quite" in app.feedback.value
+    assert "36.0% is above theory's 27.3% (the measured: 33.0%)" in app.feedback.value
+    app.control.value = 0.75                                                # the typical guess and its reason
+    app.button.click()
+    assert "Not quite" in app.feedback.value and "one micro-batch's" in app.feedback.value
+
+
+def test_the_band_is_relative_to_the_reference_plus_an_absolute_margin():
+    app = bubble_app(measured=0.3)
+    assert app.agrees(0.1 * 1.15 + 0.02, 0.1) and not app.agrees(0.1 * 1.15 + 0.021, 0.1)
+    assert app.agrees(0.1 * 0.85 - 0.02, 0.1) and not app.agrees(0.1 * 0.85 - 0.021, 0.1)
+    with pytest.raises(ValueError, match="abs_tolerance=-0.01"):
+        PredictThenRun("?", widgets.FloatSlider(), lambda: 1.0, abs_tolerance=-0.01)

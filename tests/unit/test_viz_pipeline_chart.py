@@ -29,6 +29,14 @@ def test_bubble_chart_puts_measured_points_over_the_formula():
     assert list(points.x) == [1, 4]
 
 
+def test_bubble_chart_draws_simulated_lines_between_the_formula_and_the_measured_points():
+    figure = bubble_chart({"gpipe": {1: 0.76, 4: 0.45}}, stages=4, most_microbatches=8,
+                          simulated={"gpipe": {1: 0.755, 4: 0.44}, "1f1b": {1: 0.755, 4: 0.441}})
+    curve, gpipe, one_f_one_b, points = figure.data
+    assert (gpipe.name, gpipe.mode, list(gpipe.y)) == ("simulated, gpipe", "lines", [0.755, 0.44])
+    assert gpipe.line.dash != one_f_one_b.line.dash and points.name == "measured, gpipe"
+
+
 def test_coinciding_schedules_stay_visible_and_the_log_axis_labels_powers_of_two():
     same = {1: 0.75, 2: 0.6, 4: 0.43, 8: 0.27}
     figure = bubble_chart({"gpipe": same, "1f1b": same}, stages=4, most_microbatches=32)

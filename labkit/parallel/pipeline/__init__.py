@@ -4,8 +4,11 @@ micro-batches that flow forward through the stages and whose gradients flow back
     schedule.py   schedule("1f1b", 4, 8)            each stage's ordered actions: Action("F", i), Action("B", i)
                   schedule("interleaved", 4, 8, chunks=2)   v chunks per stage: Action("F", i, chunk)
                   communication_plan("1f1b", 4, 8)  the same, with the messages each stage posts between them
-    timeline.py   simulate_pipeline("1f1b", 4, 8)   the step's timeline from stage costs, without processes
-                  measured_bubble(events)           idle share of a timeline: 1 - busy / (makespan x stages)
+    timeline.py   PipelineEvent, measured_bubble(events)   idle share of a timeline: 1 - busy / (makespan x stages)
+    simulate.py   simulate_pipeline("1f1b", 4, 8)   the step's timeline from stage costs, without processes
+                  HandOver(alpha_seconds, ...)      what a message between stages costs (posting, on the way)
+    handover.py   measure_handover(0.02)            that cost on this machine: labkit's transport timed, fitted
+    measured.py   steps_taking_turns, bubbles_by_round   measured bubbles on a shared machine, settings taking turns
     executor.py   run_pipeline(model, "1f1b", 8, x, y, loss_fn, group=None)   one training step on the ranks of
                                                     a process group (activations and gradients over
                                                     point-to-point, as communication_plan says), timed action
@@ -18,9 +21,19 @@ time with equal stage costs, interleaved 1F1B with v chunks per stage (the same 
 """
 
 from labkit.parallel.pipeline.executor import PipelineResult, run_pipeline, stage_layers
+from labkit.parallel.pipeline.handover import (
+    HANDOVER_SIZES,
+    fitted_handover,
+    handover_seconds_by_size,
+    measure_handover,
+)
+from labkit.parallel.pipeline.measured import bubbles_by_round, steps_taking_turns
 from labkit.parallel.pipeline.schedule import KINDS, Action, Message, communication_plan, peak_in_flight, schedule
+from labkit.parallel.pipeline.simulate import HandOver, simulate_pipeline
 from labkit.parallel.pipeline.stage_run import StageLink
-from labkit.parallel.pipeline.timeline import PipelineEvent, measured_bubble, simulate_pipeline
+from labkit.parallel.pipeline.timeline import PipelineEvent, measured_bubble
 
-__all__ = ["KINDS", "Action", "Message", "PipelineEvent", "PipelineResult", "StageLink", "communication_plan",
-           "measured_bubble", "peak_in_flight", "run_pipeline", "schedule", "simulate_pipeline", "stage_layers"]
+__all__ = ["HANDOVER_SIZES", "KINDS", "Action", "HandOver", "Message", "PipelineEvent", "PipelineResult", "StageLink",
+           "bubbles_by_round", "communication_plan", "fitted_handover", "handover_seconds_by_size", "measure_handover",
+           "measured_bubble", "peak_in_flight", "run_pipeline", "schedule", "simulate_pipeline", "stage_layers",
+           "steps_taking_turns"]

@@ -74,21 +74,22 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     """One pipelined forward and backward of `model` on this rank's stage; call it on every rank of `group`.
 
     The stages are `group`'s ranks (None: the whole world), p of them. The model (the same full model on every
-    rank: only this stage's layers run and get gradients) is cut into p x `chunks` pieces by stage_layers;
-    stage r (group rank r) runs piece r, and with v = chunks >= 2 (schedule_kind "interleaved") also pieces
-    r + p, ..., r + (v-1) p, so that the last stage's chunk c hands on to the first stage's chunk c + 1. Its
-    layers are moved to labkit.device() (in place, as Module.to does), and every tensor crosses there: under
-    NCCL each stage talks NCCL, even one without parameters. The batch (`inputs`, `targets`, dim 0; only the
-    first piece reads inputs, only the last targets) is cut into `microbatches` with tensor_split. Activations
-    go forward and their gradients back between neighbours in the groups of `communication_plan`: each group
-    one dist.batch_isend_irecv where `batched` (None: on NCCL only, which needs it to not hang), else paired
-    isend/irecv (gloo). Activations must keep the micro-batch in dim 0 and the same other dims (each chunk's
-    first one's dtype and shape travel ahead in a small header); the first piece's input may be of any dtype
-    (token ids), later ones are differentiated. `loss_fn(output, target)` must average over its micro-batch:
-    micro-batch i's loss is scaled by n_i / n, so the gradients accumulated into `.grad` (not zeroed here) are
-    the full batch's mean loss's. count_collectives() counts every activation and gradient sent as a "send"
-    on `group` (the header aside). Layers that talk on other groups (tensor-parallel ones, on a mesh's tp axis)
-    may: the pipeline's messages go on `group` only.
+    rank: only this stage's layers run and get gradients) is cut into p x `chunks` pieces by stage_layers; stage r
+    (group rank r) runs piece r, and with v = chunks >= 2 (schedule_kind "interleaved") also pieces r + p, ..., r
+    + (v-1) p, so that the last stage's chunk c hands on to the first stage's chunk c + 1. Its layers are moved to
+    labkit.device() (in place, as Module.to does), and every tensor crosses there: under NCCL each stage talks
+    NCCL, even one without parameters. The batch (`inputs`, `targets`, dim 0; only the first piece reads inputs,
+    only the last targets) is cut into `microbatches` with tensor_split. Activations go forward and their
+    gradients back between neighbours in the groups of `communication_plan`: each group one dist.batch_isend_irecv
+    where `batched` (None: on NCCL only, which needs it to not hang), else paired isend/irecv (gloo), each receive
+    then posted one action ahead (communication_plan's receives_ahead, which would hang NCCL): a message then
+    lands while its receiver still computes. Activations must keep the micro-batch in dim 0 and the same other
+    dims (each chunk's first one's dtype and shape travel ahead in a small header); the first piece's input may be
+    of any dtype (token ids), later ones are differentiated. `loss_fn(output, target)` must average over its
+    micro-batch: micro-batch i's loss is scaled by n_i / n, so the gradients accumulated into `.grad` (not zeroed
+    here) are the full batch's mean loss's. count_collectives() counts every activation and gradient sent as a
+    "send" on `group` (the header aside). Layers that talk on other groups (tensor-parallel ones, on a mesh's tp
+    axis) may: the pipeline's messages go on `group` only.
 
     Timing: an action starts once its input has arrived and ends when its compute is done, both read on the
     host clock after labkit.measure.synchronize(labkit.device()), so on a GPU the bars are the kernels' run,
@@ -124,7 +125,6 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     _check_same_plan(model, schedule_kind, microbatches, chunks, group)
     m = _checked_step(model, microbatches, inputs, targets)
     stage, stages = groups.group_rank(group), groups.group_size(group)
-    plan = communication_plan(schedule_kind, stages, m, chunks)[stage]
     pieces = stage_layers(len(model), stages, chunks)
     layers = tuple(pieces[c * stages + stage] for c in range(chunks))
     device = labkit.device()
@@ -133,6 +133,7 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
                    _emulated(emulate_compute_seconds))
     transport = default_transport(group)
     link = StageLink(transport, _batched(batched, transport, device))
+    plan = communication_plan(schedule_kind, stages, m, chunks, receives_ahead=not link.batched)[stage]
     run.start_clock(link)
     for step in plan:
         if isinstance(step, Action):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labkit.checks import choice, whole
+from labkit.checks import choice, flag, whole
 
 __all__ = ["KINDS", "Action", "Message", "communication_plan", "peak_in_flight", "schedule"]
 
@@ -149,8 +149,8 @@ class Message:
         return f"{self.op} {self.what[0]}{self.microbatch}" + (f".{self.chunk}" if self.chunk else "")
 
 
-def communication_plan(kind: str, stages: int, microbatches: int,
-                       chunks: int = 1) -> list[list[Action | tuple[Message, ...]]]:
+def communication_plan(kind: str, stages: int, microbatches: int, chunks: int = 1,
+                       receives_ahead: bool = False) -> list[list[Action | tuple[Message, ...]]]:
     """Each stage's schedule with its messages: actions, and between them groups of Messages posted together.
 
     After each action comes one group: its output's send, and an input's receive. In GPipe and 1F1B the
@@ -172,6 +172,14 @@ def communication_plan(kind: str, stages: int, microbatches: int,
     as posted on real ranks) through that single-stream model. With one stage and several chunks, each chunk
     hands on to the next in place: no messages.
 
+    `receives_ahead` (gloo only): each receive but a chunk's first of its kind is posted one action of its kind
+    earlier, in the group before the previous action of its kind and chunk runs (a gradient's, never before
+    the forward whose output it differentiates). Gloo matches by tag and moves data on its own threads, and a
+    send it posts goes straight onto the wire only if the receive is already posted; else it announces itself
+    and waits for the receiver's answer, a round trip (gloo/transport/tcp/pair.cc: Pair::send, Pair::recv). A
+    receive posted ahead lets the message arrive while the receiver still computes. On NCCL's single stream
+    such a plan hangs (tested): there it stays False.
+
     >>> def show(step):
     ...     return str(step) if isinstance(step, Action) else "[" + " ".join(map(str, step)) + "]"
     >>> [" ".join(map(show, steps)) for steps in communication_plan("1f1b", 2, 2)]  # a: activation, g: gradient
@@ -183,13 +191,15 @@ def communication_plan(kind: str, stages: int, microbatches: int,
         raise ValueError(f"microbatches={m}: pass fewer than {_TAG_CHUNK_STRIDE // 2 - 1} (the messages' tags).")
     if v * _TAG_CHUNK_STRIDE >= 2**32:
         raise ValueError(f"chunks={v}: pass fewer than {2**32 // _TAG_CHUNK_STRIDE} (the messages' tags).")
-    return [_stage_plan(kind, actions, r, p, v) for r, actions in enumerate(schedule(kind, p, m, v))]
+    ahead = flag("receives_ahead", receives_ahead)
+    return [_stage_plan(kind, actions, r, p, v, ahead) for r, actions in enumerate(schedule(kind, p, m, v))]
 
 
-def _stage_plan(kind: str, actions: list[Action], r: int, p: int, v: int) -> list[Action | tuple[Message, ...]]:
+def _stage_plan(kind: str, actions: list[Action], r: int, p: int, v: int,
+                ahead: bool) -> list[Action | tuple[Message, ...]]:
     """Stage r's actions with, after each, the group of its sends and the receives posted there (before that
     group, alone: the header it sends, the headers it receives)."""
-    receive_points = _receive_points(kind, actions)
+    receive_points = (_receive_points_ahead if ahead else _receive_points)(kind, actions)
     steps: list = []
     for k in range(-1, len(actions)):
         sends = []
@@ -212,6 +222,24 @@ def _receive_points(kind: str, actions: list[Action]) -> dict[int, list[Action]]
         after = latest.get(action.kind, k - 1) if kind == "interleaved" else k - 1
         points.setdefault(after, []).append(action)
         latest[action.kind] = k
+    return points
+
+
+def _receive_points_ahead(kind: str, actions: list[Action]) -> dict[int, list[Action]]:
+    """_receive_points, each receive one action of its kind and chunk earlier: posted after the action before
+    that one (its first stays where it was), a gradient's after the forward whose output it differentiates."""
+    normal = {action: k for k, moved in _receive_points(kind, actions).items() for action in moved}
+    index = {(a.kind, a.microbatch, a.chunk): k for k, a in enumerate(actions)}
+    points: dict[int, list[Action]] = {}
+    previous: dict[tuple[str, int], int] = {}  # (kind, chunk) -> index of its latest action
+    for k, action in enumerate(actions):
+        after = normal[action]
+        if (action.kind, action.chunk) in previous:
+            after = min(after, previous[action.kind, action.chunk] - 1)
+        if action.kind == "B":
+            after = max(after, index[("F", action.microbatch, action.chunk)])
+        points.setdefault(after, []).append(action)
+        previous[action.kind, action.chunk] = k
     return points
 
 
