@@ -25,7 +25,14 @@ from labkit.plan.memory import (
     transformer_params,
 )
 from labkit.plan.sharding import ZERO_STAGES, zero_collective_bytes_per_param, zero_memory_table, zero_traffic_bytes
-from labkit.plan.step_time import bandwidth_for_speedup, data_parallel_speedup, step_seconds
+from labkit.plan.step_time import (
+    BACKWARD_SHARE,
+    bandwidth_for_speedup,
+    data_parallel_speedup,
+    hideable_seconds,
+    step_seconds,
+    tokens_to_hide_allreduce,
+)
 from labkit.plan.strategy import parallelism_for
 from labkit.plan.traffic import (
     GB,
@@ -38,6 +45,7 @@ from labkit.plan.traffic import (
 from labkit.plan.worked_example import WorkedExample, worked_example
 
 __all__ = [
+    "BACKWARD_SHARE",
     "GB",
     "GPTShape",
     "ParallelLayout",
@@ -56,6 +64,7 @@ __all__ = [
     "effective_batch",
     "fit_alpha_beta",
     "format_count",
+    "hideable_seconds",
     "lora_params",
     "memory_options",
     "naive_allreduce_bytes",
@@ -67,6 +76,7 @@ __all__ = [
     "scale_lr",
     "step_seconds",
     "steps_per_epoch",
+    "tokens_to_hide_allreduce",
     "training_memory",
     "transformer_params",
     "worked_example",

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import labkit.plan
 from labkit.plan import traffic
 
-CONSTANTS = {"GB", "YOUR_CHOICE", "ZERO_STAGES"}
+CONSTANTS = {"BACKWARD_SHARE", "GB", "YOUR_CHOICE", "ZERO_STAGES"}
 # Functions known to fail the sweep, as strict xfails: once one is fixed its XPASS fails and it leaves this set.
 # (labkit.plan.counts, issue 13, was here until its errors named `count` and `text`.)
 KNOWN_GAPS: set[str] = set()
@@ -39,10 +39,12 @@ VALID = {
                           for algorithm in traffic.ALLREDUCE_ALGORITHMS],
     "attention_lora_shapes": [{"d_model": 4096, "layers": 32}],
     "bandwidth_for_speedup": [{"target_speedup": 3, "devices": 8, "compute_seconds": 1.0,
-                               "nbytes_per_rank": 2.45e10, "overlap": 0.5}],
+                               "nbytes_per_rank": 2.45e10, "overlap": overlap, "accumulation_steps": 2}
+                              for overlap in (0.5, 1.0)],
     "bubble_fraction": [{"stages": 4, "microbatches": 8, "chunks": 2}],
     "bus_bandwidth": [{"collective": "allreduce", "nbytes": 2e9, "seconds": 1.0, "world_size": 4}],
-    "data_parallel_speedup": [{"devices": 8, "compute_seconds": 1.0, "comm_seconds": 0.5, "overlap": 0.5}],
+    "data_parallel_speedup": [{"devices": 8, "compute_seconds": 1.0, "comm_seconds": 0.5, "overlap": 0.5,
+                               "accumulation_steps": 2}],
     "effective_batch": [{"per_device_batch": 8, "devices": 8, "accumulation_steps": 2}],
     "format_count": [{"count": 7e9}],
     "parse_count": [{"text": "70B"}],
@@ -56,7 +58,11 @@ VALID = {
                          "grad_bytes": 2, "optimizer_bytes": 12}],
     "ring_allreduce_bytes": [{"nbytes": 1.4e10, "world_size": 8}],
     "scale_lr": [{"lr": 1e-4, "old_batch": 16, "new_batch": 128, "rule": rule} for rule in ("linear", "sqrt")],
-    "step_seconds": [{"compute_seconds": 1.0, "comm_seconds": 0.5, "overlap": 0.5}],
+    "step_seconds": [{"compute_seconds": 1.0, "comm_seconds": 0.5, "overlap": 0.5, "accumulation_steps": 2,
+                      "drain_seconds": 0.1}],
+    "hideable_seconds": [{"compute_seconds": 1.0, "accumulation_steps": 2}],
+    "tokens_to_hide_allreduce": [{"flops_per_second": 5e14, "bandwidth": 5e10, "devices": 8, "accumulation_steps": 2,
+                                  "gradient_bytes_per_param": 2}],
     "steps_per_epoch": [{"examples": 40_000, "effective_batch": 128}],
     "training_memory": [{"params": 7e9, "weight_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12,
                          "zero_stage": 3, "dp": 8}],
