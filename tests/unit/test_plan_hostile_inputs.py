@@ -28,7 +28,8 @@ EXAMPLE = {"params": 7e9, "per_device_batch": 8, "accumulation_steps": 2, "step_
            "examples": 40_000, "devices": 8, "gradient_bytes_per_param": 2, "bytes_per_param": 16,
            "bandwidth": 14.7e9, "overlap": 0.5}
 SHAPE = {"vocab": 82, "d_model": 32, "layers": 2, "heads": 4, "context": 32, "d_ff": None, "tied": False}
-LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "chunks": 1, "sequence_parallel": False, "zero_stage": 0}
+LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "chunks": 1, "sequence_parallel": False, "zero_stage": 0,
+          "scatter_gather": True, "vocab_parallel_loss": True}
 # Arguments that work, per function (a list where one set cannot reach every branch); each hostile value
 # replaces one of them at a time.
 VALID = {
