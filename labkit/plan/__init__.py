@@ -24,7 +24,13 @@ from labkit.plan.memory import (
     training_memory,
     transformer_params,
 )
-from labkit.plan.sharding import ZERO_STAGES, zero_collective_bytes_per_param, zero_memory_table, zero_traffic_bytes
+from labkit.plan.sharding import (
+    ZERO_STAGES,
+    zero_collective_bytes_per_param,
+    zero_memory_table,
+    zero_redundancy_optimizer_bytes,
+    zero_traffic_bytes,
+)
 from labkit.plan.step_time import (
     BACKWARD_SHARE,
     bandwidth_for_speedup,
@@ -82,5 +88,6 @@ __all__ = [
     "worked_example",
     "zero_collective_bytes_per_param",
     "zero_memory_table",
+    "zero_redundancy_optimizer_bytes",
     "zero_traffic_bytes",
 ]

@@ -73,6 +73,7 @@ VALID = {
                                         for stage in (0, 3)],
     "zero_memory_table": [{"params": 7.5e9, "dp": 64, "weight_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}],
     "zero_traffic_bytes": [{"params": 7e9, "world_size": 8, "zero_stage": 3, "weight_bytes": 2, "grad_bytes": 2}],
+    "zero_redundancy_optimizer_bytes": [{"params": 7e9, "world_size": 8, "weight_bytes": 2, "grad_bytes": 2}],
     "GPTShape": [dict(SHAPE)],
     "ParallelLayout": [dict(LAYOUT, sequence_parallel=sequence_parallel) for sequence_parallel in (False, True)],
     "check_fit": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
