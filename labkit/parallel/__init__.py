@@ -7,7 +7,8 @@ over the ranks with `flat_shards`), tensor parallelism (`tensor`: Megatron's col
 and pipeline parallelism (`pipeline`: GPipe, 1F1B and interleaved 1F1B schedules, an executor over
 point-to-point sends, and a simulator), combined on a mesh (`mesh`: the ranks on named axes dp, pp and tp,
 each axis's process groups from torch's DeviceMesh; `three_d`: a GPT trained on all three axes at
-once)."""
+once). `counters` counts labkit's collectives by kind and group; `torch_counters` every collective a rank makes,
+torch's own too."""
 
 from labkit.parallel.counters import (
     AllReduceCounter,
@@ -60,6 +61,7 @@ from labkit.parallel.tensor_gpt import (
     tensor_parallel_gpt,
 )
 from labkit.parallel.three_d import OtherStage, ThreeDGPT, gpt_shape
+from labkit.parallel.torch_counters import count_torch_collectives
 from labkit.parallel.zero import ShardedOptimizer
 from labkit.plan.counts import shard_sizes  # notebook 05 shows the cut the tensor-parallel layers use
 
@@ -74,4 +76,4 @@ __all__ = ["AXES", "Action", "AllReduceCounter", "Bucket", "BucketedDDP", "Colle
            "FullPlace", "ParallelAttention", "ParallelBlock", "ParallelHead", "VocabParallelEmbedding",
            "allreduce_sequence_parallel_grads", "gather_from_sequence_parallel", "gather_full_parameters",
            "reduce_scatter_to_sequence_parallel", "sequence_parallel_linear", "sequence_slice", "tensor_parallel_gpt",
-           "OtherStage", "ThreeDGPT", "gpt_shape", "model_description"]
+           "OtherStage", "ThreeDGPT", "gpt_shape", "model_description", "count_torch_collectives"]

@@ -26,8 +26,21 @@ from labkit.plan.memory import (
     training_memory,
     transformer_params,
 )
-from labkit.plan.sharding import ZERO_STAGES, zero_collective_bytes_per_param, zero_memory_table, zero_traffic_bytes
-from labkit.plan.step_time import bandwidth_for_speedup, data_parallel_speedup, step_seconds
+from labkit.plan.sharding import (
+    ZERO_STAGES,
+    zero_collective_bytes_per_param,
+    zero_memory_table,
+    zero_redundancy_optimizer_bytes,
+    zero_traffic_bytes,
+)
+from labkit.plan.step_time import (
+    BACKWARD_SHARE,
+    bandwidth_for_speedup,
+    data_parallel_speedup,
+    hideable_seconds,
+    step_seconds,
+    tokens_to_hide_allreduce,
+)
 from labkit.plan.strategy import parallelism_for
 from labkit.plan.traffic import (
     GB,
@@ -41,6 +54,7 @@ from labkit.plan.traffic import (
 from labkit.plan.worked_example import WorkedExample, worked_example
 
 __all__ = [
+    "BACKWARD_SHARE",
     "GB",
     "GPTShape",
     "RECOMPUTE",
@@ -62,6 +76,7 @@ __all__ = [
     "fit_alpha_beta",
     "fit_point_to_point",
     "format_count",
+    "hideable_seconds",
     "lora_params",
     "memory_options",
     "naive_allreduce_bytes",
@@ -73,11 +88,13 @@ __all__ = [
     "scale_lr",
     "step_seconds",
     "steps_per_epoch",
+    "tokens_to_hide_allreduce",
     "tp_in_node",
     "training_memory",
     "transformer_params",
     "worked_example",
     "zero_collective_bytes_per_param",
     "zero_memory_table",
+    "zero_redundancy_optimizer_bytes",
     "zero_traffic_bytes",
 ]

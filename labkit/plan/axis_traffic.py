@@ -20,7 +20,11 @@ micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h
 
   tp, plain (Shoeybi et al. 2019, "Megatron-LM", section 3): the embedding 1 all-reduce (a) forward; each block
       2 all-reduces (a) forward and 2 backward (the g and f around its attention and its MLP); the head 1
-      all-reduce (a) backward, and forward the logits all-gathered, ceil(V / t) b s numbers from each rank.
+      all-reduce (a) backward, and forward the logits all-gathered, ceil(V / t) b s numbers from each rank (what
+      labkit.parallel.tensor_gpt does). With vocab_parallel_loss, Megatron's vocabulary-parallel cross-entropy
+      (same section) replaces that gather: each rank keeps its vocabulary slice of the logits and the loss takes
+      3 all-reduces of b s numbers (the max, the target's logit and the sum of exponentials per token; its
+      backward is local). labkit's executor does not run it: the layout says which one is planned.
   tp, sequence parallel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
       Models", section 4.2.2): each all-reduce becomes a reduce-scatter (a) and an all-gather (a / t). The
       embedding 1 reduce-scatter forward, 1 all-gather backward; a block 2 all-gathers and 2 reduce-scatters
@@ -31,8 +35,12 @@ micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h
   pp (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM",
       section 2.2): every piece but the model's last sends its output forward (a; a / t under sequence
       parallelism, which leaves each tp rank its part of the sequence), every piece but the first sends its
-      input's gradient back. Without sequence parallelism each tp rank sends the whole activation (Megatron's
-      scatter/gather optimisation, section 4.1 of that paper, would send a / t and all-gather it after).
+      input's gradient back. Without sequence parallelism each tp rank sends the whole activation, as labkit's
+      executor does. With scatter_gather, Megatron's scatter/gather optimisation (section 4.1 of that paper):
+      each tp rank sends its 1/t of the activation (a / t) across the boundary, and the receiving tp group
+      all-gathers the parts (a / t from each rank) over its own, faster, links: the cross-node bytes fall t-fold
+      for an all-gather on the tp axis per message received. Under sequence parallelism the activation is
+      already a / t per rank, and nothing is gathered.
   dp, zero_stage 0 (Li et al. 2020, "PyTorch Distributed", section 3.2): one all-reduce of every gradient the
       rank holds, once per step after the last micro-batch, plus labkit's BucketedDDP's one number per parameter
       tensor (how many ranks produced that gradient).
@@ -97,7 +105,11 @@ class ParallelLayout:
     sequence parallelism on the tp axis or not, and the dp axis's `zero_stage`: 0 replicates the optimizer state
     (BucketedDDP's all-reduce of the gradients), 1 shards it over the dp group and 2 the gradients too
     (labkit.parallel.ShardedOptimizer: a reduce-scatter and an all-gather). ZeRO-3, which shards the weights and
-    gathers them in every forward and backward, is not an option of this layout.
+    gathers them in every forward and backward, is not an option of this layout. Two of Megatron-LM's
+    optimisations that labkit.parallel.ThreeDGPT does not run can be planned: `scatter_gather` (pipeline sends
+    of 1/tp of the activation per tp rank, all-gathered after; Narayanan et al. 2021, section 4.1) and
+    `vocab_parallel_loss` (the head's logits kept split over tp, the loss from 3 all-reduces of b s numbers;
+    Shoeybi et al. 2019, section 3). Both default to False, what ThreeDGPT runs.
 
     >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
     >>> layout.world_size, layout.place(5)
@@ -110,11 +122,14 @@ class ParallelLayout:
     chunks: int = 1
     sequence_parallel: bool = False
     zero_stage: int = 0
+    scatter_gather: bool = False
+    vocab_parallel_loss: bool = False
 
     def __post_init__(self):
         for name in ("dp", "pp", "tp", "microbatches", "chunks"):
             whole(name, getattr(self, name))
-        flag("sequence_parallel", self.sequence_parallel)
+        for name in ("sequence_parallel", "scatter_gather", "vocab_parallel_loss"):
+            flag(name, getattr(self, name))
         if whole("zero_stage", self.zero_stage, minimum=0) > 2:
             raise ValueError(f"zero_stage={shown(self.zero_stage)}: pass 0 (the optimizer state replicated), 1 (it "
                              "sharded over dp) or 2 (the gradients too); ZeRO-3 is not an option of this layout.")
@@ -251,16 +266,20 @@ def rank_params(shape: GPTShape, layout: ParallelLayout, rank: int) -> int:
     return _rank_parts(shape, layout, rank)[1]
 
 
-def _tp_per_microbatch(shape: GPTShape, kind: str, t: int, b: int, s: int, sequence_parallel: bool) -> Counter:
+def _tp_per_microbatch(shape: GPTShape, kind: str, layout: ParallelLayout, b: int, s: int) -> Counter:
     """Numbers one layer hands to tp collectives per micro-batch of b sequences of s tokens (module docstring)."""
-    whole_act = b * s * shape.d_model
-    part, logits = whole_act // t, b * s * math.ceil(shape.vocab / t)
-    if not sequence_parallel:
-        return Counter({"embeddings": {"all_reduce": whole_act}, "block": {"all_reduce": 4 * whole_act},
-                        "head": {"all_reduce": whole_act, "all_gather": logits}}[kind])
-    return Counter({"embeddings": {"reduce_scatter": whole_act, "all_gather": part},
-                    "block": {"reduce_scatter": 4 * whole_act, "all_gather": 6 * part},
-                    "head": {"reduce_scatter": whole_act, "all_gather": 2 * part + logits}}[kind])
+    t, whole_act = layout.tp, b * s * shape.d_model
+    part = whole_act // t
+    loss = Counter({"all_reduce": 3 * b * s} if layout.vocab_parallel_loss else
+                   {"all_gather": b * s * math.ceil(shape.vocab / t)})  # the head's logits, or the split loss's
+    if not layout.sequence_parallel:
+        layers = {"embeddings": {"all_reduce": whole_act}, "block": {"all_reduce": 4 * whole_act},
+                  "head": {"all_reduce": whole_act}}
+    else:
+        layers = {"embeddings": {"reduce_scatter": whole_act, "all_gather": part},
+                  "block": {"reduce_scatter": 4 * whole_act, "all_gather": 6 * part},
+                  "head": {"reduce_scatter": whole_act, "all_gather": 2 * part}}
+    return Counter(layers[kind]) + (loss if kind == "head" else Counter())
 
 
 def _sequence_sharded_numbers(shape: GPTShape, kind: str) -> int:
@@ -275,7 +294,7 @@ def _tp_numbers(shape, layout, kinds, b, s) -> Counter:
         return Counter()
     numbers = Counter()
     for kind in kinds:
-        numbers.update(_tp_per_microbatch(shape, kind, layout.tp, b, s, layout.sequence_parallel))
+        numbers.update(_tp_per_microbatch(shape, kind, layout, b, s))
     numbers = Counter({collective: n * layout.microbatches for collective, n in numbers.items()})
     if layout.sequence_parallel:
         numbers["all_reduce"] += sum(_sequence_sharded_numbers(shape, kind) for kind in kinds)
@@ -294,16 +313,34 @@ def _dp_numbers(layout: ParallelLayout, params: int, tensors: int) -> Counter:
     return Counter({"reduce_scatter": layout.dp * piece, "all_gather": piece})
 
 
-def _pp_numbers(shape, layout, stage: int, b: int, s: int) -> Counter:
-    """Numbers the rank sends to its pipeline neighbours in one step: each piece's output forward but the last
-    piece's, each piece's input gradient back but the first's."""
+def _pp_messages(layout: ParallelLayout, stage: int) -> int:
+    """Messages a stage sends per micro-batch, and receives: each piece's output forward but the last piece's,
+    each piece's input gradient back but the first's."""
     p, v = layout.pp, layout.chunks
     if p == 1:
-        return Counter()
-    activation = b * s * shape.d_model // (layout.tp if layout.sequence_parallel else 1)
+        return 0
     pieces = [c * p + stage for c in range(v)]
-    messages = sum(piece != p * v - 1 for piece in pieces) + sum(piece != 0 for piece in pieces)
-    return Counter({"send": messages * layout.microbatches * activation})
+    return sum(piece != p * v - 1 for piece in pieces) + sum(piece != 0 for piece in pieces)
+
+
+def _split_activation(layout: ParallelLayout) -> bool:
+    """Whether each tp rank sends only its 1/tp of a boundary activation (sequence parallelism, or scatter/gather)."""
+    return layout.sequence_parallel or layout.scatter_gather
+
+
+def _pp_numbers(shape, layout, stage: int, b: int, s: int) -> Counter:
+    """Numbers the rank sends to its pipeline neighbours in one step (_pp_messages per micro-batch)."""
+    activation = b * s * shape.d_model // (layout.tp if _split_activation(layout) else 1)
+    sent = _pp_messages(layout, stage) * layout.microbatches * activation
+    return Counter({"send": sent} if sent else {})
+
+
+def _scatter_gather_numbers(shape, layout, stage: int, b: int, s: int) -> Counter:
+    """The tp all-gathers that rebuild each received activation under scatter/gather: a / t from each rank."""
+    if not layout.scatter_gather or layout.sequence_parallel or layout.tp == 1:
+        return Counter()
+    gathered = _pp_messages(layout, stage) * layout.microbatches * (b * s * shape.d_model // layout.tp)
+    return Counter({"all_gather": gathered} if gathered else {})
 
 
 def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int, sequence: int | None = None,
@@ -329,9 +366,10 @@ def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int,
     s, nbytes = _sequence(shape, sequence), whole("bytes_per_number", bytes_per_number)
     b = batch // (layout.dp * layout.microbatches)
     kinds, params, tensors = _rank_parts(shape, layout, rank)
+    stage = layout.place(rank)["pp"]
     numbers = {"dp": _dp_numbers(layout, params, tensors),
-               "pp": _pp_numbers(shape, layout, layout.place(rank)["pp"], b, s),
-               "tp": _tp_numbers(shape, layout, kinds, b, s)}
+               "pp": _pp_numbers(shape, layout, stage, b, s),
+               "tp": _tp_numbers(shape, layout, kinds, b, s) + _scatter_gather_numbers(shape, layout, stage, b, s)}
     traffic = {axis: {kind: n * nbytes for kind, n in sorted(counted.items()) if n}
                for axis, counted in numbers.items()}
     return finite_result("axis_traffic", traffic, batch=batch, sequence=sequence, bytes_per_number=bytes_per_number)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from labkit.checks import finite_result, number, overflow_named, shown, whole
 from labkit.plan.memory import training_memory
-from labkit.plan.traffic import ring_reduce_scatter_bytes
+from labkit.plan.traffic import ring_allreduce_bytes, ring_reduce_scatter_bytes
 
-__all__ = ["ZERO_STAGES", "zero_collective_bytes_per_param", "zero_memory_table", "zero_traffic_bytes"]
+__all__ = ["ZERO_STAGES", "zero_collective_bytes_per_param", "zero_memory_table", "zero_redundancy_optimizer_bytes",
+           "zero_traffic_bytes"]
 
 ZERO_STAGES = {0: "nothing (replicated, DDP)", 1: "the optimizer state", 2: "the optimizer state and gradients",
                3: "the optimizer state, gradients and weights"}  # stage: what it shards over the ranks
@@ -77,3 +78,26 @@ def zero_traffic_bytes(params: float, world_size: int, zero_stage: int = 0, weig
     with overflow_named("zero_traffic_bytes", params=params, world_size=world_size, zero_stage=zero_stage,
                         weight_bytes=weight_bytes, grad_bytes=grad_bytes) as finite:
         return finite(ring_reduce_scatter_bytes(finite(count * per_param), world_size))
+
+
+def zero_redundancy_optimizer_bytes(params: float, world_size: int, weight_bytes: float = 2,
+                                    grad_bytes: float = 2) -> float:
+    """Bytes each rank sends in one step of torch's ZeroRedundancyOptimizer (ZeRO-1's sharded update, as PyTorch
+    ships it) over `world_size` ranks: not the paper's reduce-scatter and all-gather (zero_traffic_bytes' stage 1),
+    but DDP's all-reduce of every gradient, 2(N-1)/N x params x grad_bytes, and then a broadcast of every
+    parameter from the rank that updated it (torch.distributed.optim.ZeroRedundancyOptimizer's step, after
+    DDP). A broadcast pipelined along a ring, as NCCL runs it, has every rank but the last forward what it got;
+    with the N ranks as roots in turn that is (N-1)/N of the weights per rank, an all-gather's bytes:
+        (2 grad_bytes + weight_bytes) (N-1)/N x params,
+    1.5x DDP's (and ZeRO-3's) when the two byte counts are equal. The shares are whole parameters, so a rank's own
+    bytes differ from the average by its successor's share's distance from 1/N.
+
+    >>> zero_redundancy_optimizer_bytes(7e9, 8) / 1e9          # the lesson's 7B on 8 GPUs: DDP's 24.5 GB x 1.5
+    36.75
+    """
+    count = number("params", params)
+    inputs = {"params": params, "world_size": world_size, "weight_bytes": weight_bytes, "grad_bytes": grad_bytes}
+    weights, grads = number("weight_bytes", weight_bytes), number("grad_bytes", grad_bytes)
+    with overflow_named("zero_redundancy_optimizer_bytes", **inputs) as finite:
+        allreduce = ring_allreduce_bytes(finite(count * grads), world_size)
+        return finite(allreduce + ring_reduce_scatter_bytes(finite(count * weights), world_size))

@@ -28,7 +28,7 @@ GROWS_WITH = {
     "baseline_epoch_seconds": ("examples", "step_compute_seconds"),
     "accumulation_alternative_epoch_seconds": ("examples", "devices", "step_compute_seconds"),
     "ring_bytes_per_rank": COMM,
-    "bandwidth_for_slow_link_speedup": (*COMM, "step_compute_seconds", "overlap"),
+    "bandwidth_for_slow_link_speedup": (*COMM, "step_compute_seconds", "overlap", "accumulation_steps"),
     "comm_seconds": (*COMM, "bandwidth"),
     "parallel_epoch_seconds": (*COMM, "bandwidth", "examples", "step_compute_seconds"),
     "memory_bytes": ("params", "bytes_per_param"),
@@ -42,7 +42,9 @@ class WorkedExample:
     Fields (the overrides `worked_example` accepts): params; per_device_batch, accumulation_steps, examples
     and devices (counts); step_compute_seconds (one optimizer step's compute on any one GPU);
     gradient_bytes_per_param (what the AllReduce moves); bytes_per_param (weights, grads and optimizer state);
-    bandwidth (bytes/s per rank, None: communication ignored); overlap (fraction of the AllReduce hidden).
+    bandwidth (bytes/s per rank, None: communication ignored); overlap (fraction of the AllReduce started
+    during the backward: it hides behind the last of the accumulation_steps micro-batches' backward at most,
+    labkit.plan.step_seconds).
     The properties, grouped by lesson step, are the derived numbers; their units are in their names.
 
     Definitions worth knowing:
@@ -129,7 +131,7 @@ class WorkedExample:
         if self.devices <= SLOW_LINK_SPEEDUP:
             return None
         return bandwidth_for_speedup(SLOW_LINK_SPEEDUP, self.devices, self.step_compute_seconds,
-                                     self.ring_bytes_per_rank, self.overlap)
+                                     self.ring_bytes_per_rank, self.overlap, self.accumulation_steps)
 
     @property
     def comm_seconds(self) -> float | None:
@@ -142,7 +144,7 @@ class WorkedExample:
     def parallel_step_seconds(self) -> float | None:
         if self.comm_seconds is None:
             return None
-        return step_seconds(self.step_compute_seconds, self.comm_seconds, self.overlap)
+        return step_seconds(self.step_compute_seconds, self.comm_seconds, self.overlap, self.accumulation_steps)
 
     @property
     def parallel_epoch_seconds(self) -> float | None:

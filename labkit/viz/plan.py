@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 
 from labkit.checks import choice
 from labkit.plan import GB, ring_allreduce_bytes
-from labkit.plan.step_time import data_parallel_speedup
+from labkit.plan.step_time import data_parallel_speedup, hideable_seconds
 from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, PURPLE, RED, log_axis
 
 __all__ = ["STAGE_LABELS", "UNITS", "memory_bars", "speedup_chart", "zero_memory_bars"]
@@ -75,22 +75,28 @@ def _check_stages(name: str, table: dict) -> None:
 
 
 def speedup_chart(devices: int, compute_seconds: float, gradient_nbytes: float, bandwidths, overlaps=(0.0, 0.9),
-                  marker_bandwidth: float | None = None) -> go.Figure:
+                  marker_bandwidth: float | None = None, accumulation_steps: int = 1) -> go.Figure:
     """Data-parallel speedup over one GPU against per-rank bandwidth (bytes/s), one line per overlap fraction:
-    the ring AllReduce of `gradient_nbytes` on `devices` ranks costs ring_allreduce_bytes / bandwidth per step.
+    the ring AllReduce of `gradient_nbytes` on `devices` ranks costs ring_allreduce_bytes / bandwidth per step,
+    of which the fraction `overlap` starts during the backward and hides behind the last of `accumulation_steps`
+    micro-batches' backward at most (labkit.plan.step_seconds' one model of overlap).
     The bandwidth axis is viz.style's log_axis: round numbers only (decades over 3 decades or more: 0.1, 1,
     10, ... GB/s), spanning the bandwidths and the marker."""
     nbytes = ring_allreduce_bytes(gradient_nbytes, devices)
     rates = list(bandwidths)
     figure = go.Figure()
+
+    def speedup(bandwidth: float, overlap: float) -> float:
+        return data_parallel_speedup(devices, compute_seconds, nbytes / bandwidth, overlap, accumulation_steps)
+
+    backward = hideable_seconds(compute_seconds, accumulation_steps)   # the last micro-batch's backward
     for overlap in overlaps:
-        speedups = [data_parallel_speedup(devices, compute_seconds, nbytes / b, overlap) for b in rates]
-        figure.add_scatter(x=[b / GB for b in rates], y=speedups, mode="lines",
-                           name=f"{overlap:.0%} of the AllReduce hidden behind backward")
+        name = (f"up to {overlap:.0%} of the AllReduce hidden, behind the last {backward:.2g} s of backward"
+                if overlap else "nothing hidden")
+        figure.add_scatter(x=[b / GB for b in rates], y=[speedup(b, overlap) for b in rates], mode="lines", name=name)
     if marker_bandwidth:
-        figure.add_scatter(x=[marker_bandwidth / GB], y=[data_parallel_speedup(
-            devices, compute_seconds, nbytes / marker_bandwidth, overlaps[0])], mode="markers",
-            name="your link", marker={"size": 12, "color": RED})
+        figure.add_scatter(x=[marker_bandwidth / GB], y=[speedup(marker_bandwidth, overlaps[0])], mode="markers",
+                           name="your link", marker={"size": 12, "color": RED})
     figure.add_hline(y=devices, line={"dash": "dash", "color": GREY},
                      annotation_text=f"{devices}x: communication for free", annotation_position="top right")
     shown = [*rates, marker_bandwidth] if marker_bandwidth else rates

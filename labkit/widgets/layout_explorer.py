@@ -36,9 +36,10 @@ __all__ = ["AXIS_WHEN", "LayoutExplorer", "LayoutPlan", "plan_layout", "suggeste
 
 AXES = ("dp", "pp", "tp")  # outermost to innermost, as labkit.parallel.mesh.AXES
 AXIS_WHEN = {  # when each axis's traffic moves in a step, and what waits for it (Narayanan et al. 2021, section 3)
-    "tp": "inside every layer, every micro-batch: the next layer waits for it",
+    "tp": "inside every layer, every micro-batch: the next layer waits for the forward's",
     "pp": "at each stage boundary, every micro-batch: point to point, one neighbour",
-    "dp": "once per step, after the last micro-batch's backward: only that backward can overlap it",
+    "dp": "once per step, after the last micro-batch's backward: only that backward, and the drain on the later "
+          "stages, can overlap it",
 }
 LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "170px", "330px", 500  # two figures side by side in a 1280 px window
 _LABEL_STYLE = {"description_width": LABEL_WIDTH}

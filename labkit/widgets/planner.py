@@ -132,7 +132,8 @@ def _draw(values: dict, summary: widgets.HTML, memory: FigureSlot, speed: Figure
     bandwidths = [10 ** (k / 10) * GB for k in range(-10, 31)]
     speed.draw(speedup_chart(values["devices"], values["step_compute_seconds"],
                              values["params"] * _traffic_bytes_per_param(values), bandwidths,
-                             overlaps=(values["overlap"],), marker_bandwidth=values["bandwidth_gb"] * GB).update_layout(
+                             overlaps=(values["overlap"],), marker_bandwidth=values["bandwidth_gb"] * GB,
+                             accumulation_steps=values["accumulation_steps"]).update_layout(
         width=FIGURE_WIDTH, legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}, height=430))
 
 

@@ -4,6 +4,7 @@ tensor parallelism, sequence parallelism, interleaving), the ring's wire bytes, 
 tests/distributed/test_three_d.py checks the same predictions against bytes counted on real ranks."""
 
 import math
+from collections import Counter
 
 import pytest
 
@@ -126,6 +127,50 @@ def test_sequence_parallelism_by_hand():
     assert last["tp"] == {"reduce_scatter": 2 * (4 + 1) * a * 4, "all_gather": 2 * (6 * part + 2 * part + logits) * 4,
                           "all_reduce": (6 * h + 2 * h) * 4}
     assert first["pp"] == last["pp"] == {"send": 2 * part * 4}  # each tp rank sends its part only
+
+
+def test_megatrons_scatter_gather_sends_a_tth_across_the_boundary_by_hand():
+    """Narayanan et al. 2021, section 4.1: each tp rank sends a / t, and the receiver's tp group all-gathers the
+    parts; labkit's executor sends the whole a from every tp rank (the default)."""
+    plain = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
+    scattered = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2, scatter_gather=True)
+    a = 2 * 8 * 4
+    for rank in (0, 3):
+        ours, theirs = axis_traffic(SMALL, plain, 8, rank), axis_traffic(SMALL, scattered, 8, rank)
+        assert ours["pp"] == {"send": 2 * a * 4} and theirs["pp"] == {"send": 2 * (a // 2) * 4}
+        # one message received per micro-batch: its two halves all-gathered over tp
+        assert theirs["tp"] == dict(Counter(ours["tp"]) + Counter({"all_gather": 2 * (a // 2) * 4})), rank
+        assert theirs["dp"] == ours["dp"]
+        wire_ours, wire_theirs = axis_wire_bytes(ours, plain), axis_wire_bytes(theirs, scattered)
+        assert wire_theirs["pp"] == wire_ours["pp"] / 2          # t = 2: half the bytes across the boundary
+        assert wire_theirs["tp"] - wire_ours["tp"] == 2 * (a // 2) * 4   # the gathers, on the node's links
+    # interleaved: three messages per micro-batch on each stage, each gathered
+    chunks = ParallelLayout(pp=2, tp=2, microbatches=4, chunks=2, scatter_gather=True)
+    assert axis_traffic(SMALL, chunks, 8, 0)["tp"]["all_gather"] == 3 * 4 * (2 * 8 * 4 // 2) * 4
+    # under sequence parallelism the activation is already split: scatter/gather changes nothing
+    sequence = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True)
+    both = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=True, scatter_gather=True)
+    assert all(axis_traffic(SMALL, sequence, 8, r) == axis_traffic(SMALL, both, 8, r) for r in range(8))
+    # one stage, or one tp rank: nothing to scatter
+    assert axis_traffic(SMALL, ParallelLayout(tp=2, scatter_gather=True), 8, 0) == \
+        axis_traffic(SMALL, ParallelLayout(tp=2), 8, 0)
+    assert axis_traffic(SMALL, ParallelLayout(pp=2, scatter_gather=True), 8, 0) == \
+        axis_traffic(SMALL, ParallelLayout(pp=2), 8, 0)
+
+
+def test_megatrons_vocabulary_parallel_loss_moves_b_s_numbers_by_hand():
+    """Shoeybi et al. 2019, section 3: the head's logits stay split by vocabulary, and the loss all-reduces three
+    numbers per token (max, target logit, sum of exponentials) instead of all-gathering ceil(V / t) per token."""
+    for sequence_parallel in (False, True):
+        gathered = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=sequence_parallel)
+        split = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2, sequence_parallel=sequence_parallel,
+                               vocab_parallel_loss=True)
+        tokens, logits = 2 * 8, 2 * 8 * 5                   # b s per micro-batch; 5 of SMALL's 10 columns each
+        last, last_split = axis_traffic(SMALL, gathered, 8, 3)["tp"], axis_traffic(SMALL, split, 8, 3)["tp"]
+        assert last["all_gather"] - last_split.get("all_gather", 0) == 2 * logits * 4
+        assert last_split["all_reduce"] - last.get("all_reduce", 0) == 2 * 3 * tokens * 4
+        assert axis_traffic(SMALL, gathered, 8, 0) == axis_traffic(SMALL, split, 8, 0)   # no head on stage 0
+    assert "all_gather" not in axis_traffic(SMALL, ParallelLayout(tp=2, vocab_parallel_loss=True), 8, 0)["tp"]
 
 
 def test_interleaving_sends_between_more_pieces():

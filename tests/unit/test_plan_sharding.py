@@ -12,6 +12,7 @@ from labkit.plan import (
     training_memory,
     zero_collective_bytes_per_param,
     zero_memory_table,
+    zero_redundancy_optimizer_bytes,
     zero_traffic_bytes,
 )
 
@@ -35,6 +36,20 @@ def test_zero_1_and_2_move_what_ddp_moves_and_zero_3_half_as_much_again():
     ddp = ring_allreduce_bytes(7e9 * 2, 8)                   # the lesson's 24.5 GB of bf16 gradients
     traffic = [zero_traffic_bytes(7e9, 8, zero_stage=stage) for stage in range(4)]
     assert traffic == pytest.approx([ddp, ddp, ddp, 1.5 * ddp])
+
+
+def test_torchs_zero_redundancy_optimizer_sends_half_as_much_again_as_ddp():
+    # DDP's all-reduce, then every parameter broadcast from its owner: (N-1)/N of the weights per rank on a ring
+    for world_size in (2, 4, 8, 64):
+        ddp = zero_traffic_bytes(7e9, world_size, zero_stage=0)
+        torch_zero1 = zero_redundancy_optimizer_bytes(7e9, world_size)
+        assert torch_zero1 == pytest.approx(1.5 * ddp) == pytest.approx(zero_traffic_bytes(7e9, world_size, 3))
+        assert torch_zero1 == pytest.approx(ddp + (world_size - 1) / world_size * 14e9)
+        assert zero_traffic_bytes(7e9, world_size, zero_stage=1) == pytest.approx(ddp)   # the paper's ZeRO-1
+    assert zero_redundancy_optimizer_bytes(7e9, 8) == pytest.approx(36.75e9)
+    # fp32 gradients, bf16 weights: 2 x 4 + 2 bytes per parameter before the ring's (N-1)/N
+    assert zero_redundancy_optimizer_bytes(1e9, 4, weight_bytes=2, grad_bytes=4) == pytest.approx(0.75 * 10e9)
+    assert zero_redundancy_optimizer_bytes(1e9, 1) == 0.0
 
 
 def test_what_each_collective_carries():

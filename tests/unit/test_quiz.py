@@ -248,6 +248,13 @@ def test_the_3d_questions_quote_what_plan_computes():
         f"About {tp_wire / 450e9:.0f} s over NVLink, about {tp_wire / 50e9:.0f} s over InfiniBand"
     assert f"About {tp_wire / 450e9:.0f} s over NVLink, about {tp_wire / 400e9:.1f} s over InfiniBand" in texts  # Gb
     assert f"About {tp_wire / 900e9:.0f} s over NVLink, about {tp_wire / 100e9:.0f} s over InfiniBand" in texts  # both
+    # the forward's half of tp's collectives shows in the step (notebook 12: the busiest rank holds blocks only, 2 of
+    # each block's 4 all-reduces in the forward); Megatron-LM runs the backward's during the weight-gradient GEMMs
+    overlaps = question.options[3]
+    assert not overlaps.correct and overlaps.text == "Little on either: it overlaps the compute"
+    forward = tp_wire / 2
+    assert f"about {forward / 450e9:.0f} s over NVLink and {forward / 50e9:.0f} s over InfiniBand" in overlaps.why
+    assert "at least half of it adds to the step" in question.explanation and "upper bound" in question.explanation
     placement = questions["3d-axes-on-links"]
     assert placement.options[placement.answer].text.startswith("Tensor parallelism inside each node, pipeline stages "
                                                                "across nodes, data parallelism outermost")

@@ -72,6 +72,16 @@ def test_speedup_chart_reaches_the_device_count_on_fast_links():
     assert figure.layout.shapes[0].y0 == 8
 
 
+def test_speedup_chart_hides_only_behind_the_last_micro_batchs_backward():
+    # the lesson's step with 2 micro-batches: at 12.25 GB/s, all of the AllReduce started early, 3x (issue 25)
+    figure = speedup_chart(8, 1.0, 14e9, [12.25e9, 36.75e9, 73.5e9], overlaps=(0.0, 1.0), accumulation_steps=2)
+    nothing, all_started = figure.data[0], figure.data[1]
+    assert list(all_started.y) == pytest.approx([3.0, 6.0, 8.0])
+    assert list(nothing.y) == pytest.approx([8 / (1 + 2.0), 8 / (1 + 2 / 3), 8 / (1 + 1 / 3)])
+    assert nothing.name == "nothing hidden" and all_started.name == ("up to 100% of the AllReduce hidden, behind the "
+                                                                    "last 0.33 s of backward")
+
+
 def test_the_bandwidth_axis_is_the_shared_log_axis():
     figure = speedup_chart(8, 1.0, 14e9, [10 ** (k / 20) * 1e9 for k in range(-20, 61)])
     assert figure.layout.xaxis.type == "log" and "GB/s" in figure.layout.xaxis.title.text

@@ -6,8 +6,9 @@ does); m micro-batches of activations wait on each stage. 1F1B (PipeDream-Flush,
 min(p - r - 1, m) warm-up forwards, then one forward and one backward in turn, then the remaining backwards; at
 most min(p - r, m) micro-batches wait. Interleaved 1F1B (the same paper, section 2.2.2): the model is cut into
 v p chunks and stage r holds v of them, r, r + p, ..., r + (v-1) p, so that a micro-batch passes every stage v
-times and the pipeline fills and drains in chunks 1/v the size. The orders match torch.distributed.pipelining's
-(tested).
+times and the pipeline fills and drains in chunks 1/v the size. Each chunk is a virtual stage (Megatron-LM's
+"virtual pipeline stage": its virtual_pipeline_model_parallel_size is v): v p virtual stages on p devices. The
+orders match torch.distributed.pipelining's (tested).
 """
 
 from __future__ import annotations
@@ -39,13 +40,13 @@ class Action:
 def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
     """Each stage's actions, in the order it runs them, for "gpipe", "1f1b" or "interleaved" (case ignored).
 
-    "interleaved" takes `chunks` = v >= 2 per stage and m a multiple of p (Megatron-LM's requirement: the
-    micro-batches go through in groups of p). Its order is torch 2.13's ScheduleInterleaved1F1B (tested) and
-    Megatron-LM's forward_backward_pipelining_with_interleaving: stage r's forward number k runs chunk
-    (k // p) mod v, its backward number k chunk v - 1 - (k // p) mod v, each on micro-batch (k // (v p)) p +
-    k mod p; (v-1) p + 2 (p - r - 1) warm-up forwards (at most m v), then one forward and one backward in turn,
-    then the remaining backwards. (Where m = p, Megatron-LM runs every forward first; torch, and this, keep the
-    warm-up above: fewer activations held, the same bubble.)
+    "interleaved" takes `chunks` = v >= 2 per stage (v virtual stages per device) and m a multiple of p
+    (Megatron-LM's requirement: the micro-batches go through in groups of p). Its order is torch 2.13's
+    ScheduleInterleaved1F1B (tested) and Megatron-LM's forward_backward_pipelining_with_interleaving: stage r's
+    forward number k runs chunk (k // p) mod v, its backward number k chunk v - 1 - (k // p) mod v, each on
+    micro-batch (k // (v p)) p + k mod p; (v-1) p + 2 (p - r - 1) warm-up forwards (at most m v), then one forward
+    and one backward in turn, then the remaining backwards. (Where m = p, Megatron-LM runs every forward first;
+    torch, and this, keep the warm-up above: fewer activations held, the same bubble.)
 
     >>> [" ".join(map(str, actions)) for actions in schedule("1f1b", 3, 4)]
     ['F0 F1 F2 B0 F3 B1 B2 B3', 'F0 F1 B0 F2 B1 F3 B2 B3', 'F0 B0 F1 B1 F2 B2 F3 B3']
