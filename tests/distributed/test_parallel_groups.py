@@ -78,6 +78,8 @@ def train_on_pair(method: str, steps: int = 3, batch: int = 16):
 def test_data_parallel_on_a_pair_equals_torch_ddp_on_that_pair(method):
     results = labkit.run(train_on_pair, method, world_size=4)
     for rank, (ours, theirs, initial, calls, buckets) in enumerate(results):
+        # bit for bit: one process runs both on the same data with the same kernels, and the average of two ranks is
+        # exact whichever way each divides ((a + b) / 2 = a / 2 + b / 2 for a power of two; a + b = b + a)
         assert torch.equal(ours, theirs), (method, rank, (ours - theirs).abs().max().item())
         assert not torch.equal(ours, initial)  # it trained, from its pair's rank 0
         assert calls == 3 * (buckets or len(list(mlp().parameters()))), (method, rank, calls)
