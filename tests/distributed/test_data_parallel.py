@@ -15,6 +15,8 @@ import labkit
 from labkit.models import TinyGPT, char_batches, lesson_text, make_classification, mlp
 from labkit.parallel import BucketedDDP, average_gradients, broadcast_parameters, count_allreduces
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 BATCH, STEPS = 24, 4  # 24 examples per step: 24, 12, 8 or 6 per rank on 1 to 4 ranks
 SMALL_MB = 0.004  # buckets of at most 4 KiB: mlp()'s 5.5 k parameters fill several
 

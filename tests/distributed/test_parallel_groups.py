@@ -31,6 +31,8 @@ from labkit.parallel import (
     split_to_tensor_parallel,
 )
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 PAIRS = [[0, 2], [1, 3]]
 SMALL_MB = 0.004  # buckets of at most 4 KiB: mlp()'s 5.5 k parameters fill several
 

@@ -21,6 +21,8 @@ from labkit.parallel.flat_shards import FlatLayout
 from labkit.plan import training_memory
 from labkit.plan.counts import shard_sizes
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 BATCH, STEPS, VOCAB = 24, 10, 11  # 24 examples a step: 12, 8 or 6 on 2 to 4 ranks
 TRAINABLE = 275  # TiedNet's trainable numbers: no world size from 2 to 4 divides them
 SMALL_MB = 160 / 2**20  # buckets of at most 160 bytes (20 float64 numbers, or one larger parameter)

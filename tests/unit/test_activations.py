@@ -3,6 +3,7 @@
 
 import doctest
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,6 +12,8 @@ from torch.utils.checkpoint import checkpoint, checkpoint_sequential
 import labkit.activations
 from labkit.activations import saved_activation_nbytes
 from labkit.models import make_classification, mlp
+
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
 
 BATCH, HIDDEN = 32, 64
 RELU_OUTPUT = BATCH * HIDDEN * 4  # one hidden activation, float32

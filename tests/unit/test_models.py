@@ -19,6 +19,8 @@ from labkit.models import (
 )
 from labkit.plan import transformer_params
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("d_model,layers,heads,d_ff,context", [(32, 1, 2, 64, 16), (64, 3, 4, 256, 40)])
