@@ -88,7 +88,8 @@ def train(directory, kill_at=None, sabotage=None):
 
 
 def same_state(a, b) -> bool:
-    """Every parameter and every optimizer state tensor bit-identical (torch.equal), and the rest equal."""
+    """Every parameter and every optimizer state tensor bit-identical (torch.equal), and the rest equal: a resumed
+    run replays the same steps on the same ranks (the same kernels on the same shapes), so nothing may differ."""
     (_, pos_a, model_a, opt_a), (_, pos_b, model_b, opt_b) = a, b
     return (pos_a == pos_b and model_a.keys() == model_b.keys()
             and all(torch.equal(model_a[k], model_b[k]) for k in model_a)

@@ -3,6 +3,7 @@ all_reduces, the tensor-parallel MLP on the tp group, BucketedDDP on the dp grou
 group) land on that axis, with the calls and bytes the test computes from the shapes it sent, and the groups
 together add up to the kind totals. The collectives themselves are checked against torch's on the same group."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,6 +26,8 @@ from labkit.parallel import (
     run_pipeline,
 )
 from labkit.parallel.counters import ALONE, Traffic
+
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
 
 FLOAT32, FLOAT64 = 4, 8  # bytes per number
 TP_SIZES, DP_SIZES, ALONE_SIZE, WORLD_SIZE = (5, 6, 7), (11, 13), 17, 19  # float32 numbers per counted all_reduce

@@ -15,6 +15,8 @@ import labkit
 from labkit.models import TinyGPT, char_batches, lesson_text, make_classification, mlp
 from labkit.parallel import BucketedDDP, average_gradients, broadcast_parameters, count_allreduces
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 BATCH, STEPS = 24, 4  # 24 examples per step: 24, 12, 8 or 6 per rank on 1 to 4 ranks
 SMALL_MB = 0.001  # buckets of about 1 KiB (one closes past it): mlp()'s 5.5 k parameters fill three
 
@@ -86,7 +88,7 @@ def test_n_ranks_with_a_share_each_equal_one_process_with_the_whole_batch(world_
         for rank, results in enumerate(per_rank):
             error = (results[i] - expected).abs().max() / expected.abs().max()
             assert error <= tolerance, (method, optimizer, dtype, rank, error.item())
-            assert torch.equal(results[i], per_rank[0][i]), (method, optimizer, dtype, rank)
+            assert torch.equal(results[i], per_rank[0][i]), (method, optimizer, dtype, rank)  # same all-reduced bits
 
 
 # --- Without averaging the replicas drift apart; with it they stay bit-identical ---
@@ -200,6 +202,9 @@ def our_buckets(ddp: BucketedDDP) -> list[list[int]]:
 
 
 def check_same_as_torch(results):
+    """Bit for bit (2 ranks): the same model on the same data with the same kernels, side by side in one process,
+    and the average of two ranks is exact whichever way each divides ((a + b) / 2 = a / 2 + b / 2 for a power of
+    two; a + b = b + a). Replicas: every rank applies the same all-reduced bits."""
     for rank, r in enumerate(results):
         assert all(r["same"]), (rank, r["same"])
         assert torch.equal(r["params"], results[0]["params"])

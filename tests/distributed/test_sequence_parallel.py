@@ -17,6 +17,8 @@ from labkit.parallel import (
     sequence_slice,
 )
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 BATCH, LENGTH, WIDTH = 3, 8, 5
 
 

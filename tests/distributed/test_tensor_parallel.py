@@ -20,6 +20,8 @@ from labkit.parallel import (
     shard_sizes,
 )
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 BATCH = 5
 # (in_features, out_features): even on 1, 2 and 4 ranks; uneven on 3 and 4; fewer outputs than ranks
 SIZES = [(8, 12), (10, 7), (6, 3)]

@@ -19,6 +19,8 @@ from labkit.parallel import (
     tensor_parallel_gpt,
 )
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 VOCAB = len(set(lesson_text()))  # 82 characters: 41 + 41 over 2 ranks, 21 + 21 + 20 + 20 over 4
 BATCH, LENGTH, WIDTH, LAYERS, HEADS = 2, 16, 32, 2, 4
 TOLERANCE = 1e-10
@@ -97,8 +99,12 @@ def alone():
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_on_one_rank_the_split_model_is_the_model(world_size):
+    """Equal to 1e-12 (float64), not bit for bit: a row-parallel layer adds its bias after the reduce (Megatron's
+    order), F.linear(x, w) + b, where nn.Linear does one addmm with the bias inside the GEMM; MKL's default
+    kernels accumulate those in another order (the logits differ by 2.2e-16 on an AMD EPYC; by 0 under
+    MKL_CBWR=COMPATIBLE)."""
     for errors in labkit.run(alone, world_size=world_size):
-        assert errors == [0.0] * len(CASES), errors
+        assert max(errors) <= 1e-12, errors
 
 
 # --- Attention by heads: the fused qkv weight is split per head, not by contiguous rows ---

@@ -15,6 +15,8 @@ import labkit
 from labkit.models import TinyGPT, char_batches, lesson_text, next_token_loss
 from labkit.parallel import allreduce_sequence_parallel_grads, gather_full_parameters, tensor_parallel_gpt
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 VOCAB = len(set(lesson_text()))  # 82: 41 per rank, an even cut torch's DTensor handles
 
 

@@ -21,6 +21,8 @@ from labkit.parallel.flat_shards import FlatLayout
 from labkit.plan import training_memory
 from labkit.plan.counts import shard_sizes
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 BATCH, STEPS, VOCAB = 24, 10, 11  # 24 examples a step: 12, 8 or 6 on 2 to 4 ranks
 TRAINABLE = 275  # TiedNet's trainable numbers: no world size from 2 to 4 divides them
 SMALL_MB = 160 / 2**20  # buckets of at most 160 bytes (20 float64 numbers, or one larger parameter)
@@ -125,6 +127,7 @@ def test_n_ranks_equal_one_process_and_torch_zero_redundancy_optimizer(world_siz
     per_rank = labkit.run(every_case, world_size=world_size)
     for ours, in_float32, theirs in per_rank:
         for case, result in zip(CASES, ours, strict=True):
+            # each slice is stepped on its owner and all-gathered: every rank holds the owner's bits
             assert torch.equal(result, per_rank[0][0][CASES.index(case)]), f"{case}: replicas differ"
             torch.testing.assert_close(result, alone[case[0]], rtol=1e-9, atol=1e-12, msg=f"{case}")
         torch.testing.assert_close(in_float32, one_process("adamw", torch.float32), rtol=1e-5, atol=1e-6)
@@ -205,7 +208,7 @@ def refusals(optimizer, saved) -> list[str]:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_a_saved_and_loaded_state_continues_training_identically_and_a_mismatched_one_is_refused(stage):
     for rank, (straight, resumed, lr, said) in enumerate(labkit.run(resume, stage, world_size=2)):
-        assert torch.equal(straight, resumed)
+        assert torch.equal(straight, resumed)  # the same steps from the same state: the same kernels on the same shapes
         assert lr == 0.005
         assert f"group rank {1 - rank} saved, {rank} here" in said[0] and "Load, on each rank" in said[0]
         assert "bucket 0:" in said[1] and "no 'layout'" in said[2]

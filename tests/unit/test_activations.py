@@ -17,6 +17,8 @@ from labkit.activations import gpt_blocks_nbytes, saved_activation_nbytes, tiny_
 from labkit.models import TinyGPT, make_classification, mlp
 from labkit.plan import activation_nbytes
 
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
+
 BATCH, HIDDEN = 32, 64
 RELU_OUTPUT = BATCH * HIDDEN * 4  # one hidden activation, float32
 
@@ -52,6 +54,8 @@ def test_checkpointing_gives_identical_gradients_dropout_included():
         torch.manual_seed(1)  # the same dropout masks; checkpoint replays the RNG state when it recomputes
         F.cross_entropy(run(model, x), y).backward()
         grads.append([p.grad for p in model.parameters()])
+    # bit for bit: checkpoint recomputes the same forward (the same kernels on the same shapes) and backpropagates
+    # through it as the plain run does
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     model = make()
     torch.manual_seed(1)
