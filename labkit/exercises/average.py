@@ -55,7 +55,7 @@ def check_average_gradients(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> 
         ...     for p in model.parameters():
         ...         dist.all_reduce(p.grad)
         >>> check_average_gradients(summed)
-        Not yet. On 3 ranks (a batch of 24 rows, 8 per rank), ...the sum over the ranks: divide by N = 3...
+        Not yet. On 3 ranks (a batch of 24 rows, 8 per rank), ...is 3x one process's...summed, not averaged.
     """
     timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
     if not callable(fn):
@@ -105,16 +105,15 @@ def _calls_problem(outcomes) -> str | None:
             return forbidden_message(rank, outcome.forbidden[0], True, _why_forbidden)
     for rank, outcome in enumerate(outcomes):
         if not outcome.calls:
-            return (f"rank {rank} made no all_reduce: each rank kept its own gradient. Call dist.all_reduce on "
-                    "every p.grad, then divide it by N.")
+            return (f"rank {rank} made no all_reduce: each rank kept its own gradient, so the replicas step with "
+                    "different gradients.")
         call = next((c for c in outcome.calls if c.op not in ("SUM", "AVG")), None)
         if call:
             return (f"rank {rank} all-reduced with ReduceOp.{call.op}: that keeps the {call.op.lower()} over the "
-                    "ranks, not their sum. The average is dist.all_reduce(p.grad) (ReduceOp.SUM, the default), "
-                    "then a division by N.")
+                    "ranks, not their sum.")
         if any(c.target == "data" for c in outcome.calls):
             return (f"rank {rank} all-reduced a parameter's values (p or p.data), not its gradient: that sums the "
-                    "weights over the ranks. All-reduce p.grad, the gradient that backward() left there.")
+                    "weights over the ranks, while the gradients that backward() left in p.grad stay each rank's own.")
         if outcome.unwaited:
             return _unwaited_message(rank, outcome)
     return None
@@ -126,15 +125,14 @@ def _unwaited_message(rank: int, outcome) -> str:
     if not futures:
         return (f"rank {rank} started {len(outcome.unwaited)} all_reduce(s) with async_op=True and never called "
                 "wait() on the handle: the values were read (and divided, and stepped with) before the "
-                "reduction finished. Keep each handle and call handle.wait() before you use the gradient.")
+                "reduction finished.")
     waited = sum(call.future for call in outcome.calls) - len(futures)
     others = f", though it waited for {waited} other(s): one future's wait() promises only its own all_reduce" \
         if waited else ""
     return (f"rank {rank} took the futures (handle.get_future()) of {len(futures)} all_reduce(s) with "
             f"async_op=True in {STEPS} SGD steps and never waited for them{others}. get_future() and then() do "
             "not wait: the gradients were read (and divided, and stepped with) before the reduction finished, or "
-            "changed later under a callback. Call wait() on every future, or torch.futures.wait_all(futures), "
-            f"before you use the gradients. {FUTURE_POLLS}")
+            f"changed later under a callback. {FUTURE_POLLS}")
 
 
 def _values_problem(outcomes, reference) -> str | None:
@@ -165,13 +163,13 @@ def _step_problem(averaged, local, reference, world_size: int) -> str | None:
     kept = [i for i in wrong[rank] if _gap([averaged[rank][i]], [local[rank][i]]) <= TOLERANCE]
     if kept and len(kept) < len(reference):
         return (f"rank {rank}'s gradients of {_named(kept)} are still its own (not averaged), while "
-                f"{_named([i for i in range(len(reference)) if i not in kept])} were: average every parameter "
-                "of model.parameters(), biases too.")
+                f"{_named([i for i in range(len(reference)) if i not in kept])} were: those parameters were left "
+                "out of the average.")
     divisors = [_divisor(grads, reference, world_size) for grads in averaged]
-    return _factor_message(rank, divisors, world_size) or (
-        f"rank {rank}'s gradient of {_named(wrong[rank][:1])} differs from the whole batch's by "
-        f"{_gap([averaged[rank][wrong[rank][0]]], [reference[wrong[rank][0]]]):.3g}. After your function, each "
-        "p.grad must hold the sum over the ranks divided by N.")
+    return _factor_message(rank, divisors, world_size, _named(wrong[rank][:1])) or (
+        f"rank {rank}'s gradient of {_named(wrong[rank][:1])} differs from one process's on the whole batch by "
+        f"{_gap([averaged[rank][wrong[rank][0]]], [reference[wrong[rank][0]]]):.3g}: it is neither its own "
+        "gradient nor the average over the ranks.")
 
 
 def _divisor(grads, reference, world_size: int) -> float | None:
@@ -184,23 +182,24 @@ def _divisor(grads, reference, world_size: int) -> float | None:
     return round(1 / scale, 6)
 
 
-def _factor_message(rank: int, divisors: list[float | None], world_size: int) -> str | None:
-    """The message for gradients off by one factor: not divided, divided by the wrong N, or twice."""
+def _factor_message(rank: int, divisors: list[float | None], world_size: int, name: str) -> str | None:
+    """The message for gradients off by one factor: not divided, divided by the wrong N, or twice; `name` is the
+    first wrong parameter's, where the factor shows."""
     d = divisors[rank]
     if d is None:
         return None
     if len(set(divisors)) > 1 and None not in divisors:
         each = ", ".join(f"rank {r}: {x:g}" for r, x in enumerate(divisors))
-        return (f"the ranks divided the sum by different numbers ({each}): every rank must divide by "
-                f"N = dist.get_world_size() = {world_size}, not by its rank.")
+        return (f"the ranks divided the sum by different numbers ({each}): a divisor that depends on the rank, "
+                "so the replicas step differently.")
+    said = f"rank {rank}'s gradient of {name} is"
     if d == 1:
-        return (f"every gradient holds the sum over the ranks: divide by N = {world_size} after the all_reduce "
-                "(p.grad /= dist.get_world_size()).")
+        return (f"{said} {world_size}x one process's on the whole batch: the {world_size} ranks' gradients were "
+                "summed, not averaged.")
     if abs(d - world_size ** 2) < 1e-6:
-        return (f"every gradient is the sum over the ranks divided by N twice (by {d:g} = {world_size}^2): divide "
-                "once, and not at all if you all-reduced with ReduceOp.AVG, which already divides.")
-    return f"every gradient is the sum over the ranks divided by {d:g}, not by N = {world_size}: divide by " \
-           "dist.get_world_size()."
+        return (f"{said} 1/{world_size} of one process's: the sum over the ranks was divided by N twice (by {d:g} "
+                f"= {world_size}^2). ReduceOp.AVG, if you used it, already divides.")
+    return f"{said} the sum over the ranks divided by {d:g}, not by N = {world_size}: a number other than N."
 
 
 def _gap(got, want) -> float:
@@ -218,7 +217,7 @@ def _hang_message(hang: labkit.RankTimeout, timeout_seconds: float) -> str:
     """A run that never finished: where the first ranks waited, and why all_reduce waits."""
     return (f"it never finished (stopped after {timeout_seconds:g} s): a rank waited in an all_reduce that the "
             f"others did not join with the same tensor. {where_ranks_waited(hang)}. Every rank must all-reduce the "
-            "same gradients in the same order: loop over model.parameters(), the same order everywhere.")
+            "same gradients in the same order.")
 
 
 def _error_message(error: labkit.RankError, sizes: list[list[int]] | None) -> str:
@@ -230,23 +229,21 @@ def _error_message(error: labkit.RankError, sizes: list[list[int]] | None) -> st
     if summary.startswith(f"{OutOfStep.__module__}.OutOfStep: "):
         return (f"{summary.split(': ', 1)[1]}: the ranks all-reduced the gradients in different orders. On real "
                 "ranks that sums unrelated tensors, or hangs, or aborts (gloo: 'Received data size doesn't match "
-                "expected size'). Every rank must all-reduce the same gradients in the same order: loop over "
-                "model.parameters(), whatever the rank.")
+                "expected size'). Every rank must all-reduce the same gradients in the same order, whatever the rank.")
     message = f"rank {first.rank} raised {summary}."
     if "AVG" in first.summary:
-        message += (" gloo has no ReduceOp.AVG: all-reduce with ReduceOp.SUM (the default), then divide by N.")
+        message += " gloo has no ReduceOp.AVG (NCCL has): on gloo the average is built from a sum."
     elif sizes and any(s != sizes[0] for s in sizes):
         message += (f" The ranks all-reduced tensors of different sizes in turn (rank 0: {sizes[0]}, rank "
                     f"{next(r for r, s in enumerate(sizes) if s != sizes[0])}: "
                     f"{next(s for s in sizes if s != sizes[0])} elements): every rank must reduce the same "
-                    "gradients in the same order, model.parameters()'s.")
+                    "gradients in the same order.")
     return message
 
 
 def _why_forbidden(spelling: str, name: str) -> str:
     """Why the call `spelling` is switched off while the gradient average is graded, and what to use instead."""
     if "labkit.parallel" in spelling or "DistributedDataParallel" in spelling:
-        return ("That is a ready-made average, which does the exercise for you: write the loop yourself, "
-                "dist.all_reduce(p.grad) and then p.grad /= N for every parameter.")
-    return ("This exercise needs one collective only: dist.all_reduce (SUM) of each gradient, then a division "
-            "by N. Other communication is switched off while it is graded.")
+        return "That is a ready-made average, which does the exercise for you: it is switched off here."
+    return ("This exercise allows one collective only, dist.all_reduce: other communication is switched off "
+            "while it is graded.")

@@ -231,14 +231,15 @@ def torch_ddp(model):
 
 
 @pytest.mark.parametrize(("fn", "named"), [
-    (summed, "holds the sum over the ranks: divide by N = 3"),
+    (summed, "rank 0's gradient of 0.weight is 3x one process's on the whole batch: the 3 ranks' gradients were "
+             "summed, not averaged"),
     (divided_by_rank_plus_one, "divided the sum by different numbers (rank 0: 1, rank 1: 2, rank 2: 3)"),
     (divided_by_n_minus_one, "divided by 2, not by N = 3"),
     (divided_twice, "divided by N twice (by 9 = 3^2)"),
     (weights_only, "gradients of 0.bias, 2.bias are still its own (not averaged)"),
     (parameter_values, "all-reduced a parameter's values (p or p.data), not its gradient"),
     (max_op, "all-reduced with ReduceOp.MAX"),
-    (avg_then_divide, "not at all if you all-reduced with ReduceOp.AVG"),
+    (avg_then_divide, "divided by N twice (by 9 = 3^2). ReduceOp.AVG, if you used it, already divides"),
     (async_without_wait, "async_op=True and never called wait()"),
     (wait_last_only, "started 9 all_reduce(s) with async_op=True and never called wait()"),
     (wait_last_future_only, "never waited for them, though it waited for 3 other(s): one future's wait() promises"),
