@@ -136,10 +136,9 @@ def _unwaited_message(outcomes) -> str | None:
                        for (verb, peer), count in sorted(counts.items()))
     kinds = "/".join(sorted({_call(verb) for verb, _ in counts}))
     return (f"rank {rank}'s {kinds} handle(s) were never waited ({posted}). "
-            "dist.isend and dist.irecv return at once, before the message has moved: call work.wait() on every "
-            "handle they return (for dist.batch_isend_irecv, req.wait() for each request in its list) before "
-            "you use or change the tensor or return. A dropped, unwaited handle can lose its message (on gloo "
-            "the ranks then hang) or let t change while it is still being sent.")
+            "dist.isend and dist.irecv (and each request of dist.batch_isend_irecv) return at once, before the "
+            "message has moved: a dropped, unwaited handle can lose its message (on gloo the ranks then hang) or "
+            "let t change while it is still being sent.")
 
 
 def _call(verb: str) -> str:
@@ -164,17 +163,16 @@ def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) 
 
 
 _NCCL_HANG = "it works here on gloo, but it would hang on NCCL (GPUs)"
-_SAFE_ORDER = ("Post a send together with the receive that must run alongside it, in one dist.batch_isend_irecv("
-               "[dist.P2POp(dist.isend, ...), dist.P2POp(dist.irecv, ...)]), and wait every request it returns; or "
-               "order them by rank parity (in a ring: even ranks send first, odd ranks receive first). A dist.isend "
-               "before a blocking dist.recv is not enough: it runs on gloo, but on NCCL the two still run one after "
-               "the other on the rank's GPU stream, and every rank waits in its send.")
-_RING_FIX = ("Post each step's send to the right and receive from the left together, in one dist.batch_isend_irecv("
-             "[dist.P2POp(dist.isend, ...), dist.P2POp(dist.irecv, ...)]), and wait every request it returns; or "
-             "order them by rank parity: even ranks send first, odd ranks receive first.")
-_HUB_FIX = ("Post them in an order in which every send meets a receive that its peer has reached (the hub receives "
-            "from each rank, then sends the sum; every other rank sends, then receives), or post a rank's send and "
-            "receive together in one dist.batch_isend_irecv([...]) and wait every request it returns.")
+_SAFE_ORDER = ("The orders that cannot leave every rank waiting: a send posted together with the receive that must "
+               "run alongside it, in one dist.batch_isend_irecv, every request it returns waited; or sends and "
+               "receives ordered by rank parity. A dist.isend before a blocking dist.recv is not enough: it runs on "
+               "gloo, but on NCCL the two still run one after the other on the rank's GPU stream, and every rank "
+               "waits in its send.")
+_RING_FIX = ("The orders that are safe on both backends: each step's send and receive posted together in one "
+             "dist.batch_isend_irecv, every request it returns waited; or ordered by rank parity.")
+_HUB_FIX = ("The orders that are safe on both backends: every send posted where its peer has already reached the "
+            "matching receive, or a rank's send and receive posted together in one dist.batch_isend_irecv, every "
+            "request it returns waited.")
 
 
 def _nccl_order_message(posts: list[list[tuple]], ring: bool) -> str | None:
@@ -213,7 +211,8 @@ def _why_forbidden(spelling: str, name: str) -> str:
         return ("labkit.comm's ring_allreduce and naive_allreduce are the course's own answer; this exercise is "
                 f"to write one yourself, from {POINT_TO_POINT}.")
     if name.startswith("recv_any"):
-        return "A dist.recv without src takes a message from any rank; name the rank you expect: dist.recv(t, src)."
+        return ("A dist.recv without src takes a message from whichever rank sends first, not from the rank the "
+                "algorithm expects.")
     if name in ("send_object_list", "recv_object_list"):
         return ("It sends a pickled Python object in two messages (its size, then its bytes); send the tensor "
                 "itself with dist.send or dist.isend.")

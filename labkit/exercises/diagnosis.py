@@ -55,14 +55,13 @@ def wrong_values(outcomes: list[Outcome], numel: int, ring: bool) -> str | None:
         if not outcome.same_memory:
             return (f"rank {rank}'s t was pointed at new memory (t.set_ or t.data = ...): an AllReduce works in "
                     "place, in t's own memory, so that every view of it (a gradient bucket, a parameter) sees the "
-                    "sum. Receive or add into t, or finish with t.copy_(result).")
+                    "sum.")
         if torch.equal(got, total):
             continue
         if outcome.returned is not None and torch.equal(torch.tensor(outcome.returned), total):
             state = "unchanged" if torch.equal(got, mine) else f"{got.tolist()}"
             return (f"rank {rank} returned the sum in a new tensor, but its t is {state}: the AllReduce must work "
-                    "in place, so that t itself holds the sum. Receive into t, add into t, or finish with "
-                    "t.copy_(result).")
+                    "in place, so that t itself holds the sum.")
         if got.shape != total.shape:
             return f"rank {rank} ended with {got.numel()} elements in t instead of {numel}."
         if torch.equal(got, mine):
@@ -70,7 +69,7 @@ def wrong_values(outcomes: list[Outcome], numel: int, ring: bool) -> str | None:
                     "Did the result get sent back to every rank (and received into the same tensor)?")
         if torch.equal(got, total + mine):
             return (f"rank {rank} holds its input plus the sum: it added the result to its own tensor instead "
-                    "of replacing it (summed twice). Receive into the tensor, or copy the result over it.")
+                    "of replacing it (summed twice).")
         missing = [r for r in range(world_size) if torch.equal(total - got, rank_input(r, numel))]
         if missing:
             return (f"rank {rank} got {got.tolist()}, expected {total.tolist()}: the sum is missing rank "
@@ -85,18 +84,18 @@ def wrong_values(outcomes: list[Outcome], numel: int, ring: bool) -> str | None:
 def _wrong_ring_values(rank: int, got: torch.Tensor, total: torch.Tensor, world_size: int, numel: int) -> str:
     expected = f"rank {rank} got {got.tolist()}, expected {total.tolist()}."
     if numel % world_size:  # the cases that N divides come first, so those passed
-        return (f"{expected} {numel} is not a multiple of {world_size}: split with t.tensor_split(N), whose chunks "
-                "may differ by one element, and size every buffer like the chunk it receives.")
+        return (f"{expected} The cases where {world_size} divides the size passed; here {numel} is not a multiple "
+                f"of {world_size}, and t.tensor_split({world_size})'s chunks hold {shard_sizes(numel, world_size)} "
+                "elements: a chunk or a buffer sized as if they were equal.")
     chunks = list(zip(got.tensor_split(world_size), total.tensor_split(world_size), strict=True))
     complete = [c for c, (g, t) in enumerate(chunks) if torch.equal(g, t)]
     if len(complete) == 1:
         return (f"on rank {rank} only chunk {complete[0]} is fully reduced: the reduce-scatter worked; the "
                 "all-gather that passes the finished chunks around the ring is missing.")
     wrong = [c for c in range(world_size) if c not in complete]
-    return (f"{expected} Chunks {wrong} of t.tensor_split({world_size}) are wrong: check which chunk each step "
-            "sends and which it adds into. With the lesson's numbering, at reduce-scatter step s rank r sends "
-            "chunk (r - s - 1) mod N and adds what it receives into chunk (r - s - 2) mod N; at all-gather step s "
-            "it sends chunk (r - s) mod N and receives chunk (r - s - 1) mod N.")
+    right = f" (chunks {complete} are right)" if complete else ""
+    return (f"{expected} Chunks {wrong} of t.tensor_split({world_size}) are wrong{right}: some step sent, or added "
+            "into, another chunk than the ring's. Check which chunk each step sends and which it adds into.")
 
 
 def ring_traffic(outcomes: list[Outcome], numel: int) -> str | None:
