@@ -63,8 +63,8 @@ REFERENCE_SECONDS = 120.0  # torch's DDP, the grader's own run: its first use in
 _NAMED = [(name, p.numel()) for name, p in hook_model().named_parameters()]
 _ITEM_NBYTES = 8  # float64
 _WRONG_HOOK = ("You registered p.register_hook(...): a tensor hook runs when the gradient is computed, before "
-               "it is accumulated into p.grad (at the first step p.grad is still None). Use "
-               "p.register_post_accumulate_grad_hook(hook): hook(p) runs once p.grad holds the new gradient.")
+               "it is accumulated into p.grad (at the first step p.grad is still None). The exercise's hook is "
+               "register_post_accumulate_grad_hook's, which runs once p.grad holds the new gradient.")
 
 
 @graded("bucketed_ddp_hook")
@@ -216,17 +216,15 @@ def _rank_calls_problem(rank: int, outcome) -> str | None:
     if outcome.hooks.get("register_hook") and not outcome.hooks.get("register_post_accumulate_grad_hook"):
         return f"on rank {rank}: {_WRONG_HOOK}"
     if not outcome.launches:
-        return (f"rank {rank} made no all_reduce: each rank kept its own gradient. Start dist.all_reduce(flat, "
-                "async_op=True) on each full bucket, from the hooks.")
+        return f"rank {rank} made no all_reduce: each rank kept its own gradient."
     op = next((op for op in outcome.ops if op not in ("SUM", "AVG")), None)
     if op:
         return (f"rank {rank} all-reduced with ReduceOp.{op}: that keeps the {op.lower()} over the ranks, not their "
-                "sum. Use dist.all_reduce(flat, async_op=True) (ReduceOp.SUM, the default), then divide by N.")
+                "sum.")
     if outcome.unwaited:
         return (f"rank {rank} started {outcome.unwaited} all_reduce(s) in {STEPS} steps with async_op=True and "
                 "never called wait() "
-                "on the handle: the bucket was read before the reduction finished. Keep every handle and, in "
-                "finish(), call handle.wait() before you copy the bucket back.")
+                "on the handle: the bucket was read before the reduction finished.")
     return _overlap_problem(rank, outcome)
 
 
@@ -240,8 +238,7 @@ def _overlap_problem(rank: int, outcome) -> str | None:
             hooked = outcome.hooks.get("register_post_accumulate_grad_hook")
             why = "" if hooked else " (attach registered no hook on the parameters)"
             return (f"at step {step + 1} rank {rank}'s first all_reduce started after loss.backward() returned"
-                    f"{why}: nothing overlapped the backward. Start each bucket's all_reduce from the hook, as "
-                    "soon as the bucket is full; finish() only sends the last one and waits.")
+                    f"{why}: nothing overlapped the backward.")
     again = [launch for launch in outcome.launches if launch.again]
     if again:
         (step, call), first = again[0].again, again[0].step
@@ -249,8 +246,7 @@ def _overlap_problem(rank: int, outcome) -> str | None:
         return (f"at step {step + 1} rank {rank} called {call} again on {count} handle(s) of step {first + 1}: "
                 "the list of buckets in flight was never emptied, so every step waits for, divides and copies "
                 "back the old buckets once more (the values came out right here only because each step's own "
-                "buckets were copied last). At the end of finish(), empty it (in_flight.clear()), so that the "
-                "next step starts afresh.")
+                "buckets were copied last).")
     return None
 
 
@@ -268,8 +264,7 @@ def _early_message(rank: int, step: int, call: str) -> str:
     """Rank `rank` waited for an all_reduce (`call`) at step `step` while loss.backward() was still running."""
     why = _WHY_EARLY.get(call, "asking whether it is done, again until it is, waits just as handle.wait() does")
     return (f"rank {rank} waited for an all_reduce while loss.backward() was still running ({call} inside the "
-            f"hook at step {step + 1}: {why}): the backward stops until the network is done, so nothing overlaps. "
-            "Keep the handles and wait for them all in finish(), after the backward.")
+            f"hook at step {step + 1}: {why}): the backward stops until the network is done, so nothing overlaps.")
 
 
 def _buckets_problem(rank: int, step: int, outcome, bucket_nbytes: int) -> str | None:
@@ -288,21 +283,17 @@ def _buckets_problem(rank: int, step: int, outcome, bucket_nbytes: int) -> str |
             f"gradients ready in the order {', '.join(f'{_NAMED[i][0]} ({_NAMED[i][1]})' for i in ready)}, the "
             f"buckets hold {[_nbytes(b) // _ITEM_NBYTES for b in options[0]]} elements.")
     if sorted(numels) == sizes:
-        return (f"{where}: one all_reduce per parameter, no buckets. Add each ready gradient to the bucket and "
-                f"all-reduce the bucket as one flat tensor (torch.cat of the flattened gradients) once it holds "
-                f"bucket_nbytes. {rule}")
+        return f"{where}: one all_reduce per parameter, no buckets. {rule}"
     if sum(numels) < total:
         return (f"{where}: {sum(numels)} of the {total} gradient numbers. The last bucket, not full when the "
-                f"backward ended ({total - sum(numels)} numbers), was never sent: in finish(), all-reduce what is "
-                f"left in the bucket before you wait. {rule}")
+                f"backward ended ({total - sum(numels)} numbers), was never sent. {rule}")
     if sum(numels) > total:
         return (f"{where}: {sum(numels)} numbers, more than the {total} of the gradients: a gradient went out "
-                f"twice. Empty the bucket after sending it, and start each step with an empty one. {rule}")
+                f"twice: a bucket kept its gradients after it was sent. {rule}")
     mistake = _mistaken_rule(numels, ready, bucket_nbytes)
     if mistake:
         return f"{where}, not the buckets: {mistake} {rule}"
-    return (f"{where}, not the buckets. {rule} Send a bucket as soon as it holds at least bucket_nbytes, counting "
-            "a gradient's bytes as p.grad.numel() * p.grad.element_size() (8 for each float64 number).")
+    return f"{where}, not the buckets. {rule} (Each float64 number is 8 bytes.)"
 
 
 def _late_bucket(launches, option: list[list[int]]) -> tuple[int, int, int, int] | None:
@@ -323,8 +314,7 @@ def _late_message(rank: int, step: int, number: int, numel: int, full: int, read
     when = "every gradient was ready" if ready == total else f"{ready} of the {total} gradients were ready"
     return (f"at step {step + 1} rank {rank} started bucket {number} ({numel} numbers) only once {when}, though "
             f"it was full once {full} were: it waited for gradients that are not in it, so it overlapped "
-            f"{'nothing' if ready == total else 'less'} of the backward. Start a bucket's all_reduce from the hook "
-            "of the gradient that fills it, so that it travels while the backward computes the earlier layers.")
+            f"{'nothing' if ready == total else 'less'} of the backward.")
 
 
 def _values_problem(outcomes, ddp) -> str | None:
@@ -350,20 +340,20 @@ def _step_problem(got, local, want, world_size: int) -> str | None:
         return None
     kept = [i for i in wrong if _gap([got[i]], [local[i]]) <= TOLERANCE]
     if len(kept) == len(got):
-        return ("gradients are still its own, not the average: finish() must copy each averaged slice of the "
-                "all-reduced flat bucket back into its parameter's .grad (p.grad.copy_(slice.view_as(p))).")
+        return ("gradients are still its own, not the average: the averaged buckets never reached p.grad (the "
+                "all-reduce works on the flat copy, not on p.grad).")
     if kept:
         averaged = [i for i in range(len(got)) if i not in kept]
         return (f"gradients of {_names(kept)} are still its own (not averaged), while {_names(averaged)} were: "
-                "every parameter's gradient must go out in a bucket and come back averaged.")
+                "those never came back from a bucket.")
     scaled = [[x * world_size for x in w] for w in want]
     if len(wrong) == len(got) and _gap(got, scaled) <= TOLERANCE * world_size:
-        return (f"gradients hold the sum over the ranks: divide by N = {world_size} after waiting (flat /= "
-                "dist.get_world_size()) before copying back.")
+        return (f"gradients are {world_size}x torch's DDP's: the {world_size} ranks' gradients were summed, not "
+                "averaged.")
     first = wrong[0]
     return (f"gradient of {_NAMED[first][0]} differs from torch's DistributedDataParallel's by "
-            f"{_gap([got[first]], [want[first]]):.3g}. After finish(), each p.grad must hold the sum over the ranks "
-            "divided by N.")
+            f"{_gap([got[first]], [want[first]]):.3g}: it is neither its own gradient nor the average over the "
+            "ranks.")
 
 
 def _names(indices: list[int]) -> str:
@@ -400,14 +390,13 @@ def _error_message(error: labkit.RankError, last: list[dict] | None) -> str:
     if hooks.get("register_hook") and not hooks.get("register_post_accumulate_grad_hook"):
         message += f" {_WRONG_HOOK}"
     elif "AVG" in first.summary:
-        message += " gloo has no ReduceOp.AVG: all-reduce with ReduceOp.SUM (the default), then divide by N."
+        message += " gloo has no ReduceOp.AVG (NCCL has): on gloo the average is built from a sum."
     return message
 
 
 def _why_forbidden(spelling: str, name: str) -> str:
     """Why the call `spelling` is switched off while the bucketed hook is graded, and what to use instead."""
     if "labkit.parallel" in spelling or "DistributedDataParallel" in spelling:
-        return ("That is a ready-made data parallelism, which does the exercise for you: register the hooks "
-                "yourself and start dist.all_reduce(flat, async_op=True) on each full bucket.")
-    return ("This exercise needs one collective only: dist.all_reduce (SUM) of each bucket, async_op=True. "
-            "Other communication is switched off while it is graded.")
+        return "That is a ready-made data parallelism, which does the exercise for you: it is switched off here."
+    return ("This exercise allows one collective only, dist.all_reduce: other communication is switched off "
+            "while it is graded.")

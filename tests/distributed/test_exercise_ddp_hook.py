@@ -515,7 +515,7 @@ def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
 
 
 @pytest.mark.parametrize(("attach", "named"), [
-    (no_divide, "hold the sum over the ranks: divide by N = 3"),
+    (no_divide, "gradients are 3x torch's DDP's: the 3 ranks' gradients were summed, not averaged"),
     (one_per_parameter, "one all_reduce per parameter, no buckets"),
     (all_in_finish, "first all_reduce started after loss.backward() returned (attach registered no hook"),
     (tensor_hook, "You registered p.register_hook(...)"),
@@ -530,7 +530,7 @@ def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
                                         "it was full once 4 were"),
     (never_waits, "never called wait() on the handle"),
     (last_bucket_never_sent, "The last bucket, not full when the backward ended (56 numbers), was never sent"),
-    (no_copy_back, "gradients are still its own, not the average: finish() must copy"),
+    (no_copy_back, "gradients are still its own, not the average: the averaged buckets never reached p.grad"),
     (four_bytes_a_number, "not the buckets. With bucket_nbytes = 480 bytes (60 float64 numbers)"),
     (rank_dependent_buckets, "the ranks' buckets went out in different orders or sizes"),
     (torch_ddp, "called torch.nn.parallel.DistributedDataParallel"),
