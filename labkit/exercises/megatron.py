@@ -131,11 +131,9 @@ def _late_message(rank: int, late) -> str:
     if late.future:
         return (f"{started}, took its future (handle.get_future()) and returned without waiting for it: "
                 "get_future() does not wait, so what it returned was read before the sum arrived (right, if at "
-                "all, by luck of timing). Call the future's wait() (or handle.wait()) before you return the "
-                f"tensor, or leave out async_op. {FUTURE_POLLS}")
+                f"all, by luck of timing). {FUTURE_POLLS}")
     return (f"{started} and returned without calling wait() on its handle: what it returned was read before the "
-            "sum arrived (right, if at all, by luck of timing). Call handle.wait() before you return the tensor, "
-            "or leave out async_op.")
+            "sum arrived (right, if at all, by luck of timing).")
 
 
 def _counts_message(counts: Counter, world_size: int) -> str:
@@ -158,8 +156,7 @@ def _counts_message(counts: Counter, world_size: int) -> str:
                 f"(N = {world_size}). f's forward is the identity; its backward all-reduces dX.")
     if g_backward:
         return ("your g's backward all-reduced the gradient: dZ is already the whole gradient on every rank, so "
-                f"the sum is N x dZ, and every gradient upstream came out N = {world_size} times too large. "
-                "g's backward is the identity: return grad as it is.")
+                f"the sum is N x dZ, and every gradient upstream came out N = {world_size} times too large.")
     return _missing_message(g_forward, f_backward)
 
 
@@ -167,11 +164,10 @@ def _missing_message(g_forward: int, f_backward: int) -> str:
     """A missing or repeated all_reduce in g's forward or f's backward."""
     if not g_forward:
         return ("your g's forward made no all_reduce: each rank returned its own partial sum GeLU(X A_r) B_r, only "
-                "its hidden features' share of Z. g's forward adds the partial sums over the ranks: "
-                "dist.all_reduce (SUM) of a copy of its input.")
+                "its hidden features' share of Z, so the block's output is not the whole MLP's.")
     if not f_backward:
         return ("your f's backward made no all_reduce: each rank's dX comes only from its own hidden features "
-                "(its shard of A), a partial sum. f's backward adds dX over the ranks: dist.all_reduce (SUM).")
+                "(its shard of A), a partial sum, so X's gradient is not the whole MLP's.")
     return (f"your g's forward made {g_forward} all_reduce(s) and your f's backward {f_backward}: the block needs "
             "exactly one each, a second one sums what is already the same on every rank.")
 
@@ -200,10 +196,10 @@ def _no_gradient_message(rank: int, name: str) -> str:
     """No gradient arrived at `name`: which backward returned None (B has none when g's did, X when f's did; a
     None from g reaches f as zeros, autograd's materialized gradient)."""
     if name == "x":
-        return (f"rank {rank}: X got no gradient: your f's backward returned None. It must return the "
-                "all-reduced gradient, one tensor for the one input of forward.")
+        return (f"rank {rank}: X got no gradient: your f's backward returned None, where autograd takes one "
+                "tensor for the one input of forward.")
     return (f"rank {rank}: {_NAMES[name]} is missing: nothing flowed back through your g, whose backward "
-            "returned None. g's backward is the identity: return grad.")
+            "returned None.")
 
 
 def _value_message(rank: int, name: str, got: torch.Tensor, want: torch.Tensor, gap: float,
@@ -217,9 +213,7 @@ def _value_message(rank: int, name: str, got: torch.Tensor, want: torch.Tensor, 
                 "sum. f and g add (dist.all_reduce with ReduceOp.SUM); nothing is divided by N.")
     if exact and abs(scale - world_size) < 1e-6:
         return f"{what} is N = {world_size} times the right one: something already whole was summed over the ranks."
-    return (f"{what} differs from one process's whole MLP by {gap:.3g}. f's forward returns X unchanged, g's "
-            "forward the sum of the partial outputs; g's backward returns dZ unchanged, f's backward the sum of "
-            "dX over the ranks.")
+    return f"{what} differs from one process's whole MLP by {gap:.3g}, by no factor of N."
 
 
 def _mutated_message(rank: int, name: str) -> str:
@@ -228,8 +222,8 @@ def _mutated_message(rank: int, name: str) -> str:
             "telling autograd: the caller's tensor, this rank's own "
             f"{'partial sum' if name == 'g' else 'X'}, now silently holds something else, while autograd still "
             "takes it for the original (an op that saved it for its backward would compute a wrong gradient). "
-            "torch.autograd.Function requires every input modified in forward to be passed to "
-            "ctx.mark_dirty(x) (and returned); or all-reduce a copy: y = x.clone(), dist.all_reduce(y), return y.")
+            "torch.autograd.Function requires every input modified in forward to be passed to ctx.mark_dirty "
+            "(and returned).")
 
 
 def _hang_message(hang: labkit.RankTimeout, timeout_seconds: float) -> str:
@@ -254,14 +248,13 @@ def _error_message(error: labkit.RankError) -> str:
 def _why_forbidden(spelling: str, name: str) -> str:
     """Why the call `spelling` is switched off while f and g are graded, and what to use instead."""
     if spelling.startswith("labkit.parallel"):
-        return ("That is the course's own f or g, which does the exercise for you: write yours with "
-                "dist.all_reduce on a plain tensor, in g's forward and in f's backward.")
+        return "That is the course's own f or g, which does the exercise for you: it is switched off here."
     if spelling.startswith("torch.distributed.nn.functional"):
         return ("That is a ready-made autograd collective: its backward all-reduces the gradient again, so it is "
-                "neither f nor g. Inside your forward and backward, call dist.all_reduce on a plain tensor.")
+                "neither f nor g.")
     if "ReduceOp.AVG" in spelling:
         return "AVG divides the sum by N: f and g add the partial sums, with ReduceOp.SUM (the default)."
     if "ReduceOp" in spelling:
-        return "f and g add the partial sums over the ranks: dist.all_reduce with ReduceOp.SUM (the default)."
+        return "f and g add the partial sums over the ranks: this op does something else."
     return ("This exercise needs one collective only, dist.all_reduce (SUM): other communication is switched "
             "off while it is graded.")
