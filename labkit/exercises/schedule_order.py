@@ -94,11 +94,11 @@ def _case_problem(fn, r: int, p: int, m: int) -> str | None:
     for find in (_count_problem, _order_problem, _dependency_problem, _warmup_problem, _in_flight_problem):
         problem = find(got, r, p, m)
         if problem:
-            return f"{problem} Yours: {_spelled(got)}. 1F1B's: {_spelled(want)}."
+            return f"{problem} Yours: {_spelled(got)}."
     if got != want:
         k = next(k for k, (mine, theirs) in enumerate(zip(got, want, strict=True)) if mine != theirs)
         return (f"action {k} is {_spelled([got[k]])}, 1F1B runs {_spelled([want[k]])} there (after the warm-up, "
-                f"one forward then one backward, in turn). Yours: {_spelled(got)}. 1F1B's: {_spelled(want)}.")
+                f"one forward then one backward, in turn). Yours: {_spelled(got)}.")
     return None
 
 
@@ -158,8 +158,8 @@ def _count_problem(got, r: int, p: int, m: int) -> str | None:
         outside = sorted({i for i in ids if not 0 <= i < m})
         if outside:
             return (f"it runs {_spelled([(kind, outside[0])])}, but micro-batches run from 0 to m - 1 = {m - 1}."
-                    + (f" With fewer micro-batches than stages (m = {m} < p = {p}) the warm-up is "
-                       f"min(p - r - 1, m) = {min(p - r - 1, m)}, not p - r - 1 = {p - r - 1}." if m < p else ""))
+                    + (f" With fewer micro-batches than stages (m = {m} < p = {p}) the warm-up runs out of "
+                       f"micro-batches, of which there are m = {m}." if m < p else ""))
         twice = sorted({i for i in ids if ids.count(i) > 1})
         if twice:
             return f"it runs {_spelled([(kind, twice[0])])} {ids.count(twice[0])} times; each micro-batch runs once."
@@ -208,19 +208,23 @@ def _warmup_problem(got, r: int, p: int, m: int) -> str | None:
         return None
     warmup, want = before - 1, min(p - r - 1, m)
     held = f"Up to {peak_in_flight(_as_actions(got))} micro-batches' activations wait on this stage; 1F1B holds " \
-           f"at most min(p - r, m) = {min(p - r, m)}."
-    runs = (f"it runs {before} forwards before its first backward, a warm-up of {warmup}; 1F1B's warm-up is "
-            f"min(p - r - 1, m) = {want} (then one forward, one backward)")
+           f"at most {min(p - r, m)} here."
+    runs = (f"it runs {_forwards(before)} before its first backward, where 1F1B runs {min(p - r, m)}: a warm-up of "
+            f"{_forwards(want)}, then the steady state's first forward")
     if before == m:
         return f"it runs all {m} forwards before any backward: GPipe's order, not 1F1B's. {held}"
     if warmup == p - r:
-        return f"{runs}: yours is p - r, one too many. {held}"
+        return f"{runs}. Yours warms up with one forward too many. {held}"
     if warmup == r:
-        return (f"{runs}: yours is r, as if stages were counted from the last. The first stage warms up longest: "
-                f"the last stage, p - 1, runs none.")
+        return (f"{runs}. Yours warms up as if stages were counted from the last: the first stage warms up longest, "
+                f"the last stage, p - 1, not at all.")
     if warmup == p - r - 2:
-        return f"{runs}: yours is p - r - 2, one too few (the stage counted from 1?)."
+        return f"{runs}. Yours warms up with one forward too few (the stage counted from 1?)."
     return f"{runs}."
+
+
+def _forwards(count: int) -> str:
+    return f"{count} forward{'s' * (count != 1)}"
 
 
 def _in_flight_problem(got, r: int, p: int, m: int) -> str | None:
@@ -228,8 +232,8 @@ def _in_flight_problem(got, r: int, p: int, m: int) -> str | None:
     peak = peak_in_flight(_as_actions(got))
     if peak <= min(p - r, m):
         return None
-    return (f"up to {peak} micro-batches' activations wait on this stage; 1F1B holds at most min(p - r, m) = "
-            f"{min(p - r, m)}: after the warm-up, every forward is followed by a backward.")
+    return (f"up to {peak} micro-batches' activations wait on this stage; 1F1B holds at most {min(p - r, m)} here: "
+            "after the warm-up, every forward is followed by a backward.")
 
 
 def _forwards_before_backward(got) -> int:
