@@ -181,18 +181,16 @@ def _calls_problem(records, microbatches: int) -> str | None:
         for call in calls:
             steps, forwards = len(call.step_grads), len(call.no_sync_forwards)
             if steps == 0:
-                return (f"rank {rank} never called optimizer.step(): after the last micro-batch's backward, step "
-                        "once, then zero the gradients.")
+                return f"rank {rank} never called optimizer.step(): the parameters never moved."
             if steps == microbatches:
                 return (f"rank {rank} called optimizer.step() {steps} times in one call, once per micro-batch: "
-                        f"that is {steps} small steps, not one step on the large batch. Step once, after the "
-                        "loop over the micro-batches.")
+                        f"that is {steps} small steps, not one step on the large batch.")
             if steps > 1:
-                return f"rank {rank} called optimizer.step() {steps} times in one call: step exactly once, " \
-                       "after the last micro-batch."
+                return f"rank {rank} called optimizer.step() {steps} times in one call, where one step is the " \
+                       "large batch's."
             if call.module_forwards > forwards:
                 return (f"rank {rank} called ddp_model.module(x), the model inside DDP: DDP never sees that "
-                        "forward, so it cannot synchronise its gradients. Call ddp_model(x).")
+                        "forward, so it cannot synchronise its gradients.")
             if forwards != microbatches:
                 return (f"rank {rank} ran the model {forwards} times for {microbatches} micro-batches: one "
                         "forward and one backward per micro-batch.")
@@ -211,8 +209,7 @@ def _order_message(rank: int, lags: list) -> str:
            f"micro-batch {first + 1}'s backward came only after {lags[first]} more forward(s)")
     return (f"on rank {rank} {how}: the activations of {alive} micro-batches were kept "
             "in memory at once. That undoes what accumulation is for: the memory of one micro-batch at a time "
-            "for the gradient of the large batch. Call backward() on each micro-batch's loss right after its "
-            "forward, inside the loop.")
+            "for the gradient of the large batch.")
 
 
 def _sync_problem(records, microbatches: int) -> str | None:
@@ -228,8 +225,7 @@ def _sync_problem(records, microbatches: int) -> str | None:
                 return _own_allreduce_message(rank, call)
             if call.syncs != BUCKETS:
                 return (f"rank {rank}'s DDP all-reduced {call.syncs} buckets in one optimizer step, where one "
-                        f"synchronisation is {BUCKETS}: run each micro-batch's forward and backward once, the "
-                        "first k-1 inside no_sync().")
+                        f"synchronisation is {BUCKETS}.")
     return None
 
 
@@ -259,25 +255,23 @@ def _pattern_message(rank: int, call, microbatches: int, drift: str) -> str:
     inside, k = call.no_sync_forwards, microbatches
     if not any(inside) and not call.entered_no_sync:
         return (f"no forward ran inside no_sync() (rank {rank} never entered it), so DDP all-reduced the gradients "
-                f"{_syncs_text(call, k)}. Run the first {k - 1} micro-batches (forward and backward) inside "
-                "`with ddp_model.no_sync():`, where the backward only adds to .grad; the last one, outside it, "
-                "all-reduces the accumulated sum.")
+                f"{_syncs_text(call, k)}. Inside no_sync() a backward only adds to .grad; outside it, DDP "
+                "all-reduces.")
     if not any(inside):
         return (f"rank {rank} entered ddp_model.no_sync(), but every forward ran outside it, so DDP still "
                 f"all-reduced {_syncs_text(call, k)}. DDP decides at the forward whether its backward will "
-                "synchronise: put the forward and the backward inside the with block.")
+                "synchronise.")
     if all(inside):
         return (f"every micro-batch ran inside no_sync(), so DDP never all-reduced: each rank stepped with its "
-                f"own gradient, and {drift}. Leave the last micro-batch outside no_sync(): its backward "
-                f"all-reduces the sum of all {k}.")
+                f"own gradient, and {drift}. DDP all-reduces only in a backward outside no_sync().")
     if inside == [False] + [True] * (k - 1):
         return (f"no_sync() wrapped the last {k - 1} micro-batch(es) instead of the first {k - 1}: the first "
                 "backward all-reduced that micro-batch's gradient alone, and the later ones stayed on their own "
-                f"rank, so {drift}. DDP all-reduces in the first backward outside no_sync(): put every micro-batch "
-                "but the last inside it.")
+                f"rank, so {drift}. DDP all-reduces in the first backward outside no_sync().")
     ran = ", ".join(str(i + 1) for i, flag in enumerate(inside) if flag)
-    return (f"on rank {rank} micro-batch(es) {ran} of {len(inside)} ran inside no_sync(): run micro-batches 1 to "
-            f"{k - 1} inside it and micro-batch {k} outside, so that DDP all-reduces once, the whole sum.")
+    outside = ", ".join(str(i + 1) for i, flag in enumerate(inside) if not flag)
+    return (f"on rank {rank} micro-batch(es) {ran} of {len(inside)} ran inside no_sync() and {outside} outside it: "
+            f"DDP all-reduced {_syncs_text(call, k)}, not once, the whole sum.")
 
 
 def _drift(records) -> str:
@@ -311,20 +305,18 @@ def _gradient_message(rank: int, got, want, last_only, previous, k: int, world_s
     """What the gradient at optimizer.step() is, when it is not the large batch's."""
     if _gap(got, [0.0] * len(got)) <= TOLERANCE:
         return (f"rank {rank}'s gradient at optimizer.step() was zero: the gradients were zeroed after the "
-                "backward passes and before step(). Zero them after step(), or before the first micro-batch.")
+                "backward passes and before step().")
     if _scale(got, last_only) is not None:
         return (f"rank {rank}'s gradient at optimizer.step() held only the last micro-batch's: the first {k - 1} "
-                "were zeroed before step(), by a zero_grad() inside the loop over the micro-batches. The backward "
-                "passes must add up in .grad: zero once per optimizer step, after step() (or before the first "
-                "micro-batch).")
+                "were zeroed before step(), by a zero_grad() inside the loop over the micro-batches, where the "
+                "backward passes must add up in .grad.")
     if previous is not None and _gap([a - b for a, b in zip(got, previous, strict=True)], want) <= TOLERANCE:
         return (f"rank {rank}'s gradient at optimizer.step() still held the previous step's: the gradients were "
-                "never zeroed, so .grad kept adding up across optimizer steps. Call optimizer.zero_grad() once "
-                "per step, after step() (or before the first micro-batch).")
+                "never zeroed, so .grad kept adding up across optimizer steps.")
     scale = _scale(got, want)
     if scale is None:
         return (f"rank {rank}'s gradient at optimizer.step() differs from the large batch's by "
-                f"{_gap(got, want):.3g}: accumulate the k micro-batches' backward passes, each loss divided by k.")
+                f"{_gap(got, want):.3g}, by no single factor.")
     return _scale_message(rank, scale, k, world_size) or _clipped_message(rank, scale, got, want)
 
 
@@ -337,8 +329,8 @@ def _clipped_message(rank: int, scale: float, got, want) -> str:
                 "the last backward, as torch.nn.utils.clip_grad_norm_ does? That is the right place to clip in a "
                 "real run: once, after the last micro-batch's backward, on the all-reduced gradient. But this "
                 "exercise checks the step against the large batch's gradient, unclipped: leave clipping out "
-                "here. If you did not clip, divide each micro-batch's loss by k and by nothing else.")
-    return f"{said}: divide each micro-batch's loss by k and by nothing else (DDP averages over the ranks itself)."
+                "here. If you did not clip, the losses were scaled by something other than 1/k.")
+    return f"{said}: the losses were scaled by something other than 1/k (DDP averages over the ranks itself)."
 
 
 def _norm(values) -> float:
@@ -351,15 +343,14 @@ def _scale_message(rank: int, scale: float, k: int, world_size: int) -> str | No
     said = f"rank {rank}'s gradient at optimizer.step() was"
     if abs(scale - k) < 1e-6:
         return (f"{said} {k} times the large batch's: the loss was not divided by k = {k}. The {k} backward "
-                "passes add up their gradients, each the mean of its micro-batch: divide each loss by "
-                "len(microbatches).")
+                "passes add up their gradients, each the mean of its micro-batch.")
     if abs(scale - 1 / world_size) < 1e-6:
         return (f"{said} 1/{world_size} of the large batch's: the loss was divided by k x N = {k * world_size}. "
-                "DDP already averages over the ranks (it divides by N in its all_reduce): divide by k only.")
+                "DDP already averages over the ranks (it divides by N in its all_reduce).")
     if abs(scale - k / world_size) < 1e-6:
         return (f"{said} {k}/{world_size} of the large batch's: the loss was divided by N = {world_size}, the "
                 f"number of ranks, instead of k = {k}, the number of micro-batches. DDP averages over the ranks "
-                "itself; you divide by len(microbatches).")
+                "itself.")
     return None
 
 
