@@ -45,9 +45,6 @@ from labkit.exercises.verdict import Verdict
 __all__ = ["TIMEOUT_SECONDS", "check_atomic_save"]
 
 TIMEOUT_SECONDS = 20.0  # per run of the save's process; a right save of 130 kB takes milliseconds
-_RECIPE = ("Write the new checkpoint to a temporary file in path's own directory, flush and os.fsync it, then "
-           "os.replace(temporary, path): the rename swaps the name in one step, so path is always the old file "
-           "or the whole new one.")
 
 
 @graded("atomic_save")
@@ -124,9 +121,8 @@ def _first_run_problem(save, scratch: Path, timeout_seconds: float) -> str | Non
         return _damage_message(killed["events"], damage, nbytes_of(4) // 2, finished=killed["finished"])
     problem = _rename_problem(normal["events"], scratch)
     if problem is None and normal["leftovers"]:
-        return (f"after a save that succeeded, {_names(normal['leftovers'])} remained beside path. A save that "
-                "works should leave only path: rename your temporary file onto path (or remove it if the save "
-                "fails).")
+        return (f"after a save that succeeded, {_names(normal['leftovers'])} remained beside path, where a save "
+                "that works leaves only path.")
     return problem
 
 
@@ -136,7 +132,7 @@ def _normal_problem(normal: dict) -> str | None:
     events = normal["events"]
     if any(e["kind"] == "ready_made" for e in events):
         return ("your save calls labkit.checkpoint's own atomic save (labkit/checkpoint/files.py), the course's "
-                "answer; it is switched off while this exercise is graded. Write the steps yourself. " + _RECIPE)
+                "answer; it is switched off while this exercise is graded.")
     if normal["error"]:
         return "your save(state_dict, path) " + _error_text(normal["error"], events, deleted_hint=True) + "."
     if normal["problem"]:
@@ -152,11 +148,10 @@ def _error_text(error: dict, events: list, deleted_hint: bool = False) -> str:
     renamed = {e["source"] for e in events if e["kind"] == "replace"}
     if error.get("errno") == errno.EXDEV:
         text += (". Your temporary file was on another file system than path, and a rename cannot cross file "
-                 "systems (rename(2)): make it in path's own directory, which is always on path's file system "
-                 "(tempfile.mkstemp(dir=os.path.dirname(path)))")
+                 "systems (rename(2))")
     elif deleted_hint and error["type"] == "FileNotFoundError" and error["filename"] in renamed:
         text += (f". Your save renamed {error['filename']} onto path and then something looked for it again: "
-                 "tempfile.NamedTemporaryFile removes its file when it is closed, unless you pass delete=False")
+                 "tempfile.NamedTemporaryFile removes its file when it is closed (delete=True, its default)")
     elif error["type"] == "NotImplementedError":
         text += ". Write the body of save"
     return text
@@ -191,11 +186,11 @@ def _damage_message(events: list, damage: str, nbytes: int, armed: bool = False,
     elif "removed" in kinds or "moved" in kinds:
         how = "removed path (os.remove)" if "removed" in kinds else "moved path away"
         why = (f"Your save {how} before renaming the new file onto it: in between there is no checkpoint at all. "
-               "os.replace replaces an existing path in one step; there is no need to remove it first.")
+               "A rename onto path replaces the old file in one step, with no moment between.")
     else:
         why = "Your save wrote into path itself."
     return (f"we killed your save {when}, as a crash would. Afterwards {damage}: the previous checkpoint is "
-            f"lost. {why} {_RECIPE}")
+            f"lost. {why}")
 
 
 def _unkilled_message(kinds: list, damage: str) -> str:
@@ -206,13 +201,11 @@ def _unkilled_message(kinds: list, damage: str) -> str:
         return (f"your save {how} before the new file took its place, and never renamed a file onto path (it put "
                 "the new file there another way: os.link, say), so our kill, set for a rename onto path, never "
                 f"came; when it returned, {damage}. Between those two steps there is no checkpoint at path at "
-                "all: a crash there leaves none. os.replace(temporary, path) replaces an existing path in one "
-                "step; there is no need to remove it first. " + _RECIPE)
+                "all: a crash there leaves none.")
     return ("your save never renamed a file onto path, nor opened path with open(), os.open or torch.save, "
             f"yet path no longer held the previous checkpoint when it returned ({damage}). It wrote into path "
             "in place by another way (io.FileIO(path, \"w\"), say), so our kill, set for a rename onto path, "
-            "never came. Writing in place empties path first: a crash midway leaves a half-written file. "
-            + _RECIPE)
+            "never came. Writing in place empties path first: a crash midway leaves a half-written file.")
 
 
 def _rename_problem(events: list, scratch: Path) -> str | None:
@@ -221,7 +214,7 @@ def _rename_problem(events: list, scratch: Path) -> str | None:
     renames = [e for e in events if e["kind"] == "replace"]
     if not renames:
         return ("your save never renamed a file onto path (os.replace or os.rename): how else can path change from "
-                "the old checkpoint to the new one in one step? " + _RECIPE)
+                "the old checkpoint to the new one in one step?")
     late = {e["source"]: e["synced_by"] for e in events if e["kind"] == "synced_after_replace"}
     for rename in renames:
         if not rename["under_directory"]:
@@ -233,13 +226,12 @@ def _rename_problem(events: list, scratch: Path) -> str | None:
                     "renamed it onto path. Until that fsync the new bytes may be only in the page cache, and the "
                     "rename can reach the disk before them: a crash in between (a power cut, a kernel crash) "
                     "leaves path naming the new file with its data not yet on disk, empty or partial, and the "
-                    "previous checkpoint already gone. fsync before the rename: f.flush(), "
-                    "os.fsync(f.fileno()), then os.replace.")
+                    "previous checkpoint already gone.")
         if rename["fsync"] == "no":
             return (f"your save renamed {rename['source']!r} onto path with os.replace without fsync: the rename "
                     "is atomic, but the new bytes may still be only in the page cache. After a power cut or a "
                     "kernel crash the rename can reach the disk before the data, and path is then empty or "
-                    "partial. Call f.flush() and os.fsync(f.fileno()) before os.replace.")
+                    "partial.")
     return None
 
 
@@ -256,16 +248,13 @@ def _elsewhere_message(rename: dict, scratch: Path) -> str:
             "atomic within one file system (rename(2)); here both were on one, so the rename worked, but your save "
             "gets any path, and checkpoints often live on another file system than that directory (/tmp is often "
             "a tmpfs in memory, or a local disk while checkpoints go to shared storage). There os.replace fails "
-            "(OSError: Invalid cross-device link) and shutil.move falls back to a copy, which is not atomic. Only "
-            "path's own directory is on path's file system whatever path is: "
-            "tempfile.mkstemp(dir=os.path.dirname(path)).")
+            "(OSError: Invalid cross-device link) and shutil.move falls back to a copy, which is not atomic.")
 
 
 def _early_sync_message(rename: dict) -> str:
     """The message for a file fsync'ed (or os.sync'ed) before all the bytes renamed onto path had reached it."""
     said = f"your save called {rename['synced_by']} when {rename['source']!r}"
-    after = (" fsync(2) makes durable only what the file holds when it is called: write everything (torch.save), "
-             "f.flush(), then os.fsync(f.fileno()), and only then os.replace.")
+    after = " fsync(2) makes durable only what the file holds when it is called."
     if not rename["synced_nbytes"]:
         return (f"{said} was still empty, before anything was written into it, and then renamed it onto path "
                 f"with {rename['nbytes']:,} bytes: none of them were made durable.{after}")
@@ -292,8 +281,7 @@ def _second_run_problem(save, scratch: Path, timeout_seconds: float) -> str | No
     if junk:
         return (f"the saves we killed left {_names(junk)} beside path ({TARGET!r}): a name that ends in "
                 f"{Path(TARGET).suffix!r} can be mistaken for a checkpoint, and whatever looks for the newest "
-                f"*{Path(TARGET).suffix} file would load a half-written one. Give the temporary file a name no "
-                "loader matches (a .tmp suffix, or tempfile's own names).")
+                f"*{Path(TARGET).suffix} file would load a half-written one.")
     return None
 
 
@@ -307,8 +295,7 @@ def _stale_message(stale: dict, leftovers: list) -> str:
     return (f"a save killed just before its rename {left}; the next save then "
             f"{_error_text(stale['error'], stale['events'])}." + (
                 " Your temporary file has a fixed name, and a crashed save leaves it behind, so the name is still "
-                "taken: make a fresh name every time (tempfile.mkstemp(dir=...) or "
-                "NamedTemporaryFile(dir=..., delete=False))." if fixed else ""))
+                "taken." if fixed else ""))
 
 
 def _concurrent_problem(record: dict) -> str | None:
@@ -317,9 +304,7 @@ def _concurrent_problem(record: dict) -> str | None:
              "the first was about to rename its temporary file onto path): ")
     temporaries = [e["source"] for e in record["events"] if e["kind"] == "replace"]
     shared = ("Both saves used the same temporary file name, so the second overwrote the first's file and "
-              "renamed it away. Make a fresh name for every save (tempfile.mkstemp(dir=...) or "
-              "NamedTemporaryFile(dir=..., delete=False)); a name from os.getpid() alone is the same for two saves "
-              "in one process.") if len(set(temporaries)) < len(temporaries) or any(
+              "renamed it away (a name from os.getpid() alone is the same for two saves in one process).") if len(set(temporaries)) < len(temporaries) or any(
                   error and error["filename"] in temporaries for error in (record["error"],
                                                                            record.get("second_error"))) else ""
     for which, error in (("first", record["error"]), ("second", record.get("second_error"))):

@@ -337,7 +337,7 @@ WRONG = [
     (file_io_in_place, "never renamed a file onto path, nor opened path with open()", "io.FileIO(path, \"w\")",
      "never came"),
     (course_atomic_write, "labkit.checkpoint's own atomic save"),
-    (delete_on_close, "unless you pass delete=False"),
+    (delete_on_close, "removes its file when it is closed (delete=True, its default)"),
     (temporary_named_like_a_checkpoint, "can be mistaken for a checkpoint"),
     (not_written_yet, "Write the body of save"),
     (exits_the_process, "process running your save died", "during the normal save"),
