@@ -69,11 +69,12 @@ def _shuffled(given: dict[str, str], wrong: list[str], choices: list[str]) -> st
 
 
 def _nccl_hint(given: dict[str, str], wrong: list[str]) -> str:
-    """For a wrong NCCL, contrast it with the choice given: what NCCL does, and that the choice is another's."""
+    """For a wrong NCCL, say that the choice given is another component's, and where NCCL was met, without
+    naming what it does (that is the answer)."""
     if "NCCL" not in wrong:
         return ""
-    return (" NCCL is a communication library: it moves tensors between GPUs (AllReduce, send/recv) during "
-            f"training; '{given['NCCL']}' is another component's job.")
+    return (f" '{given['NCCL']}' is another component's job, not NCCL's: what does the backend of every GPU job "
+            "in this course do while the job trains?")
 
 
 def _normalized(text: str) -> str:

@@ -26,6 +26,7 @@ def test_wrong_answers_are_named_without_the_right_ones():
     verdict = check_stack_map({**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"})
     assert not verdict and "4 of 6 right" in verdict.message and "NCCL, NeMo" in verdict.message
     assert "'builds' is another component's job" in verdict.message  # the NCCL hint names the choice given
+    assert "communicat" not in verdict.message.lower()  # ... and not NCCL's own answer (issue 26)
     assert_rejected({**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"}, "look again at NCCL, NeMo")
 
 
