@@ -53,11 +53,8 @@ STEP_CASES = [(3, 6, torch.float32), (2, 4, torch.float32), (4, 8, torch.float32
 ALLOWED = "dist.reduce_scatter (or reduce_scatter_tensor) and dist.all_gather (or all_gather_into_tensor, or " \
           "one dist.broadcast of each slice from its owner)"
 PADDING_HINT = ("gloo's all_gather wants every rank's tensor the same size, and when N does not divide numel the "
-                "slices differ by one element: pad each slice to the largest, shard_sizes(numel, N)[0] elements, "
-                "and keep the first sizes[r] elements of what comes from rank r (or broadcast each slice from its "
-                "owner, dist.broadcast(params[r], src=r), which takes any size).")
-SAME_DTYPE_HINT = ("Make every buffer like the tensor it holds a piece of: torch.empty_like(grads[rank]), "
-                   "param.new_zeros(n), or dtype=param.dtype, device=param.device.")
+                "slices differ by one element.")
+SAME_DTYPE_HINT = "Make every buffer like the tensor it holds a piece of: a buffer of another dtype or device."
 
 
 @graded("sharded_step")
@@ -122,9 +119,7 @@ def _unwaited_message(outcomes: list[StepOutcome]) -> str | None:
                 if call.future else ""
             return (f"rank {rank} started {call.describe()} with async_op=True and never waited for it.{future} "
                     "Until its handle's wait() returns, the collective may still be running: what it receives is "
-                    "not there yet, and changing what it sends changes what the others get. Keep the handle, work "
-                    "= dist.<collective>(..., async_op=True), and call work.wait() before reading its output and "
-                    "before the step returns (or leave out async_op=True).")
+                    "not there yet, and changing what it sends changes what the others get.")
     return None
 
 
@@ -156,8 +151,8 @@ def _error_message(error: labkit.RankError) -> str:
     if "invalid tensor size" in first.summary:
         hint = " " + PADDING_HINT
     elif "outputShape[0] * worldSize == inputShape[0]" in first.summary:
-        hint = (" reduce_scatter_tensor wants N equal chunks. Use dist.reduce_scatter(my_grad, list(grads)) with "
-                "the slices themselves, which may differ in size, or pad each slice to the largest.")
+        hint = (" reduce_scatter_tensor wants N equal chunks, and the slices of shard_sizes differ by one element "
+                "when N does not divide numel.")
     elif "dtype" in first.summary:
         hint = " " + SAME_DTYPE_HINT
     return f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}.{hint}"

@@ -67,8 +67,7 @@ def _all_reduce_message(rank: int, outcome: StepOutcome, reduced: Collective, nb
         cost = ("and updated the whole vector: the right values and DDP's traffic, but nothing is sharded: every "
                 "rank holds the whole averaged gradient and would keep the optimizer state of every element.")
     return (f"rank {rank} all-reduced {what} (dist.all_reduce, {reduced.sent_nbytes()} bytes sent) {cost} "
-            "Rank r needs only slice r of the averaged gradient: reduce-scatter it (dist.reduce_scatter(my_grad, "
-            "list(grads)), (N-1)/N x S), update only that slice, then all-gather the updated slices.")
+            "Rank r needs only slice r of the averaged gradient, and updates only that slice.")
 
 
 def _bytes_message(rank: int, outcome: StepOutcome, sent: int, bounds: tuple[int, int], nbytes: int) -> str:
@@ -99,7 +98,7 @@ def _contribution_problem(rank: int, outcome: StepOutcome, numel: int, world_siz
     if sent.numel() >= size and values_close(sent[:size], average, dtype).all():
         return (f"rank {rank} sent its slice of the averaged gradient into the all-gather, not its updated "
                 "parameters: then every rank holds the whole averaged gradient and updates the whole vector. Right "
-                "values and DDP's traffic, but not sharded: update only params[rank], then all-gather those.")
+                "values and DDP's traffic, but not sharded.")
     return (f"rank {rank} sent {shown_values(sent)} into the all-gather; its slice, "
             f"{element_span(start, start + size)} (shard_sizes({numel}, {world_size})[{rank}] = {size}), updated, is "
             f"{shown_values(expected)}. Rank r owns slice r of shard_sizes, the first numel % N slices one element "

@@ -66,7 +66,7 @@ def _contract_problem(rank: int, outcome: StepOutcome, expected: torch.Tensor, d
             f" (it is now {outcome.placement}; it came as {outcome.came})"
         return (f"rank {rank}'s param was pointed at new memory (param.data = ... or param.set_(...)){now}: the step "
                 "updates param in place, in its own memory, dtype and device, so that the model's parameter and "
-                "every view of it see the update. Write into it: param.copy_(...), or into its slices.")
+                "every view of it see the update.")
     if len(outcome.param) != expected.numel():
         return f"rank {rank} ended with {len(outcome.param)} elements in param instead of {expected.numel()}."
     got = torch.tensor(outcome.param, dtype=dtype)
@@ -75,8 +75,7 @@ def _contract_problem(rank: int, outcome: StepOutcome, expected: torch.Tensor, d
             and not values_close(got, expected, dtype).all():
         state = "unchanged" if torch.equal(got, step_inputs(0, expected.numel(), dtype)[0]) else shown_values(got)
         return (f"rank {rank} returned the updated parameters in a new tensor, but its param is {state}: the step "
-                "works in place, like an optimizer's step(), so that param itself holds the result. Write into "
-                "param's slices (params[rank].sub_(...), params[r].copy_(...)) or finish with param.copy_(result).")
+                "works in place, like an optimizer's step(), so that param itself holds the result.")
     return None
 
 
@@ -116,17 +115,15 @@ def _wrong_values(rank: int, got: torch.Tensor, outcomes: list[StepOutcome], num
     disagree = " After the step the ranks disagree." if len({tuple(o.param) for o in outcomes}) > 1 else ""
     if all(c == "unchanged" or (i in mine and c == "right") for i, c in enumerate(found)) and mine:
         return (f"rank {rank} updated its own slice ({element_span(start, start + sizes[rank])}) but every other "
-                f"element is unchanged.{disagree} The all-gather is missing: after the update, every rank sends its "
-                "updated slice to all the others, so that every rank holds the whole updated vector again.")
+                f"element is unchanged.{disagree} The reduce-scatter and the update worked; the all-gather is "
+                "missing.")
     everywhere = {"unchanged": "its param is unchanged: the step must update param itself, in place.",
-                  "summed": ("its param moved by lr x the sum of the gradients over the ranks: average them. The "
-                             "reduce-scatter sums; divide your slice by N (dist.get_world_size()), as DDP does."),
-                  "own": (f"it updated with its own gradient, not the average over the ranks.{disagree} "
-                          "Reduce-scatter the gradients first, so that your slice holds their sum over the ranks, "
-                          "then divide by N."),
+                  "summed": ("its param moved by lr x the sum of the gradients over the ranks, not their average: "
+                             "the reduce-scatter sums, and nothing divided by N."),
+                  "own": (f"it updated with its own gradient, not the average over the ranks.{disagree} No "
+                          "gradient went through a reduce-scatter."),
                   "owner's own": ("every slice was updated with its owner's own gradient: the gradients were never "
-                                  "summed over the ranks. Reduce-scatter them first (rank r receives the sum of slice "
-                                  "r), then divide by N."),
+                                  "summed over the ranks. The reduce-scatter is missing."),
                   "gradient": "its param holds the averaged gradient, not the updated parameters."}
     explains = next((name for name, values in candidates if name in everywhere
                      and values_close(got, values, dtype).all()), None)
@@ -154,7 +151,7 @@ def _first_wrong_elements(rank: int, got: torch.Tensor, found: list[str], numel:
             }.get(found[first], f"{'holds' if one else 'hold'} {shown_values(got[first:stop])}")
     uneven = "" if numel % world_size == 0 else (
         f" N = {world_size} does not divide {numel}: shard_sizes gives the first {numel % world_size} rank(s) one "
-        "element more, and rank r's slice starts at sum(sizes[:r]); param.split(sizes) cuts exactly these slices.")
+        "element more.")
     return (f"on rank {rank}, {element_span(first, stop)} {what} (expected {shown_values(expected[first:stop])}). "
             f"{where} Every element belongs to exactly one slice, updated once by its owner and then sent to every "
             f"rank.{uneven}")

@@ -981,10 +981,11 @@ def step_reduce_then_broadcast(param, grad, lr):
 STEP_RIGHT = [step_padded_all_gather, step_broadcast_from_owners, step_tensor_api, step_gather_list_then_cat,
               step_sgd_optimizer_on_slice]
 STEP_WRONG = [  # (wrong solution, what its verdict must say)
-    (step_sums, "the sum of the gradients over the ranks: average them"),
-    (step_without_reduce_scatter, "updated with its owner's own gradient: the gradients were never summed"),
+    (step_sums, "the sum of the gradients over the ranks, not their average: the reduce-scatter sums"),
+    (step_without_reduce_scatter, "the gradients were never summed over the ranks. The reduce-scatter is missing"),
     (step_local_sgd, "it updated with its own gradient, not the average over the ranks. After the step the ranks"),
-    (step_without_all_gather, "After the step the ranks disagree. The all-gather is missing"),
+    (step_without_all_gather, "After the step the ranks disagree. The reduce-scatter and the update worked; the "
+                                "all-gather is missing"),
     (step_even_sizes_only, "element 6 is unchanged (expected"),
     (step_last_slice_one_short, "element 5 is unchanged (expected [5.53333]). They are in rank 2's slice"),
     (step_last_rank_takes_the_rest, "rank 0 sent [-2.26667, -0.8, 0] into the all-gather; its slice, elements 0 to 2"),
