@@ -48,9 +48,7 @@ __all__ = ["LAYOUT", "SHAPES", "TIMEOUT_SECONDS", "check_mesh_coordinates"]
 # (dp, pp, tp): notebook 12's mesh first, then every shape of 1 to 4 ranks per axis, the smaller worlds first
 SHAPES = [(2, 2, 2)] + sorted((shape for shape in itertools.product(range(1, 5), repeat=3) if shape != (2, 2, 2)),
                               key=lambda shape: (math.prod(shape), shape))
-LAYOUT = ("rank = (dp_i * pp + pp_j) * tp + tp_k, so tp_k = rank % tp, pp_j = (rank // tp) % pp and "
-          "dp_i = rank // (pp * tp)")
-FORMULAS = {"dp": "rank // (pp * tp)", "pp": "(rank // tp) % pp", "tp": "rank % tp"}
+LAYOUT = "rank = (dp_i * pp + pp_j) * tp + tp_k"  # the notebook's statement of the layout; inverting it is the task
 _SIZES = {"1": (), "tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "pp * tp": ("pp", "tp"), "dp * tp": ("dp", "tp"),
           "dp * pp": ("dp", "pp"), "world_size": AXES}  # the sizes a student's formula may divide by or take modulo
 _READY_MADE = {mesh_layout.__code__: "labkit.parallel.mesh_layout", Mesh.__init__.__code__: "labkit.parallel.Mesh",
@@ -151,7 +149,7 @@ def _whole(value) -> int | str:
     if isinstance(value, bool):
         return f"{value!r} (a bool)"
     if isinstance(value, float):
-        return f"{value!r}, a float: use floor division, //, not /"
+        return f"{value!r}, a float (true division, /, gives floats)"
     try:
         return operator.index(value)
     except TypeError:
@@ -198,7 +196,7 @@ def _coordinates_mistake(answers: dict, shape: tuple[int, int, int]) -> str:
     where = (f"On {_on(shape)}, rank {rank} is at (dp {want[rank][0]}, pp {want[rank][1]}, tp {want[rank][2]}); "
              f"{_call('coordinates', rank, shape)} gives {answers[shape][rank]}. ")
     named = _counted_from_one(answers) or _axis_order(answers) or _axis_formulas(answers)
-    return where + (named or _unexplained(answers[shape], shape)) + f" On the mesh, {LAYOUT}."
+    return where + (named or _unexplained(answers[shape], shape))
 
 
 def _counted_from_one(answers: dict) -> str | None:
@@ -250,9 +248,9 @@ def _axis_formulas(answers: dict) -> str | None:
             return None
         if formula == "rank // world_size":
             formula = "0 on every rank (as rank // world_size is)"
-        note = " (world_size counts every rank: use the sizes of the axes inside this one)" \
-            if "world_size" in formula else _out_of_range(answers, k)
-        found.append(f"your {axis} coordinate is {formula}, the mesh's is {FORMULAS[axis]}{note}")
+        note = " (world_size counts every rank, this axis's own too)" if "world_size" in formula else \
+            _out_of_range(answers, k)
+        found.append(f"your {axis} coordinate is {formula}{note}")
     return "On every shape, " + "; ".join(found) + "." if found else None
 
 
@@ -377,18 +375,17 @@ def _stride_problem(answers: dict, shape: tuple[int, int, int], rank: int, axis:
     """A group stepping through the ranks by the wrong stride, named by the product of sizes it follows on every
     shape; else its size, or nothing more to say."""
     mine, want = answers[shape][rank][axis], _reference(shape)[1][rank][axis]
-    right = {"dp": "pp * tp", "pp": "tp", "tp": "1"}[axis]
     stride = _stride(mine)
     if stride and len(mine) == len(want) and stride != _stride(want):
         strides = {(s, r): _stride(answers[s][r][axis]) for s in SHAPES for r in range(math.prod(s))}
         name = next((name for name in _SIZES
                      if all(found is None or found == _size(name, s) for (s, _), found in strides.items())), None)
         followed = f"{name} = {stride}" if name and name != "1" else f"{stride}"
-        return (f"Yours steps by {followed} rank{'s' if stride > 1 else ''}; on the mesh consecutive {axis} "
-                f"coordinates are {right} = {_stride(want)} rank{'s' if _stride(want) > 1 else ''} apart ({LAYOUT}).")
+        return (f"Yours steps by {followed} rank{'s' if stride > 1 else ''}; the mesh's {axis} group steps by "
+                f"{_stride(want)} here.")
     if len(mine) != len(want):
         return f"Yours holds {len(mine)} ranks; a group on {axis} holds {axis} = {len(want)}."
-    return f"Yours holds the right number of ranks, not the right ones ({LAYOUT})."
+    return "Yours holds the right number of ranks, not the right ones."
 
 
 def _stride(group: list[int]) -> int | None:

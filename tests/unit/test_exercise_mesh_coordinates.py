@@ -107,16 +107,18 @@ WRONG_COORDINATES = {
                            ["gives (1, 1, 1)", "Your coordinates count from 1"]),
     "world_size for pp * tp": (lambda r, dp, pp, tp: (r // (dp * pp * tp), r // tp % pp, r % tp),
                                ["rank 4 is at (dp 1, pp 0, tp 0)", "your dp coordinate is 0 on every rank (as rank // "
-                                "world_size is), the mesh's is rank // (pp * tp)", "world_size counts every rank"]),
+                                "world_size is) (world_size counts every rank"]),
     "tp modulo dp": (lambda r, dp, pp, tp: (r // (pp * tp), r // tp % pp, r % dp),
-                     ["On dp=1 x pp=1 x tp=2, rank 1", "your tp coordinate is rank % dp, the mesh's is rank % tp"]),
+                     ["On dp=1 x pp=1 x tp=2, rank 1 is at (dp 0, pp 0, tp 1)", "gives (0, 0, 0)",
+                      "On every shape, your tp coordinate is rank % dp (on dp=2 x pp=1 x tp=1 it gives rank 1 tp 1, "
+                      "past the axis's last index, 0)"]),
     "no modulo": (lambda r, dp, pp, tp: (r // (pp * tp), r // tp, r % tp),
-                  ["rank 4", "your pp coordinate is rank // tp, the mesh's is (rank // tp) % pp (on dp=2 x pp=2 x "
-                   "tp=2 it gives rank 4 pp 2, past the axis's last index, 1)"]),
+                  ["rank 4", "your pp coordinate is rank // tp (on dp=2 x pp=2 x tp=2 it gives rank 4 pp 2, past the "
+                   "axis's last index, 1)"]),
     "pp before dividing": (lambda r, dp, pp, tp: (r // (pp * tp), r % pp, r % tp),
-                           ["your pp coordinate is rank % pp, the mesh's is (rank // tp) % pp"]),
+                           ["gives (0, 1, 1)", "On every shape, your pp coordinate is rank % pp."]),
     "true division": (lambda r, dp, pp, tp: (r / (pp * tp), r // tp % pp, r % tp),
-                      ["coordinates(0, 2, 2, 2) returned (0.0, 0, 0)", "a float: use floor division, //, not /"]),
+                      ["coordinates(0, 2, 2, 2) returned (0.0, 0, 0)", "a float (true division, /, gives floats)"]),
     "raises": (lambda r, dp, pp, tp: (r // (pp * tp), r // tp % pp, r % (tp - 1)),
                ["Your coordinates(0, 1, 1, 1) (rank=0, dp=1, pp=1, tp=1) raised ZeroDivisionError"]),
     "two numbers": (lambda r, dp, pp, tp: (r // tp, r % tp), ["return three numbers, (dp_i, pp_j, tp_k), not 2."]),
@@ -184,11 +186,11 @@ WRONG_GROUPS = {
                                               "also holds rank 2, at (dp 0, pp 1, tp 0), which differs from rank 0 "
                                               "on pp too"]),
     "dp stride tp": (dp_stride_tp, ['groups(0, 2, 2, 2)["dp"] is [0, 2]', "Yours steps by tp = 2 ranks",
-                                    "consecutive dp coordinates are pp * tp = 4 ranks apart"]),
+                                    "the mesh's dp group steps by 4 here"]),
     "sharing the coordinate": (tp_sharing_coordinate, ["the ranks with the same tp coordinate as rank 0",
                                                        "The tp group is the opposite"]),
     "pp consecutive": (pp_consecutive, ['["pp"] is [0, 1]', "Yours steps by 1 rank;",
-                                        "consecutive pp coordinates are tp = 2 ranks apart"]),
+                                        "the mesh's pp group steps by 2 here"]),
     "range(dp + 1)": (dp_one_too_many,
                       ['groups(0, 2, 2, 2)["dp"] is [0, 4, 8]', "holds rank 8, which is not on this mesh: its ranks "
                        "are 0 to 7"]),
