@@ -260,8 +260,8 @@ def _case_problem(fn, world_size: int, timeout_seconds: float) -> str | None:
         outcomes = labkit.run(attempt_fix, fn, world_size=world_size, timeout=timeout_seconds)
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
         return (f"the ranks did not finish within {timeout_seconds:g} s: {where_ranks_waited(hang, world_size)}. "
-                "A collective returns only when every rank of the group calls it: call each broadcast and "
-                "all_reduce on every rank, in the same order (dist.broadcast(p.data, src=0) on rank 0 too).")
+                "A collective returns only when every rank of the group calls it: each broadcast and all_reduce "
+                "must be called on every rank, rank 0 included, in the same order.")
     except labkit.RankError as error:
         if "pool was stopped" not in error.headline:
             stop_pool(world_size)  # a rank that raised may have left the others' collectives unmatched
@@ -279,11 +279,9 @@ def _unwaited_problem(outcomes: list[FixOutcome]) -> str | None:
             others = f" (and {more} more like it)" if more else ""
             taken = " It took the handle's future (work.get_future()) but never waited on it either." if future \
                 else ""
-            return (f"rank {rank} started {what}{others} with async_op=True and never waited: call .wait() on the "
-                    f"handle before using the tensor.{taken} With async_op=True the call returns at once, "
-                    "while the collective may still be running: what you read or change next races with it. Keep "
-                    "the handle, work = dist.<collective>(..., async_op=True), and call work.wait() before the "
-                    "tensor is used (or leave out async_op=True).")
+            return (f"rank {rank} started {what}{others} with async_op=True and never waited for it.{taken} "
+                    "With async_op=True the call returns at once, while the collective may still be running: what "
+                    "you read or change next races with it.")
     return None
 
 
@@ -293,19 +291,18 @@ def _error_message(error: labkit.RankError) -> str:
         return (f"rank {failure.rank} all-reduced its parameters themselves (p.data, or a copy of their values) "
                 "after training began: that averages the replicas' parameters after local steps (parameter "
                 "averaging), not their gradients. "
-                "With plain SGD the two happen to agree; with a nonlinear optimizer such as Adam they do not. "
-                "After each backward, all_reduce every p.grad and divide it by N, then p -= lr * p.grad; the only "
-                "collective on the parameters is the broadcast before the first step.")
+                "With plain SGD the two happen to agree; with a nonlinear optimizer such as Adam they do not.")
     if spelling and ("labkit.parallel" in spelling or "DistributedDataParallel" in spelling):
         return (f"rank {failure.rank} called {spelling}, which does the fix for you and is switched off here. "
-                "Write the broadcast and the average yourself with dist.broadcast and dist.all_reduce.")
+                "This exercise allows dist.broadcast and dist.all_reduce.")
     if spelling:
         return (f"rank {failure.rank} called {spelling}, which is switched off here: this exercise allows only "
                 "dist.broadcast and dist.all_reduce. In data parallelism each rank trains on its own shard and "
-                "only the gradients travel (gathering the data to train on the whole batch everywhere is not data "
-                "parallel): broadcast the parameters once, then all_reduce each p.grad.")
-    if "NotImplementedError" in failure.summary:
-        return "your function raised NotImplementedError: replace the `raise` with your fix."
+                "the ranks exchange gradients, not data (gathering the data to train on the whole batch everywhere "
+                "is not data parallel).")
+    if "NotImplementedError" in failure.summary:  # its text, "your turn", marks the untouched stub: no attempt
+        summary = failure.summary.strip().removesuffix(".")
+        return f"your function raised {summary}: delete the stub's `raise`, then fix the loop below it."
     return f"rank {failure.rank} raised {failure.summary}"
 
 
@@ -358,8 +355,7 @@ def _factors_problem(befores, afters, average) -> str | None:
         return None
     shown = ", ".join(f"rank {rank}: {factor:.3g} x" for rank, factor in enumerate(factors))
     return (f"the ranks scaled the average gradient by different factors ({shown}), so the replicas drift apart: "
-            "divide by N = dist.get_world_size(), the same number on every rank, not by one that depends on the "
-            "rank.")
+            "a divisor that depends on the rank.")
 
 
 def _start_problem(rank: int, start, rank0_init, outcomes) -> str | None:
@@ -371,19 +367,17 @@ def _start_problem(rank: int, start, rank0_init, outcomes) -> str | None:
     kept = [i for i in wrong if _gap(start[i], own[i]) <= TOLERANCE]
     if len(kept) == len(start):
         return (f"rank {rank} began training from its own random initialisation: the replicas were never made "
-                "identical, so they follow different paths however well the gradients are averaged. Before the "
-                "first step, broadcast every parameter from rank 0: dist.broadcast(p.data, src=0).")
+                "identical, so they follow different paths however well the gradients are averaged.")
     if kept:
         return (f"rank {rank}'s {_named(kept)} still held their own initial values at the first step, while "
-                f"{_named([i for i in range(len(start)) if i not in kept])} came from rank 0: broadcast every "
-                "parameter of model.parameters(), biases too.")
+                f"{_named([i for i in range(len(start)) if i not in kept])} came from rank 0: those were left out "
+                "of the broadcast.")
     same = all(_gap(o.starts[0][i], start[i]) <= TOLERANCE for o in outcomes for i in range(len(start)))
     if same:
         return ("the replicas began identical, but not with rank 0's initial parameters (the reference run starts "
-                "from rank 0's model): broadcast from rank 0, dist.broadcast(p.data, src=0), rather than from "
-                "another rank or averaging the parameters.")
-    return (f"rank {rank}'s parameters at the first step ({_named(wrong)}) are neither rank 0's nor its own: "
-            "broadcast p.data from src=0 and leave it unchanged until the first step.")
+                "from rank 0's model): broadcast from another rank, or the parameters averaged?")
+    return (f"rank {rank}'s parameters at the first step ({_named(wrong)}) are neither rank 0's nor its own "
+            "initial ones: changed between the broadcast and the first step?")
 
 
 def _update_problem(rank: int, step: int, before, after, ref: _Reference) -> str | None:
@@ -396,15 +390,15 @@ def _update_problem(rank: int, step: int, before, after, ref: _Reference) -> str
     kept = [i for i in wrong if _gap(applied[i], local[i]) <= TOLERANCE]
     world_size = len(ref.local)
     if kept and len(kept) < len(applied):
-        return (f"rank {rank} updated {_named(kept)} with its own gradient, not the average: all-reduce and "
-                "divide the gradient of every parameter, biases too.")
+        return (f"rank {rank} updated {_named(kept)} with its own gradient, not the average: those gradients "
+                "were left out.")
     if kept:
-        return (f"rank {rank} updated its parameters with its own gradient: all-reduce every p.grad "
-                f"(dist.all_reduce(p.grad)) and divide by N = {world_size} before the update.")
+        return (f"rank {rank} updated its parameters with its own gradient, not the average over the "
+                f"{world_size} ranks.")
     if step and all(_gap(g, a + p) <= TOLERANCE * 10 for g, a, p in zip(applied, average, ref.grads[step - 1],
                                                                      strict=True)):
         return ("the update is this step's average gradient plus the last step's: the gradients pile up from "
-                "step to step. Zero them before each backward (model.zero_grad()).")
+                "step to step: .grad was never zeroed.")
     return _scaled_message(rank, applied, average, world_size)
 
 
@@ -413,17 +407,16 @@ def _scaled_message(rank: int, applied, average, world_size: int) -> str:
     factor = _factor(applied, average)
     if factor is None:
         return (f"rank {rank}'s update is not -lr x the average gradient (the largest gap is "
-                f"{_gap(torch.cat(applied).tolist(), torch.cat(average)):.3g}): after the backward, all_reduce "
-                "each p.grad, divide it by N, then p -= lr * p.grad.")
-    known = {world_size: f"summed over the ranks but not divided by N = {world_size}: divide each gradient by "
-                         "dist.get_world_size() after the all_reduce",
+                f"{_gap(torch.cat(applied).tolist(), torch.cat(average)):.3g}), by no single factor.")
+    known = {world_size: f"summed over the ranks but not divided by N = {world_size}: its update is {world_size}x "
+                         "one process's on the whole batch",
              1 / world_size: "divided by N twice (or averaged and then divided again)"}
     divisor = world_size / factor if factor > 0 else 0.0
     if factor not in known and divisor > 1 and abs(divisor - round(divisor)) < 1e-6:
         known[factor] = (f"summed and divided by {round(divisor)} on {world_size} ranks, not by N = {world_size}: "
-                         "divide by dist.get_world_size(), which is N on every run")
+                         "a number other than N")
     name = next((text for f, text in known.items() if abs(factor - f) < 1e-6), None)
     if name:
         return f"rank {rank}'s gradients were {name}."
-    return (f"rank {rank}'s update is {factor:.4g} x the average gradient's: use the average itself (all_reduce, "
-            f"then divide by N = {world_size}) and the learning rate you were given, p -= lr * p.grad.")
+    return (f"rank {rank}'s update is {factor:.4g} x the average gradient's, where one process's is 1 x, with the "
+            "learning rate you were given.")

@@ -346,13 +346,14 @@ def async_broadcast_no_wait(model, x, y, steps, lr):
 
 WRONG = [
     (async_all_reduce_no_wait, "started dist.all_reduce of the gradient of 0.weight (and 11 more like it) with "
-                               "async_op=True and never waited: call .wait() on the handle"),
+                               "async_op=True and never waited for it"),
     (async_broadcast_no_wait, "started dist.broadcast of the parameter 0.weight (and 3 more like it) with "
-                              "async_op=True and never waited: call .wait() on the handle"),
+                              "async_op=True and never waited for it"),
     (broken, "own random initialisation"),
     (fixed_loop_without_broadcast, "own random initialisation"),
     (no_divide, "not divided by N = 3"),
-    (weights_only_broadcast, "biases too"),
+    (weights_only_broadcast, "0.bias, 2.bias still held their own initial values at the first step, while "
+                             "0.weight, 2.weight came from rank 0: those were left out of the broadcast"),
     (averaged_parameters, "not with rank 0's initial parameters"),
     (divide_by_n_minus_one, "divided by 2 on 3 ranks, not by N = 3"),
     (divide_by_two, "divided by 2 on 3 ranks, not by N = 3"),
@@ -362,7 +363,7 @@ WRONG = [
     (no_zero_grad, "pile up"),
     (weights_only_averaged, "with its own gradient, not the average"),
     (ready_made, "broadcast_parameters"),
-    (stub, "NotImplementedError"),
+    (stub, "raised NotImplementedError: your turn: delete the stub's `raise`"),
     (extra_step, "4 forward passes"),
 ]
 
@@ -379,7 +380,10 @@ def test_a_deadlocked_fix_is_stopped_and_named():
     assert check_fixed_training(fixed_loop, record=False), "the pools work again after the hang"
 
 
-def test_the_grader_records_an_attempt(tmp_path, monkeypatch):
+def test_the_untouched_stub_is_no_attempt_and_a_fix_is_one(tmp_path, monkeypatch):
+    """As in every other grader (labkit.exercises.progress): running the notebook as it stands tries nothing."""
     monkeypatch.setenv("LABKIT_PROGRESS", str(tmp_path / "progress.json"))
     check_fixed_training(stub)
-    assert load_progress()["bug_zoo_fix"]["attempts"] == 1
+    assert "bug_zoo_fix" not in load_progress()
+    check_fixed_training(broken)
+    assert load_progress()["bug_zoo_fix"] == {"passed": False, "attempts": 1, "passed_at": None}
