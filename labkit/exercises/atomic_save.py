@@ -303,10 +303,11 @@ def _concurrent_problem(record: dict) -> str | None:
     intro = ("two saves to the same path at once (a second save, in another thread, ran from start to end while "
              "the first was about to rename its temporary file onto path): ")
     temporaries = [e["source"] for e in record["events"] if e["kind"] == "replace"]
+    one_name = len(set(temporaries)) < len(temporaries) or any(
+        error and error["filename"] in temporaries for error in (record["error"], record.get("second_error")))
     shared = ("Both saves used the same temporary file name, so the second overwrote the first's file and "
-              "renamed it away (a name from os.getpid() alone is the same for two saves in one process).") if len(set(temporaries)) < len(temporaries) or any(
-                  error and error["filename"] in temporaries for error in (record["error"],
-                                                                           record.get("second_error"))) else ""
+              "renamed it away (a name from os.getpid() alone is the same for two saves in one process)."
+              ) if one_name else ""
     for which, error in (("first", record["error"]), ("second", record.get("second_error"))):
         if error:
             return f"{intro}the {which} {_error_text(error, record['events'])}. {shared}".rstrip()
