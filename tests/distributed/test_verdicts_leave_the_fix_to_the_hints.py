@@ -31,6 +31,7 @@ from labkit.exercises import (
     check_sharded_step,
     check_stack_map,
 )
+from labkit.exercises.progress import load_progress
 from labkit.parallel.pipeline import schedule
 
 # The reference solutions' code and formulas, as the old verdicts spelled them: none may appear in a wrong attempt's
@@ -255,6 +256,51 @@ WRONG = [  # (id, grade(): its verdict, what the verdict must name)
 ]
 
 
+# ---- the notebooks' stubs, as they stand ------------------------------------------------------------------
+
+def stub(*args):
+    raise NotImplementedError("your turn")
+
+
+def attach_stub(model, bucket_nbytes):
+    """04's stub: the hook and finish() are still to write."""
+    def hook(p):
+        raise NotImplementedError("your turn")
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        raise NotImplementedError("your turn")
+
+    return finish
+
+
+class Stub(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        raise NotImplementedError("your turn")
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise NotImplementedError("your turn")
+
+
+STUBS = [  # (exercise, grade the stub)
+    ("average_gradients", lambda: check_average_gradients(stub)),
+    ("naive_allreduce", lambda: check_naive_allreduce(stub)),
+    ("ring_allreduce", lambda: check_ring_allreduce(stub)),
+    ("bucketed_ddp_hook", lambda: check_bucketed_ddp_hook(attach_stub)),
+    ("megatron_f_g", lambda: check_megatron_f_g(Stub, Stub)),
+    ("one_f_one_b", lambda: check_1f1b_order(stub)),
+    ("no_sync_accumulation", lambda: check_no_sync_accumulation(stub)),
+    ("atomic_save", lambda: check_atomic_save(stub)),
+    ("sharded_step", lambda: check_sharded_step(stub)),
+    ("mesh_coordinates", lambda: check_mesh_coordinates(stub, stub)),
+    ("bug_zoo_fix", lambda: check_fixed_training(stub)),
+]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def warm_pools():
     """Start the pools with the graders' rank sides imported, so that no case's timeout is spent starting."""
@@ -286,3 +332,11 @@ def test_the_1f1b_verdict_does_not_list_the_reference_order():
 def test_a_wrong_nccl_is_not_told_what_nccl_does():
     verdict = check_stack_map({**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"})
     assert "communicat" not in verdict.message.lower(), verdict
+
+
+@pytest.mark.parametrize(("exercise", "grade"), STUBS, ids=[exercise for exercise, _ in STUBS])
+def test_running_the_untouched_stub_is_no_attempt_in_any_grader(exercise, grade):
+    """labkit.exercises.progress: a notebook run as it stands tries nothing (13 counted it until issue 26)."""
+    verdict = grade()
+    assert not verdict and "NotImplementedError" in verdict.message, verdict
+    assert exercise not in load_progress(), (exercise, verdict.message)
