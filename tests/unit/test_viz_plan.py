@@ -228,7 +228,8 @@ def test_a_figure_slot_replaces_its_figure_whole_in_one_output_and_stays_one_wid
     assert slot.figure is not first and slot.figure.data[0].y == (2,) and slot.model_id == widget
     document = output["data"]["application/vnd.plotly.v1+json"]
     assert document["data"][0]["y"] == [2] and document["layout"]["title"]["text"] == "two"
-    assert document["layout"]["title"]["pad"]["t"] == 28 and document["config"]["displaylogo"] is False
+    assert document["layout"]["title"]["pad"]["t"] == 28 and document["layout"]["margin"]["t"] == 54
+    assert document["config"]["displaylogo"] is False
 
 
 def test_memory_bars_stack_activations_on_top_when_the_plans_count_them():
