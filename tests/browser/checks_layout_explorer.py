@@ -51,9 +51,12 @@ def check(page: Page, cells: list[dict]) -> None:
         explorer.scroll_into_view_if_needed()
         check_layout(explorer.evaluate(MEASURE), where)
         check_toolbar_clear_of_titles(page, explorer, f"the layout explorer, {where}")
-        if where == "file browser open":
+        if where == "file browser open":  # the whole explorer in one picture: a window as tall as it
+            page.set_viewport_size({"width": 1280, "height": 2400})
+            page.wait_for_timeout(1000)
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             explorer.screenshot(path=str(SCREENSHOT))
+            page.set_viewport_size({"width": 1280, "height": 900})
     check_picked_layouts(page, explorer)
 
 
