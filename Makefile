@@ -5,8 +5,11 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# JupyterLab defaults for the course (code wraps at the notebook's width), installed into the environment.
+# JupyterLab defaults for the course (code wraps at the notebook's width; no pop-up asking to fetch Jupyter news
+# on the first start), installed into the environment.
 OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
+# The kernels' IPython config (ipywidgets loaded as a kernel starts: no "No such comm" warnings), installed likewise.
+KERNEL_CONFIG := $(VENV)/etc/ipython/ipython_kernel_config.py
 # Where torch comes from. "auto": on Linux without an NVIDIA driver, PyTorch's CPU index (no multi-GB CUDA
 # download on a laptop); elsewhere PyPI's default build. Or name an index, e.g. https://download.pytorch.org/whl/cu130,
 # or set it empty for PyPI's default everywhere. See README.md.
@@ -36,7 +39,7 @@ unit notebooks browser: export LABKIT_PROGRESS = $(CURDIR)/$(ARTIFACTS)/progress
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
 
-setup: $(STAMP) $(OVERRIDES) ## create .venv and install the lab into it (once; again only if pyproject.toml changes)
+setup: $(STAMP) $(OVERRIDES) $(KERNEL_CONFIG) ## create .venv and install the lab into it (once; again only if pyproject.toml changes)
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null || \
@@ -51,6 +54,9 @@ $(STAMP): pyproject.toml
 
 $(OVERRIDES): jupyter/overrides.json $(STAMP)
 	mkdir -p $(dir $@) && cp jupyter/overrides.json $@
+
+$(KERNEL_CONFIG): jupyter/ipython_kernel_config.py $(STAMP)
+	mkdir -p $(dir $@) && cp jupyter/ipython_kernel_config.py $@
 
 lab: setup copy ## open your copy of the course in JupyterLab (http://127.0.0.1, token required)
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=$(LAB_DIR) \

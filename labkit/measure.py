@@ -201,11 +201,13 @@ def allreduce_sweep(sizes_nbytes: Iterable[int], allreduces: dict[str, Callable]
     Each round is one `labkit.run` of `allreduce_seconds_by_size` (one timed round per size, the functions
     taking turns), so the bar moves between runs: a rank cannot draw it. The median over `repeats` rounds
     counts, as in `allreduce_seconds_by_size`; only the first round warms up."""
-    from tqdm.auto import tqdm  # here, not at the top: ranks import this module and draw no progress bar
+    from labkit.tables import progress_bar
 
     sizes = list(sizes_nbytes)
     rounds = {name: [] for name in allreduces}
-    with tqdm(total=repeats * len(allreduces), desc=f"AllReduce sweep, {len(sizes)} sizes", unit="run") as bar:
+    # the bar counts runs (each times every size once), so its text says what makes the total: 3 rounds x 2 = 6
+    desc = f"AllReduce sweep: {len(sizes)} sizes, {repeats} rounds x {len(allreduces)} AllReduces"
+    with progress_bar(total=repeats * len(allreduces), desc=desc, unit="run") as bar:
         for repeat in range(repeats):
             for name, allreduce in allreduces.items():
                 rounds[name].append(labkit.run(allreduce_seconds_by_size, sizes, allreduce, repeats=1,

@@ -1,16 +1,25 @@
-"""Plain-text tables: columns aligned with spaces, for what labkit prints in a terminal or a notebook's text output.
+"""Plain text for what labkit prints in a terminal or a notebook's text output: tables, and progress bars.
 
-One copy, used by the worked example's table (labkit.plan.worked_example), `make gpu-check`
+    text_table(header, rows)     columns aligned with spaces
+    progress_bar(iterable, ...)  tqdm's text bar, on stdout, LINE_CHARS wide at most
+
+text_table has one copy, used by the worked example's table (labkit.plan.worked_example), `make gpu-check`
 (labkit.commands.gpu_check), tests/gpu/run_notebooks.py and the benchmarks in benchmarks/. No torch here:
 labkit.plan imports it and stays torch-free.
+
+Why a text bar in a notebook, not tqdm.auto's widget: a notebook saved with a widget bar and opened again shows
+"Error displaying widget: model not found" where the bar was (its model lived in the kernel that ran it); a text
+bar is saved as the text it last showed ("6/6 runs"), and reads the same when reopened. On stdout, not tqdm's
+stderr, which JupyterLab draws as a red box.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["text_table"]
+__all__ = ["LINE_CHARS", "progress_bar", "text_table"]
 
+LINE_CHARS = 100  # a printed line this long fits a notebook at 1280 px with the file browser open
 ALIGNMENTS = {"<": str.ljust, ">": str.rjust}  # as in format specs: "<" left, ">" right
 
 
@@ -47,3 +56,20 @@ def _check_shape(header: list[str], body: list[list[str]], align: str) -> None:
     if len(align) > len(header) or set(align) - set(ALIGNMENTS):
         raise ValueError(f"text_table: align={align!r} does not fit {len(header)} columns; pass at most one "
                          "character per column, each '<' (left) or '>' (right).")
+
+
+def progress_bar(iterable: Iterable | None = None, **options):
+    """tqdm's text progress bar over `iterable` (or, without one, updated by hand: `bar.update()`), written to
+    stdout and LINE_CHARS wide at most; `options` are tqdm's (desc, total, unit, ...).
+
+    >>> import io
+    >>> out = io.StringIO()
+    >>> for _ in progress_bar(range(3), desc="sizes", file=out, mininterval=0): pass
+    >>> out.getvalue().rsplit("\\r", 1)[-1].startswith("sizes: 100%")
+    True
+    """
+    import sys
+
+    from tqdm.std import tqdm  # the text bar (tqdm.auto would pick the widget in a notebook)
+
+    return tqdm(iterable, **{"file": sys.stdout, "ncols": LINE_CHARS, "ascii": False, **options})

@@ -159,6 +159,7 @@ class Progress:
 
     def __init__(self, recorded: dict, notebook: str | None = None):
         self.recorded, self.notebook = recorded, notebook
+        self.read_at = datetime.now().astimezone()  # a notebook saved with this table and reopened shows it as then
 
     def rows(self) -> list[tuple[str, str, str]]:
         """(notebook, exercise, status) for every exercise of this labkit, in course order."""
@@ -179,7 +180,10 @@ class Progress:
 
     def _repr_markdown_(self) -> str:
         marks = {"passed": "✅ passed", "not tried": "· not tried"}
-        lines = [f"**Your progress:** {self.summary()}", "", "| notebook | exercise | status |", "|---|---|---|"]
+        # a table saved in a notebook stays as it was: it says when it was read, and how to read it again
+        read = (f"*As of {self.read_at:%H:%M on %d %B %Y}, when this cell ran: run it again for your progress now.*")
+        lines = [f"**Your progress:** {self.summary()}", "", read, "", "| notebook | exercise | status |",
+                 "|---|---|---|"]
         for notebook, title, status in self.rows():
             here = notebook == self.notebook
             shown = f"**{notebook}**" if here else notebook

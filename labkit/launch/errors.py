@@ -290,9 +290,17 @@ def _without_launch_frames(tb):
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a call, raised afresh by the owner once the ranks have been dealt with.
 
-    IPython shows it as a KeyboardInterrupt in the student's own lines only."""
+    IPython shows it as a KeyboardInterrupt in the student's own lines only. `in_ranks_cell`: raised for a
+    %%ranks cell, whose lines ran on the ranks: the notebook's side has none of the student's lines (only
+    IPython's `run_cell_magic` call), so it shows as one line under the pool's own "labkit: interrupted; ..."."""
+
+    def __init__(self, *args, in_ranks_cell: bool = False):
+        super().__init__(*args)
+        self.in_ranks_cell = in_ranks_cell
 
     def _render_traceback_(self):
+        if self.in_ranks_cell:
+            return ["KeyboardInterrupt: the %%ranks cell was stopped (the line above says what became of its ranks)"]
         from IPython import get_ipython
 
         traceback_tool = get_ipython().InteractiveTB

@@ -29,7 +29,7 @@ from IPython.display import display
 
 from labkit.checks import rank_count, timeout_seconds
 from labkit.launch.cells import run_cell
-from labkit.launch.errors import CellSyntaxError
+from labkit.launch.errors import CellSyntaxError, Interrupted
 from labkit.launch.owner import OWNER, prestart, run
 
 __all__ = ["RanksMagics", "assigned_names", "load_ipython_extension"]
@@ -67,8 +67,11 @@ class RanksMagics(Magics):
         linecache.cache[filename] = (sum(map(len, shown)), None, shown, filename)
         tree = _parse("\n" + cell, filename, self._notebook_cell_filename() or filename)
         self._announce_losses(world_size, OWNER.pool_key(world_size, options.backend))
-        values = run(run_cell, "\n" + cell, filename, world_size=world_size, backend=options.backend,
-                     timeout=timeout)
+        try:
+            values = run(run_cell, "\n" + cell, filename, world_size=world_size, backend=options.backend,
+                         timeout=timeout)
+        except Interrupted:
+            raise Interrupted(in_ranks_cell=True) from None  # the cell's lines ran on the ranks, none here
         self._names.setdefault(world_size, set()).update(assigned_names(tree))
         for rank, value in enumerate(values):
             if value is not None:
@@ -83,7 +86,7 @@ class RanksMagics(Magics):
         if previous is not None and previous.serial != serial:
             why = OWNER.ended.get(previous.serial, "it was replaced")
             print(f"labkit: the {world_size}-rank pool was restarted ({why}): variables from earlier "
-                  f"%%ranks {world_size} cells are gone.", file=sys.stderr)
+                  f"%%ranks {world_size} cells are gone.", file=sys.stderr, flush=True)  # before the ranks' lines
             self._names.pop(world_size, None)
         if world_size in self._names or self._told_per_world_size:
             return
@@ -92,8 +95,9 @@ class RanksMagics(Magics):
                   if names and OWNER.serial(self._pools[n].key) == self._pools[n].serial]
         if others:
             self._told_per_world_size = True
+            # a note, not a warning: on stdout (stderr is a red box), flushed before any rank prints
             print(f"labkit: each world size keeps its own variables: %%ranks {world_size} starts empty; "
-                  f"{'; '.join(others)}.", file=sys.stderr)
+                  f"{'; '.join(others)}.", flush=True)
 
     def _cell_filename(self) -> str:
         """A name for this cell's code, unique even when the execution count repeats.

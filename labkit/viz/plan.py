@@ -24,8 +24,8 @@ def memory_bars(plans: dict[str, dict[str, float]], gpu_nbytes: float | None = N
                 title: str | None = None, unit: str = "GB") -> go.Figure:
     """One stacked bar per plan: bytes per GPU of weights, grads and optimizer state (`training_memory`'s dicts),
     and activations where the plans hold them (memory_options with a sequence), with the GPU's memory as a dashed
-    line; heights in `unit` (a key of UNITS: GB = 1e9 bytes, MB = 1e6). The title says "before activations"
-    unless the plans count them."""
+    line, named in the legend; heights in `unit` (a key of UNITS: GB = 1e9 bytes, MB = 1e6). The title says
+    "before activations" unless the plans count them."""
     scale = UNITS[choice("unit", unit, UNITS)]
     labels = list(plans)
     drawn = {part: color for part, color in PARTS.items() if any(part in plans[label] for label in labels)}
@@ -33,8 +33,9 @@ def memory_bars(plans: dict[str, dict[str, float]], gpu_nbytes: float | None = N
                                marker_color=color, hovertemplate=f"%{{x}}: %{{y:.1f}} {unit}<extra>{part}</extra>")
                         for part, color in drawn.items()])
     if gpu_nbytes:
-        figure.add_hline(y=gpu_nbytes / scale, line={"dash": "dash", "color": RED},
-                         annotation_text=f"GPU memory {gpu_nbytes / scale:g} {unit}", annotation_position="top right")
+        # named in the legend, not written beside the line: a label at the line's end sits over the tallest bars
+        figure.add_hline(y=gpu_nbytes / scale, line={"dash": "dash", "color": RED}, showlegend=True,
+                         name=f"GPU memory {gpu_nbytes / scale:g} {unit}")
     if title is None:
         title = "Memory per GPU" + (", activations included" if "activations" in drawn else " before activations")
     figure.update_layout(barmode="stack", title=title, height=380, margin={"t": 50},

@@ -15,8 +15,8 @@ import math
 from collections.abc import Iterable
 
 __all__ = ["BLUE", "BROWN", "DARK_GREY", "DIVERGING", "GREEN", "GREY", "LIGHT_GREY", "ORANGE", "PALE_DIVERGING",
-           "PALETTE", "PINK", "PURPLE", "RED", "SEQUENTIAL", "TEAL", "WHITE", "integer_colorbar", "log_axis",
-           "log_ticks", "rank_color", "short_number", "tint"]
+           "PALETTE", "PINK", "PURPLE", "RED", "SEQUENTIAL", "TEAL", "TOOLBAR_PIXELS", "WHITE", "clear_of_toolbar",
+           "integer_colorbar", "log_axis", "log_ticks", "rank_color", "short_number", "tint"]
 
 # Vega's "tableau10" order: colour-blind-friendlier than plotly's default and the same in every notebook.
 PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2", "#ff9da6", "#9d755d"]
@@ -26,6 +26,10 @@ LIGHT_GREY = "#cccccc"  # guides drawn behind the data
 DARK_GREY = "#555555"  # small labels beside the data
 WHITE = "#ffffff"
 
+TOOLBAR_PIXELS = 28  # plotly's toolbar (the "modebar"): 2 px from the figure's top, buttons about 24 px tall
+_TITLE_LINE_PIXELS = 22  # each further line of a title (a <sup> line, as the course's subtitles)
+_MULTILINE_RISE = 12  # how much higher plotly.js hangs a title of several lines than one of one line
+_TITLE_GAP = 10  # between a title's last line and the plot area
 _SHORT_SPAN = 3  # fewer decades than this: label 1, 2 and 5 of each; otherwise decades only
 _PAD = 0.04  # the range reaches this fraction of itself beyond the first and last ticks
 _SI = ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k"))
@@ -67,6 +71,35 @@ def short_number(value: float) -> str:
         if abs(value) >= size:
             return f"{value / size:g}{prefix}"
     return f"{value:g}".replace("e-0", "e-")
+
+
+def clear_of_toolbar(figure):
+    """`figure` with its title below the band plotly's toolbar takes at the top right when the pointer is over
+    the figure, and the plot area below the title: in a narrow figure (a widget's, 500 px) a title runs under
+    the toolbar, which then hides its end. Returns the figure.
+
+    The title hangs from the figure's top (yanchor "top") TOOLBAR_PIXELS down. plotly.js draws a title of several
+    lines (<br>) anchored so about _MULTILINE_RISE px higher than one of a single line, so its pad is that much
+    more; the plot area starts _TITLE_GAP px under the title's last line. (Measured in Chromium, plotly 7's
+    plotly.js at its default 17 px title font; tests/browser checks the toolbar and the title apart.)
+
+    >>> import plotly.graph_objects as go
+    >>> figure = clear_of_toolbar(go.Figure(layout_title_text="Memory<br><sup>per rank</sup>"))
+    >>> figure.layout.title.pad.t, figure.layout.margin.t
+    (40, 68)
+    """
+    title = figure.layout.title.text
+    if not title:
+        return figure
+    lines = title.count("<br>") + 1
+    if lines == 1:
+        pad, last_line_bottom = TOOLBAR_PIXELS, TOOLBAR_PIXELS + 16
+    else:
+        pad = TOOLBAR_PIXELS + _MULTILINE_RISE
+        last_line_bottom = pad + 18 + _TITLE_LINE_PIXELS * (lines - 2)
+    figure.update_layout(title={"yref": "container", "y": 1, "yanchor": "top", "pad": {"t": pad}},
+                         margin={"t": max(last_line_bottom + _TITLE_GAP, figure.layout.margin.t or 0)})
+    return figure
 
 
 def integer_colorbar(low: int, high: int, title: str) -> dict:

@@ -7,7 +7,7 @@ import plotly.graph_objects as go
 
 from labkit.viz.style import BLUE, GREY, PALETTE, RED, log_axis
 
-__all__ = ["FSDP_LANES", "ddp_timeline", "divergence_chart", "fsdp_timeline", "loss_curves"]
+__all__ = ["FSDP_LANES", "ddp_timeline", "divergence_chart", "fsdp_timeline", "loss_curves", "unit_label"]
 
 FSDP_LANES = {"all_gather": "all-gather", "compute": "compute", "reduce_scatter": "reduce-scatter"}  # top down
 
@@ -61,26 +61,40 @@ def ddp_timeline(events, title: str = "One backward pass: gradients ready, bucke
     return figure
 
 
+def unit_label(unit: int, module: str) -> str:
+    """How the timeline names FullyShardedDP's unit number `unit`, whose module is called `module` (its
+    qualified name in the model, "(root)" for the root's own parameters).
+
+    >>> unit_label(1, "2"), unit_label(4, "(root)")
+    ("unit 1 (module '2')", 'unit 4 (the root module)')
+    """
+    return f"unit {unit} (the root module)" if module == "(root)" else f"unit {unit} (module {module!r})"
+
+
 def fsdp_timeline(events, title: str = "One FullyShardedDP step: each all-gather prefetched under compute"
                   ) -> go.Figure:
     """A Gantt chart of a FullyShardedDP timeline (its `UnitEvent`s) in milliseconds: a lane for the all-gathers,
     one for compute and one for the reduce-scatters, one colour per unit, a dotted line where the backward
     begins. A prefetched all-gather is a bar in the top lane under the bar of the unit computing meanwhile. The
     root unit's compute bar spans the whole forward (and backward), drawn first so the layers' bars lie on it:
-    where it shows, the root's own layers run, or nothing does."""
+    where it shows, the root's own layers run, or nothing does. Units are numbered in order (0, 1, 2, ...), their
+    modules named beside them (`unit_label`): an nn.Sequential's Linear layers between ReLUs are its modules 0,
+    2, 4, 6, which alone would read as every other unit."""
     figure = go.Figure()
     seen = set()
     for e in events:
+        name = unit_label(e.unit, e.name)
         figure.add_bar(base=[e.start * 1e3], x=[(e.end - e.start) * 1e3], y=[FSDP_LANES[e.kind]], orientation="h",
-                       marker_color=PALETTE[e.unit % len(PALETTE)], name=e.name, legendgroup=e.name,
-                       showlegend=e.name not in seen, text=[e.name], textposition="inside", insidetextanchor="middle",
-                       hovertemplate=f"{e.kind} {e.name} ({e.phase}): from %{{base:.2f}} ms, %{{x:.2f}} ms long"
+                       marker_color=PALETTE[e.unit % len(PALETTE)], name=name, legendgroup=name,
+                       showlegend=name not in seen, text=[f"unit {e.unit}"], textposition="inside",
+                       insidetextanchor="middle",
+                       hovertemplate=f"{e.kind} {name} ({e.phase}): from %{{base:.2f}} ms, %{{x:.2f}} ms long"
                                      + (f", {e.nbytes / 1e6:.3f} MB" if e.nbytes else "") + "<extra></extra>")
-        seen.add(e.name)
+        seen.add(name)
     backward = [e.start for e in events if e.phase == "backward"]
     if backward:
         figure.add_vline(x=min(backward) * 1e3, line_dash="dot", line_color=GREY, annotation_text="backward")
     figure.update_layout(title=title, xaxis_title="time since the forward started (ms)", barmode="overlay",
-                         height=320, legend_title_text="unit",
+                         height=320, legend_title_text="unit (its module)",
                          yaxis={"categoryorder": "array", "categoryarray": list(FSDP_LANES.values())[::-1]})
     return figure

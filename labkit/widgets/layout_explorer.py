@@ -30,7 +30,9 @@ from labkit.plan import (
 from labkit.viz.axis_chart import axis_traffic_bars, byte_unit
 from labkit.viz.plan import memory_bars
 from labkit.viz.style import RED
+from labkit.widgets.app import App, prose
 from labkit.widgets.figure_slot import FigureSlot
+from labkit.widgets.typed import typed
 
 __all__ = ["AXIS_WHEN", "LayoutExplorer", "LayoutPlan", "plan_layout", "suggested_layout"]
 
@@ -41,7 +43,7 @@ AXIS_WHEN = {  # when each axis's traffic moves in a step, and what waits for it
     "dp": "once per step, after the last micro-batch's backward: only that backward, and the drain on the later "
           "stages, can overlap it",
 }
-LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "170px", "330px", 500  # two figures side by side in a 1280 px window
+LABEL_WIDTH, CONTROL_WIDTH = "170px", "330px"
 _LABEL_STYLE = {"description_width": LABEL_WIDTH}
 
 
@@ -133,7 +135,7 @@ def _amount(nbytes: float, unit: tuple[str, float]) -> str:
     return f"{nbytes / size:.3g} {name}"
 
 
-class LayoutExplorer(widgets.VBox):
+class LayoutExplorer(App):
     """Controls for dp, pp and tp (each a divisor of `world_size`; their product must be the world, or the summary
     says what to change), the micro-batches per step, the chunks per stage (interleaved 1F1B when >= 2) and
     sequence parallelism; beside them a summary of plan's prediction for `shape` trained on steps of `batch`
@@ -165,7 +167,7 @@ class LayoutExplorer(widgets.VBox):
                        "bytes_per_number": whole("bytes_per_number", bytes_per_number)}
         self.controls = _controls(self.world_size, whole("microbatches", microbatches))
         self.summary = widgets.HTML(layout=widgets.Layout(flex="1 1 420px", min_width="420px"))
-        self.traffic_chart, self.memory_chart = FigureSlot(), FigureSlot()
+        self.traffic_chart, self.memory_chart = FigureSlot.in_row(), FigureSlot.in_row()
         self.planned: LayoutPlan | None = None
         self.problem: str | None = None
         self._holding = False
@@ -176,7 +178,7 @@ class LayoutExplorer(widgets.VBox):
             raise ValueError(f"LayoutExplorer: {self.problem} Pass a model and batch that "
                              f"dp, pp, tp = {suggested_layout(self.world_size)} can train.")
         wrap = widgets.Layout(flex_flow="row wrap", align_items="flex-start", width="100%")
-        left = widgets.VBox(list(self.controls.values()), layout=widgets.Layout(flex="0 0 auto"))
+        left = widgets.VBox(list(map(typed, self.controls.values())), layout=widgets.Layout(flex="0 0 auto"))
         super().__init__([widgets.HBox([left, self.summary], layout=wrap),
                           widgets.HBox([self.traffic_chart, self.memory_chart], layout=wrap)])
 
@@ -210,23 +212,39 @@ class LayoutExplorer(widgets.VBox):
             self.problem = str(error)
         if self.problem is None:
             self._draw_charts()
-            self.summary.value = _summary(self.planned)
+            self.summary.value = prose(_summary(self.planned))
         elif self.planned is not None:  # before the first good layout, __init__ raises with the problem
-            self.summary.value = _refusal(self.problem, self.planned)
+            self.summary.value = prose(_refusal(self.problem, self.planned))
 
     def _draw_charts(self) -> None:
         planned, layout = self.planned, self.planned.layout
         replica = range(layout.pp * layout.tp)  # replica 0's ranks: every replica holds and sends the same
         labels = {rank: f"rank {rank}<br>pp{layout.place(rank)['pp']} tp{layout.place(rank)['tp']}" for rank in replica}
+        shown = _replica_shown(layout)
         title = (f"{_shape(layout)}, {layout.microbatches} micro-batches: bubble {planned.bubble:.1%}<br>"
-                 "<sup>bytes each rank hands to each axis's collectives per step</sup>")
-        self.traffic_chart.draw(axis_traffic_bars({labels[r]: planned.axis_nbytes(r) for r in replica}, title)
-                                .update_layout(width=FIGURE_WIDTH))
+                 f"<sup>bytes each rank hands to each axis's collectives per step</sup><br>"
+                 f"<sup>{shown}</sup>")
+        self.traffic_chart.draw(axis_traffic_bars({labels[r]: planned.axis_nbytes(r) for r in replica}, title))
         memory = {labels[r]: planned.memory[r] for r in replica}
         unit = "GB" if max(m["total"] for m in memory.values()) >= 1e9 else "MB"
-        self.memory_chart.draw(memory_bars(memory, title=f"Training state per rank, {_shape(layout)}<br><sup>"
-                                           "weights, gradients, AdamW's m and v</sup>", unit=unit)
-                               .update_layout(width=FIGURE_WIDTH, margin={"t": 60}))
+        title = (f"Training state per rank, {_shape(layout)}<br><sup>weights, gradients, AdamW's m and v</sup><br>"
+                 f"<sup>{shown}</sup>")
+        self.memory_chart.draw(memory_bars(memory, title=title, unit=unit))
+
+
+def _replica_shown(layout: ParallelLayout) -> str:
+    """Which ranks the charts show, and why only those: replica 0's (dp 0), since every data-parallel replica
+    holds and sends the same.
+
+    >>> _replica_shown(ParallelLayout(dp=2, pp=2, tp=2)), _replica_shown(ParallelLayout(dp=1, pp=2, tp=2))
+    ('ranks 0-3 of 8: replica dp 0 (dp 1 holds and sends the same)', 'ranks 0-3: every rank')
+    """
+    last = layout.pp * layout.tp - 1
+    ranks = "rank 0" if last == 0 else f"ranks 0-{last}"
+    if layout.dp == 1:
+        return f"{ranks}: every rank"
+    others = "dp 1 holds and sends" if layout.dp == 2 else f"dp 1-{layout.dp - 1} hold and send"
+    return f"{ranks} of {layout.world_size}: replica dp 0 ({others} the same)"
 
 
 def _controls(world_size: int, microbatches: int) -> dict[str, widgets.Widget]:

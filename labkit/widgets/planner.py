@@ -11,7 +11,9 @@ from labkit.checks import number
 from labkit.plan import GB
 from labkit.viz.plan import memory_bars, speedup_chart
 from labkit.viz.style import GREEN, RED
+from labkit.widgets.app import App, prose
 from labkit.widgets.figure_slot import FigureSlot
+from labkit.widgets.typed import typed
 
 __all__ = ["CONVENTIONS", "describe", "planner", "what_is_running_out"]
 
@@ -28,12 +30,12 @@ RECOMPUTATION = {"none": "none", "selective (the attention scores)": "selective"
                  "full (keep each layer's input)": "full"}  # the dropdown's labels: plan.RECOMPUTE's choices
 SEQUENCES = [2**k for k in range(7, 16)]  # 128 to 32,768 tokens
 HEADS = [2**k for k in range(8)]  # 1 to 128: powers of two, so tp_in_node's degree divides every sequence above
-LABEL_WIDTH, CONTROL_WIDTH, FIGURE_WIDTH = "180px", "450px", 500  # fit a 1280 px window with the file browser open
+LABEL_WIDTH, CONTROL_WIDTH = "180px", "450px"  # fit a 1280 px window with the file browser open
 _LABEL_STYLE = {"description_width": LABEL_WIDTH}
 NOTE = "<div style='font-size:0.9em; line-height:1.3'>{}</div>"  # under the parameters field, 3 lines at most
 
 
-def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
+def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> App:
     """Controls for the scenario (the model's size typed as people write it: 70B, 6.7 billion, 7e9); a summary,
     the memory per GPU against the GPU's and the speedup against bandwidth, all redrawn from labkit.plan whenever
     a control changes. The ZeRO stage (0 = replicated DDP, 1-3 sharded) sets "your choice"'s memory
@@ -41,14 +43,15 @@ def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
     Every way's memory includes its activations (plan.activation_nbytes): one micro-batch of "per-device batch"
     sequences of the sequence length through a model of the width, layers and heads given, with the recomputation
     chosen; sequence parallelism applies to the "TP x PP" way, the only one that splits layers.
-    A size that does not read as a count is refused with a message; the last good one stays."""
+    A size that does not read as a count is refused with a message; the last good one stays, and so does a
+    slider's value typed as no value it takes (labkit.widgets.typed)."""
     good = {"params": number("params", params, inclusive=False)}
     size = _control(widgets.Text, "parameters", value=plan.format_count(params), placeholder="70B, 6.7 billion, 7e9")
     size_note = widgets.HTML(layout=widgets.Layout(width=CONTROL_WIDTH, height="4.2em"))  # 3 lines: never moves
     controls = _controls(gpu_memory_gb)
     # the summary takes the room beside the controls, whatever its text: a longer verdict wraps, nothing moves
     summary = widgets.HTML(layout=widgets.Layout(flex="1 1 300px", min_width="300px"))
-    memory, speed = FigureSlot(), FigureSlot()
+    memory, speed = FigureSlot.in_row(), FigureSlot.in_row()  # side by side where they fit, else each full width
 
     def redraw(_=None) -> None:
         values = {"params": good["params"], **{name: control.value for name, control in controls.items()}}
@@ -59,9 +62,9 @@ def planner(params: float = 7e9, gpu_memory_gb: float = 80) -> widgets.VBox:
         control.observe(redraw, "value")
     _read_size(size.value, good, size_note)
     redraw()
-    left = widgets.VBox([size, size_note, *controls.values()], layout=widgets.Layout(flex="0 0 auto"))
+    left = widgets.VBox([size, size_note, *map(typed, controls.values())], layout=widgets.Layout(flex="0 0 auto"))
     wrap = widgets.Layout(flex_flow="row wrap", align_items="flex-start", width="100%")
-    return widgets.VBox([widgets.HBox([left, summary], layout=wrap), widgets.HBox([memory, speed], layout=wrap)])
+    return App([widgets.HBox([left, summary], layout=wrap), widgets.HBox([memory, speed], layout=wrap)])
 
 
 def _control(kind, description: str, **kw) -> widgets.Widget:
@@ -128,13 +131,13 @@ def _draw(values: dict, summary: widgets.HTML, memory: FigureSlot, speed: Figure
     memory.draw(memory_bars(options, values["gpu_memory_gb"] * GB, title=(
         f"Memory per GPU, {plan.format_count(values['params'])} parameters, "
         f"{values['per_device_batch']} x {values['sequence']:,} tokens"
-    )).update_layout(width=FIGURE_WIDTH))
+    )))
     bandwidths = [10 ** (k / 10) * GB for k in range(-10, 31)]
     speed.draw(speedup_chart(values["devices"], values["step_compute_seconds"],
                              values["params"] * _traffic_bytes_per_param(values), bandwidths,
                              overlaps=(values["overlap"],), marker_bandwidth=values["bandwidth_gb"] * GB,
                              accumulation_steps=values["accumulation_steps"]).update_layout(
-        width=FIGURE_WIDTH, legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}, height=430))
+        legend={"orientation": "h", "x": 0, "y": -0.3, "yanchor": "top"}, height=430))
 
 
 def _activation_settings(values: dict) -> dict:
@@ -204,7 +207,7 @@ def _collectives(values: dict) -> str:
 
 
 def what_is_running_out(params_billions: float = 7, largest_layer_billions: float = 0.2,
-                        gpu_memory_gb: float = 80) -> widgets.VBox:
+                        gpu_memory_gb: float = 80) -> App:
     """Sliders for the model's and its largest layer's parameters and the GPU's memory; the strategy that
     `labkit.plan.parallelism_for` names first, and why (16 bytes per parameter: mixed-precision Adam). A largest
     layer above the whole model is refused with a message, as parallelism_for refuses it."""
@@ -223,13 +226,14 @@ def what_is_running_out(params_billions: float = 7, largest_layer_billions: floa
         try:
             strategy, why = plan.parallelism_for(params.value * 1e9, layer.value * 1e9, gpu.value * GB)
         except ValueError:  # the sliders allow only one nonsense: a layer larger than the model it is part of
-            answer.value = (f"<span style='color:{RED}'>A layer is part of the model: the largest layer "
-                            f"({layer.value:.3g} billion parameters) cannot hold more than the whole model "
-                            f"({params.value:.3g} billion).</span> Lower the largest layer or raise the parameters.")
+            answer.value = prose(f"<span style='color:{RED}'>A layer is part of the model: the largest layer "
+                                 f"({layer.value:.3g} billion parameters) cannot hold more than the whole model "
+                                 f"({params.value:.3g} billion).</span> Lower the largest layer or raise the "
+                                 "parameters.")
             return
-        answer.value = f"<b>{strategy}</b>: {why}."
+        answer.value = prose(f"<b>{strategy}</b>: {why}.")
 
     for slider in (params, layer, gpu):
         slider.observe(redraw, "value")
     redraw()
-    return widgets.VBox([params, layer, gpu, answer])
+    return App([*map(typed, (params, layer, gpu)), answer])

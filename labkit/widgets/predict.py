@@ -21,6 +21,8 @@ import ipywidgets as widgets
 
 from labkit.checks import number
 from labkit.viz.style import BLUE, GREEN, GREY, ORANGE, RED
+from labkit.widgets.app import App, prose
+from labkit.widgets.typed import typed
 
 __all__ = ["CONTROL_WIDTH", "PredictThenRun", "distinct_wrong_guesses"]
 
@@ -29,7 +31,7 @@ _BAR_PIXELS = 260  # the longest bar: with its label and value, well inside the 
 _WAITING = "<i>Set your prediction, then press the button.</i>"
 
 
-class PredictThenRun(widgets.VBox):
+class PredictThenRun(App):
     """A question, a control for the prediction (numeric; its starting value is the default), a button that runs
     `experiment()` (once) and compares `measure(result)` with the prediction.
 
@@ -38,8 +40,9 @@ class PredictThenRun(widgets.VBox):
     - `wrong_guesses`: (value, why that guess is wrong) pairs, or a dict, for the typical wrong predictions;
       the one within `tolerance` of the student's prediction is shown. Guesses that coincide at this size
       (with theory or with an earlier guess) are dropped: see `distinct_wrong_guesses`;
-    - `show`: how a value is written ("1.5 x S", "27%"); `measured_label`: "measured", or "labkit.plan" where
-      the experiment reveals arithmetic rather than runs something.
+    - `show`: how a value is written ("1.5 x S", "27%"); `measured_label`: "measured" (a run measures it), or
+      the name of what computes it, "labkit.plan", where the experiment reveals arithmetic rather than runs
+      something: the verdict then reads "what labkit.plan gives", "labkit.plan's 4.04x".
     A prediction counts as right when it `agrees` with theory, where there is one (the question asks for it; a
     noisy measurement only scatters around it), else with the measurement: within `tolerance` (relative) plus
     `abs_tolerance`. That is the band a notebook asserts its measurement against theory with, so a right
@@ -74,7 +77,9 @@ class PredictThenRun(widgets.VBox):
         # the parts take the column's width less their margins ("auto"): 100% plus a margin would stick out
         header = widgets.HTML(f"<div style='line-height:1.4'><b>Predict first.</b> {question}</div>",
                               layout=widgets.Layout(width="auto"))
-        row = widgets.HBox([control, self.button], layout=widgets.Layout(flex_flow="row wrap", width="auto"))
+        # a slider's value can be typed too, and typed text that is no value the slider takes is refused with why
+        row = widgets.HBox([typed(control), self.button],
+                           layout=widgets.Layout(flex_flow="row wrap", width="auto", align_items="flex-start"))
         super().__init__([header, row, self.feedback], layout=widgets.Layout(width="100%"))
 
     @property
@@ -128,8 +133,8 @@ class PredictThenRun(widgets.VBox):
         if self.why:
             body += f"<div style='line-height:1.4; margin-top:6px'><b>Why.</b> {self.why}</div>"
         if not folded:
-            return body
-        return (f"<details><summary>The experiment ran without a press of the button (a later cell asked for "
+            return prose(body)
+        return prose(f"<details><summary>The experiment ran without a press of the button (a later cell asked for "
                 f"its result), compared with the prediction set then: {self.show(prediction)}. Expand to read "
                 f"the comparison, or set your own prediction and press the button first.</summary>{body}</details>")
 
@@ -139,16 +144,24 @@ class PredictThenRun(widgets.VBox):
         theory with."""
         return abs(value - reference) <= self.tolerance * abs(reference) + self.abs_tolerance + 1e-12
 
+    def _measured_phrases(self, measured: float) -> tuple[str, str, str]:
+        """How the verdict names the measured value: (what it is, it with its value, it in brackets), as
+        ("what was measured", "the measured 1.5 x S", " (measured: 1.5 x S)") or, for a `measured_label` naming
+        what computes it, ("what labkit.plan gives", "labkit.plan's 4.04x", " (labkit.plan: 4.04x)")."""
+        label, value = self.measured_label, self.show(measured)
+        if label == "measured":
+            return "what was measured", f"the measured {value}", f" (measured: {value})"
+        return f"what {label} gives", f"{label}'s {value}", f" ({label}: {value})"
+
     def verdict(self, prediction: float, measured: float) -> str:
         """Right (it agrees with theory, or without theory with the measurement), or what is wrong with this
         guess: a typical wrong guess's reason, else by how much it is off."""
+        said, against, seen = self._measured_phrases(measured)
         if self.theory is not None:
-            reference, against = self.theory, f"theory's {self.show(self.theory)}"
-            seen = f" (the {self.measured_label}: {self.show(measured)})"
+            reference, against, said = self.theory, f"theory's {self.show(self.theory)}", "what theory gives"
         else:
-            reference, against, seen = measured, f"the {self.measured_label} {self.show(measured)}", ""
+            reference, seen = measured, ""
         if self.agrees(prediction, reference):
-            said = "what theory gives" if self.theory is not None else f"what was {self.measured_label}"
             return f"<b style='color:{GREEN}'>✅ Right</b>: {self.show(prediction)} is {said}{seen}."
         reason = next((why for guess, why in self.wrong_guesses.items()
                        if math.isclose(prediction, guess, rel_tol=self.tolerance, abs_tol=1e-12)), None)

@@ -12,11 +12,12 @@ import ipywidgets as widgets
 
 from labkit.exercises import STACK_MAP, Flashcard, Question, check_stack_map, load_flashcards, load_questions
 from labkit.viz.style import GREY
+from labkit.widgets.app import PROSE_STYLE, App, prose
 
 __all__ = ["OptionRows", "flashcards", "quiz", "stack_map_exercise"]
 
 
-def stack_map_exercise() -> widgets.VBox:
+def stack_map_exercise() -> App:
     """One drop-down per NVIDIA component; "Check" grades the matching with `check_stack_map`.
 
     Nothing in the widget gives the key away before the student answers: every drop-down starts at "?" and
@@ -30,13 +31,13 @@ def stack_map_exercise() -> widgets.VBox:
 
     def check(_=None) -> None:
         verdict = check_stack_map({name: c.value for name, c in choosers.items() if c.value != "?"})
-        feedback.value = verdict._repr_markdown_().replace("**", "")
+        feedback.value = prose(verdict._repr_markdown_().replace("**", ""))
 
     button.on_click(check)
-    return widgets.VBox([*choosers.values(), button, feedback])
+    return App([*choosers.values(), button, feedback])
 
 
-def quiz(questions: list[Question] | None = None) -> widgets.VBox:
+def quiz(questions: list[Question] | None = None) -> App:
     """Every question with one row per option and a "Check" button: immediate feedback with the explanation, and
     a running score of first attempts.
 
@@ -53,29 +54,30 @@ def quiz(questions: list[Question] | None = None) -> widgets.VBox:
 
     def card(number: int, question: Question) -> widgets.VBox:
         choices = OptionRows([option.text for option in question.options])
-        feedback = widgets.HTML()
+        feedback = widgets.HTML(layout=widgets.Layout(width="auto"))  # the column less its margins, as below
         button = widgets.Button(description="Check")
 
         def check(_=None) -> None:
             if choices.picked is None:
-                feedback.value = "Pick a letter first."
+                feedback.value = prose("Pick a letter first.")
                 return
             correct, explanation = question.check(choices.picked)
             first_tries.setdefault(question.id, correct)
             mark = "✅ Correct." if correct else "❌ Not quite."
-            feedback.value = f"<b>{mark}</b> " + html.escape(explanation).replace("\n", "<br>")
+            feedback.value = prose(f"<b>{mark}</b> " + html.escape(explanation).replace("\n", "<br>"))
             show_score()
 
         button.on_click(check)
-        header = widgets.HTML(f"<div style='line-height:1.4;padding:4px 0'><b>{number}. "
+        # "auto", not "100%": an HTML widget has a 2 px margin each side, and 100% of the card plus the margins
+        # stuck out of it by 4 px, which gave every card a horizontal scrollbar
+        header = widgets.HTML(f"<div style='{PROSE_STYLE}; padding:4px 0'><b>{number}. "
                               f"{html.escape(question.question)}</b></div>",
-                              layout=widgets.Layout(width="100%"))
+                              layout=widgets.Layout(width="auto"))
         header.add_class("labkit-quiz-question")
         return widgets.VBox([header, choices, button, feedback], layout=widgets.Layout(width="100%"))
 
     show_score()
-    return widgets.VBox([score, *(card(i + 1, q) for i, q in enumerate(questions))],
-                        layout=widgets.Layout(width="100%"))
+    return App([score, *(card(i + 1, q) for i, q in enumerate(questions))], layout=widgets.Layout(width="100%"))
 
 
 class OptionRows(widgets.VBox):
@@ -110,7 +112,7 @@ class OptionRows(widgets.VBox):
             letter.button_style = "info" if i == self.picked else ""
 
 
-def flashcards(cards: list[Flashcard] | None = None) -> widgets.VBox:
+def flashcards(cards: list[Flashcard] | None = None) -> App:
     """One card at a time: its prompt, "Flip" shows the lesson's summary bullet (and, set apart below it, the
     card's note where the bullet is imprecise), "Next" moves on."""
     cards = cards if cards is not None else load_flashcards()
@@ -123,7 +125,7 @@ def flashcards(cards: list[Flashcard] | None = None) -> widgets.VBox:
         text, side = (current.back, "back") if state["back"] else (current.front, "front")
         note = (f"<hr><small><b>More precisely</b> (a note, not the lesson's words): {html.escape(current.note)}"
                 "</small>") if state["back"] and current.note else ""
-        face.value = (f"<div style='border:1px solid {GREY};padding:12px;min-height:60px'><small>card "
+        face.value = (f"<div style='{PROSE_STYLE}; border:1px solid {GREY};padding:12px;min-height:60px'><small>card "
                       f"{state['card'] + 1} of {len(cards)}, {side}</small><br>{html.escape(text)}{note}</div>")
 
     def on_flip(_=None) -> None:
@@ -137,4 +139,4 @@ def flashcards(cards: list[Flashcard] | None = None) -> widgets.VBox:
     flip.on_click(on_flip)
     following.on_click(on_next)
     draw()
-    return widgets.VBox([face, widgets.HBox([flip, following])])
+    return App([face, widgets.HBox([flip, following])])

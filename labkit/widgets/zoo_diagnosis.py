@@ -15,6 +15,7 @@ import ipywidgets as widgets
 
 from labkit.exercises.bug_zoo import ANSWERS, CAUSES, DISTRACTORS
 from labkit.exercises.progress import record_attempt
+from labkit.widgets.app import App, prose
 
 __all__ = ["DiagnosisCard", "diagnosis_widget"]
 
@@ -30,7 +31,8 @@ class DiagnosisCard(widgets.VBox):
         self.dropdown = widgets.Dropdown(options=[(PROMPT, ""), *((CAUSES[k].label, k) for k in keys)],
                                          value="", layout=widgets.Layout(width="100%", max_width="640px"))
         self.button = widgets.Button(description="Check", button_style="primary")
-        self.feedback = widgets.HTML(layout=widgets.Layout(width="100%"))
+        # "auto", not "100%": the HTML widget's 2 px margins made 100% stick out of the card by 4 px (a scrollbar)
+        self.feedback = widgets.HTML(layout=widgets.Layout(width="auto"))
         self._on_check = on_check
         self.button.on_click(lambda _: self.check())
         title = widgets.HTML(f"<b>Run {letter}</b>: what went wrong?")
@@ -47,7 +49,7 @@ class DiagnosisCard(widgets.VBox):
         """Grade the chosen cause: say why it is right, or what it would have shown instead."""
         key = self.dropdown.value
         if not key:
-            self.feedback.value = "Choose a cause in the list first."
+            self.feedback.value = prose("Choose a cause in the list first.")
             return
         self.right = key == ANSWERS[self.letter]
         cause = CAUSES[key]
@@ -56,11 +58,11 @@ class DiagnosisCard(widgets.VBox):
         else:
             text = (f"<b>❌ Not this one.</b> {html.escape(cause.label.capitalize())} would show "
                     f"{html.escape(cause.shows)}. Look again at run {self.letter}'s symptoms above.")
-        self.feedback.value = f"<div style='line-height:1.4;white-space:normal'>{text}</div>"
+        self.feedback.value = prose(text)
         self._on_check()
 
 
-def diagnosis_widget() -> widgets.VBox:
+def diagnosis_widget() -> App:
     """The six runs' cards under a line that counts those diagnosed right."""
     score = widgets.HTML()
     cards: list[DiagnosisCard] = []
@@ -72,4 +74,4 @@ def diagnosis_widget() -> widgets.VBox:
 
     cards.extend(DiagnosisCard(letter, on_check) for letter in ANSWERS)
     score.value = f"<b>0 of {len(cards)} runs diagnosed right</b>"
-    return widgets.VBox([score, *cards], layout=widgets.Layout(width="100%"))
+    return App([score, *cards], layout=widgets.Layout(width="100%"))

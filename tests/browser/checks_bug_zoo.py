@@ -1,10 +1,12 @@
 """Notebook 13's diagnosis widget as a student uses it at 1280 px: six cards, each with its drop-down whole (the
 longest cause readable), a wrong answer told why not (what that cause would show), the right one confirmed, and
-the count at the top kept as the answers change."""
+the count at the top kept as the answers change; with every card's feedback shown, no card scrolls sideways and
+no feedback is double-spaced (every card had a scrollbar, 4 px too wide, and wrapped feedback read double)."""
 
 from pathlib import Path
 
 from playwright.sync_api import Page
+from widget_checks import check_widget_text
 
 from labkit.exercises.bug_zoo import ANSWERS, CAUSES, DISTRACTORS
 
@@ -36,6 +38,7 @@ def check(page: Page, cells: list[dict]) -> None:
         feedback = card.locator(".widget-html").last.inner_text()
         assert "Right" in feedback, (letter, feedback)
         assert f"{i + 1} of {len(ANSWERS)} runs diagnosed right" in score.inner_text(), score.inner_text()
+    check_widget_text(page, "the bug zoo's cards, every one answered")
     page.set_viewport_size({"width": 1280, "height": 1800})
     page.wait_for_timeout(800)
     cards.first.scroll_into_view_if_needed()

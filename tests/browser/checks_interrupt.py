@@ -1,5 +1,8 @@
 """Pressing stop on a %%ranks cell, as a student does in notebook 00: every rank's prints arrive while the cell
-runs, and the interrupt shows a short message in the student's terms, not labkit's and selectors' internals."""
+runs, and the interrupt shows a short message in the student's terms, not labkit's and selectors' internals: the
+pool's "labkit: interrupted; ..." line, then one line, no traceback through IPython's run_cell_magic (the cell's
+own lines ran on the ranks). The cell runs on 2 ranks where notebook 00's ran on more: labkit's note that each world
+size keeps its own variables is then the cell's first output, on stdout (stderr is a red box)."""
 
 import re
 
@@ -45,4 +48,16 @@ def check(page: Page, cells: list[dict]) -> None:
     assert "interrupted" in text_of(outputs)
     assert len(traceback) <= MAX_TRACEBACK_LINES, f"{len(traceback)} lines after an interrupt:\n" + "\n".join(traceback)
     print("after an interrupt, the student sees:", *traceback, sep="\n  ")
-    assert not any(part in "\n".join(traceback) for part in ("selectors.py", "labkit/launch", "pool.py")), traceback
+    assert not any(part in "\n".join(traceback) for part in ("selectors.py", "labkit/launch", "pool.py",
+                                                             "run_cell_magic")), traceback
+    assert len(traceback) == 1 and traceback[0].startswith("KeyboardInterrupt: the %%ranks cell was stopped"), traceback
+    check_world_size_note(outputs)
+
+
+def check_world_size_note(outputs: list[dict]) -> None:
+    """labkit's note that each world size keeps its own variables, where it shows: first, on stdout."""
+    noted = [i for i, o in enumerate(outputs) if "each world size keeps its own variables" in text_of([o])]
+    if not noted:
+        return
+    assert noted == [0], f"the world-size note is output {noted}, after the ranks' lines: {outputs[:3]}"
+    assert outputs[0]["name"] == "stdout", "the world-size note is a note, not a warning: on stdout, not in red"

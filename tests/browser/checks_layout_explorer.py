@@ -1,10 +1,16 @@
 """Notebook 12's layout explorer as a student sees it at 1280 px, with the file browser open and collapsed: every
-control's label and value whole, both charts inside the output area; and layouts picked in its dropdowns: a
-product other than the world is explained in the summary, a good one redraws both charts for that layout."""
+control's label and value whole, both charts inside the output area, plotly's toolbar clear of their titles, which
+say why they show ranks 0-3 of 8 (replica dp 0: the other replica is the same); and layouts picked in its
+dropdowns: a product other than the world is explained in the summary, a good one redraws both charts for that
+layout."""
+
+from pathlib import Path
 
 from playwright.sync_api import Page
+from widget_checks import check_toolbar_clear_of_titles
 
 NOTEBOOK = "12_3d_parallelism.ipynb"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots" / "12_explorer_file_browser.png"
 
 MEASURE = """area => {
   const outer = area.getBoundingClientRect();
@@ -16,9 +22,11 @@ MEASURE = """area => {
                                          canvas.font = `${s.fontWeight} ${s.fontSize} ${s.fontFamily}`;
                                          return canvas.measureText(text).width; };
   return {
-    texts: [...area.querySelectorAll('.widget-label, .widget-readout, .widget-checkbox label')]
+    texts: [...area.querySelectorAll('.widget-label, .widget-checkbox label')]
       .filter(e => e.textContent.replace(/\\u200b/g, '').trim())  // ipywidgets' empty labels hold a zero-width space
-      .map(e => ({text: e.textContent, cut: cut(e), past: past(e)})),
+      .map(e => ({text: e.textContent, cut: cut(e), past: past(e)}))
+      .concat([...area.querySelectorAll('.widget-text input')]  // the sliders' values, in their typed boxes
+                .map(e => ({text: e.value, cut: cut(e), past: past(e)}))),
     dropdowns: [...area.querySelectorAll('.widget-dropdown select')].map(e => {
       const s = getComputedStyle(e), text = e.options[e.selectedIndex].text;
       return {text, width: textWidth(e, text), room: e.clientWidth - parseFloat(s.paddingLeft)
@@ -42,6 +50,13 @@ def check(page: Page, cells: list[dict]) -> None:
         page.wait_for_timeout(1500)
         explorer.scroll_into_view_if_needed()
         check_layout(explorer.evaluate(MEASURE), where)
+        check_toolbar_clear_of_titles(page, explorer, f"the layout explorer, {where}")
+        if where == "file browser open":  # the whole explorer in one picture: a window as tall as it
+            page.set_viewport_size({"width": 1280, "height": 2400})
+            page.wait_for_timeout(1000)
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            explorer.screenshot(path=str(SCREENSHOT))
+            page.set_viewport_size({"width": 1280, "height": 900})
     check_picked_layouts(page, explorer)
 
 
@@ -59,6 +74,8 @@ def check_layout(found: dict, where: str) -> None:
     for chart in found["charts"]:
         assert area["left"] - 1 <= chart["left"] and chart["right"] <= area["right"] + 1, \
             f"{where}: the chart {chart['title']!r} sticks out of the output area"
+        assert "ranks 0-3 of 8: replica dp 0 (dp 1 holds and sends the same)" in chart["title"], \
+            f"{where}: the chart {chart['title']!r} does not say why it shows 4 of the 8 ranks"
 
 
 def pick(page: Page, explorer, axis: str, size: int, summary_says: str) -> dict:

@@ -5,11 +5,13 @@ At 1280 px, with the file browser open and again with it collapsed (and at 900 p
 options wrap), for every question of the quiz: each option shows its whole text beside a letter button that is
 visible and on top (nothing drawn over it), no two option rows overlap, and no option's text overflows its row.
 (ipywidgets' RadioButtons drew long options over the next one, without their radio button: the right answer gave
-itself away.) The monitored_barrier cell succeeds by design, so gloo's C++ log line must not show as a stderr box
-there.
+itself away.) Every question answered (option A, right or wrong), no question scrolls sideways and no feedback is
+double-spaced (each had a scrollbar, 4 px too wide, and wrapped feedback read double). The monitored_barrier cell
+succeeds by design, so gloo's C++ log line must not show as a stderr box there.
 """
 
 from playwright.sync_api import Page
+from widget_checks import check_widget_text
 
 from labkit.exercises import load_questions
 
@@ -59,7 +61,21 @@ def check(page: Page, cells: list[dict]) -> None:
         page.wait_for_timeout(1500)
         check_options(page.evaluate(OPTION_ROWS), expected, f"{width} px, file browser {sidebar}")
     page.set_viewport_size({"width": 1280, "height": 900})
+    answer_every_question(page)
+    check_widget_text(page, "the quiz, every question answered")
     check_barrier_cell(page.evaluate(BARRIER_CELL))
+
+
+def answer_every_question(page: Page) -> None:
+    """Pick option A of every question and press its Check: each then shows its feedback."""
+    questions = page.locator(".jp-Notebook .labkit-quiz-question")
+    for i in range(questions.count()):
+        card = questions.nth(i).locator("xpath=..")  # the question's card: its header, options, Check, feedback
+        card.locator(".labkit-quiz-option button").first.click()
+        card.locator("button", has_text="Check").click()
+    page.wait_for_function("() => [...document.querySelectorAll('.jp-Notebook .widget-html-content')]"
+                           ".filter(e => /Correct|Not quite/.test(e.innerText)).length >= "
+                           f"{questions.count()}", timeout=15_000)
 
 
 def check_options(rows: list[dict], expected: list[str], where: str) -> None:

@@ -96,14 +96,15 @@ def test_a_syntax_error_shows_its_line_and_caret_and_runs_no_rank(fresh, capsys)
 def test_each_world_size_keeps_its_own_variables_and_says_so_once(fresh, capsys):
     assert run(fresh, "%%ranks 2\nx = 5").success
     assert not run(fresh, "%%ranks 3\nprint(x)").success
-    err = capsys.readouterr().err
-    assert ("labkit: each world size keeps its own variables: %%ranks 3 starts empty; "
-            "%%ranks 2's x is still there.") in err
+    captured = capsys.readouterr()
+    assert captured.out.startswith("labkit: each world size keeps its own variables: %%ranks 3 starts empty; "
+                                   "%%ranks 2's x is still there.\n")  # a note (not stderr's red box), first
+    assert "each world size" not in captured.err
     assert run(fresh, "%%ranks 2\nprint(x)").success
     captured = capsys.readouterr()
-    assert "[rank 1] 5" in captured.out and "labkit:" not in captured.err
+    assert "[rank 1] 5" in captured.out and "labkit:" not in captured.err + captured.out
     run(fresh, "%%ranks 1\nz = 1")
-    assert "each world size" not in capsys.readouterr().err  # once
+    assert "each world size" not in capsys.readouterr().out  # once
 
 
 def test_a_rank_that_died_while_idle_is_announced_once(fresh, capsys):
@@ -149,19 +150,30 @@ def ctrl_c_after():
     signal.signal(signal.SIGINT, previous)
 
 
-@pytest.mark.parametrize("cell, student_line", [
-    ("%%ranks 2\nimport time\ntime.sleep(20)", "run_cell_magic('ranks'"),
-    ("import labkit, time\ndef f():\n    time.sleep(20)\nlabkit.run(f, world_size=2)", "labkit.run(f, world_size=2)"),
-])
-def test_an_interrupt_shows_the_message_and_the_students_lines_only(fresh, capsys, ctrl_c_after, cell, student_line):
+def test_an_interrupted_ranks_cell_ends_with_one_line(fresh, capsys, ctrl_c_after):
+    """A %%ranks cell's lines ran on the ranks: after the pool's message, one line, no traceback through
+    IPython's run_cell_magic (the only frame the notebook's side has)."""
     fresh.run_cell("%%ranks 2\n1")  # started, so that the interrupt reaches the call
     capsys.readouterr()
     ctrl_c_after(1.5)
+    result = fresh.run_cell("%%ranks 2\nimport time\ntime.sleep(20)", store_history=True)
+    assert isinstance(result.error_in_exec, KeyboardInterrupt)
+    captured = capsys.readouterr()
+    assert "labkit: interrupted; every rank stopped cleanly and the pool is kept." in captured.err
+    assert captured.out.strip().splitlines() == [
+        "KeyboardInterrupt: the %%ranks cell was stopped (the line above says what became of its ranks)"]
+
+
+def test_an_interrupted_run_shows_the_message_and_the_students_lines_only(fresh, capsys, ctrl_c_after):
+    fresh.run_cell("%%ranks 2\n1")  # started, so that the interrupt reaches the call
+    capsys.readouterr()
+    ctrl_c_after(1.5)
+    cell = "import labkit, time\ndef f():\n    time.sleep(20)\nlabkit.run(f, world_size=2)"
     result = fresh.run_cell(cell, store_history=True)
     assert isinstance(result.error_in_exec, KeyboardInterrupt)
     captured = capsys.readouterr()
     assert "labkit: interrupted; every rank stopped cleanly and the pool is kept." in captured.err
-    assert student_line in captured.out and captured.out.rstrip().endswith("KeyboardInterrupt:")
-    for internal in ("selectors", "pool.py", "owner.py", "magic.py", "hidden"):
+    assert "labkit.run(f, world_size=2)" in captured.out and captured.out.rstrip().endswith("KeyboardInterrupt:")
+    for internal in ("selectors", "pool.py", "owner.py", "magic.py", "hidden", "run_cell_magic"):
         assert internal not in captured.out, captured.out
     assert len(captured.out.strip().splitlines()) <= 8, captured.out

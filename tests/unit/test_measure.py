@@ -34,7 +34,7 @@ def test_master_copies_count_as_optimizer_state_and_tied_weights_once():
     assert measured == {"weights": 35 * 2, "grads": 0, "optimizer": 35 * 4, "counters": 0, "total": 35 * 6}
 
 
-def test_allreduce_sweep_takes_turns_one_round_per_run_and_keeps_the_median(monkeypatch):
+def test_allreduce_sweep_takes_turns_one_round_per_run_and_keeps_the_median(monkeypatch, capsys):
     """labkit.run is replaced by a fake that hands out each round's seconds: no ranks needed."""
     rounds = {"a": iter([[3.0, 30.0], [1.0, 10.0], [2.0, 20.0]]), "b": iter([[5.0, 7.0], [4.0, 9.0], [6.0, 8.0]])}
     calls = []
@@ -49,6 +49,8 @@ def test_allreduce_sweep_takes_turns_one_round_per_run_and_keeps_the_median(monk
     assert [name for name, _, _ in calls] == ["a", "b"] * 3                    # the two take turns
     assert [warm for _, _, warm in calls] == [True, True] + [False] * 4        # only the first round warms up
     assert {repeats for _, repeats, _ in calls} == {1}                         # one timed round per run
+    bar = capsys.readouterr().out.rsplit("\r", 1)[-1]                         # the progress bar's last state
+    assert bar.startswith("AllReduce sweep: 2 sizes, 3 rounds x 2 AllReduces:") and "6/6" in bar, bar
 
 
 def test_synchronize_waits_for_a_cuda_device_and_nothing_else(monkeypatch):

@@ -8,7 +8,9 @@ import ipywidgets as widgets
 import pytest
 
 from labkit.widgets import PredictThenRun
+from labkit.widgets.app import PROSE_STYLE
 from labkit.widgets.predict import CONTROL_WIDTH, distinct_wrong_guesses
+from labkit.widgets.typed import TypedSlider
 
 
 def ring_bytes_app(default: float = 3.0, experiment=None) -> PredictThenRun:
@@ -50,7 +52,7 @@ def test_pressing_again_with_another_prediction_updates_without_rerunning():
     assert "Right" in app.feedback.value and "hub" not in app.feedback.value
     app.control.value = 0.5                                                 # no typical guess: how far off
     app.button.click()
-    assert "0.5 x S is below theory's 1.5 x S (the measured: 1.5 x S)" in app.feedback.value
+    assert "0.5 x S is below theory's 1.5 x S (measured: 1.5 x S)" in app.feedback.value
     assert len(app.calls) == 1
 
 
@@ -60,7 +62,8 @@ def test_an_unattended_run_compares_the_default_prediction_folded():
     app = ring_bytes_app(default=3.0)
     assert app.result == {"ring": 1.5, "hub": 3.0} and app.measured == 1.5
     shown = app.feedback.value
-    assert shown.startswith("<details>") and "prediction set then: 3 x S" in shown
+    assert shown.startswith(f"<div style='{PROSE_STYLE}'><details>")   # folded, and single-spaced
+    assert "prediction set then: 3 x S" in shown
     assert "hub's rank 0" in shown and "1.5 x S" in shown and "every chunk" in shown
     app.button.click()                                                      # the student presses afterwards
     assert "<details>" not in app.feedback.value and len(app.calls) == 1
@@ -81,8 +84,11 @@ def test_a_failing_experiment_is_reported_and_the_button_stays_usable():
 def test_the_control_keeps_its_whole_description_within_a_narrow_column():
     app = ring_bytes_app()
     header, row, feedback = app.children
-    assert row.children == (app.control, app.button) and "Predict first" in header.value
-    assert app.control.style.description_width == "initial" and app.control.layout.width == CONTROL_WIDTH
+    shown, button = row.children            # a slider is shown with a text box for typed values (TypedSlider)
+    assert isinstance(shown, TypedSlider) and shown.slider is app.control and button is app.button
+    assert "Predict first" in header.value
+    assert app.control.style.description_width == "initial" and shown.layout.width == CONTROL_WIDTH
+    assert not app.control.readout            # ipywidgets' readout took "1e3" as 1, silently
     dropdown = widgets.Dropdown(options=[("1 model", 1), ("4 models", 4)], value=1,
                                 layout=widgets.Layout(width="300px"))
     assert PredictThenRun("How many?", dropdown, lambda: 4).control.layout.width == "300px"   # its own width kept
@@ -92,10 +98,10 @@ def test_without_theory_or_typical_guesses_the_comparison_still_reads():
     app = PredictThenRun("Speedup?", widgets.FloatSlider(value=8, min=1, max=8), lambda: 4.04,
                          show=lambda v: f"{v:.2f}x", measured_label="labkit.plan", tolerance=0.1)
     app.button.click()
-    assert "8.00x is above the labkit.plan 4.04x" in app.feedback.value and "theory" not in app.feedback.value
+    assert "8.00x is above labkit.plan's 4.04x." in app.feedback.value and "theory" not in app.feedback.value
     app.control.value = 4.2                                                 # within 10%
     app.button.click()
-    assert "Right" in app.feedback.value
+    assert "Right</b>: 4.20x is what labkit.plan gives." in app.feedback.value   # not "what was labkit.plan"
 
 
 def test_wrong_guesses_that_coincide_at_a_small_size_are_kept_once_and_never_equal_the_answer():
@@ -131,7 +137,7 @@ def test_a_right_prediction_is_right_whatever_the_noise_the_notebook_accepts():
     app.control.value = 3 / 11
     app.button.click()
     assert "Right" in app.feedback.value and "Not quite" not in app.feedback.value
-    assert "27.3% is what theory gives (the measured: 33.0%)" in app.feedback.value
+    assert "27.3% is what theory gives (measured: 33.0%)" in app.feedback.value
     app.control.value = 0.30                                                # inside the band: right too
     app.button.click()
     assert "Right" in app.feedback.value
@@ -142,7 +148,7 @@ def test_a_wrong_prediction_is_told_not_quite_even_near_the_noisy_measurement():
     app.control.value = 0.36                                                # 9 % from what was measured
     app.button.click()
     assert "Not quite" in app.feedback.value
-    assert "36.0% is above theory's 27.3% (the measured: 33.0%)" in app.feedback.value
+    assert "36.0% is above theory's 27.3% (measured: 33.0%)" in app.feedback.value
     app.control.value = 0.75                                                # the typical guess and its reason
     app.button.click()
     assert "Not quite" in app.feedback.value and "one micro-batch's" in app.feedback.value

@@ -22,6 +22,8 @@ def test_memory_bars_stack_the_three_parts_under_the_gpu_line():
     assert [trace.name for trace in figure.data] == ["weights", "grads", "optimizer"]
     assert figure.data[2].y[0] == pytest.approx(84)  # replicated: 12 bytes x 7e9 in GB
     assert figure.layout.shapes[0].y0 == 80 and "GB" in figure.layout.yaxis.title.text
+    line = figure.layout.shapes[0]   # named in the legend: no text drawn over the bars
+    assert line.showlegend and line.name == "GPU memory 80 GB" and not figure.layout.annotations
     assert figure.layout.title.text == "Memory per GPU before activations"
 
 
@@ -54,7 +56,7 @@ def test_zero_memory_bars_draw_measured_megabytes_with_plans_totals_beside_them(
     predicted = {stage: {**parts, "total": parts["total"] * 1.01} for stage, parts in measured.items()}
     figure = zero_memory_bars(measured, gpu_nbytes=12e6, unit="MB", predicted=predicted)
     assert list(figure.data[0].y) == pytest.approx([4, 4, 4, 1])                  # weights in MB (1e6 bytes)
-    assert [a.text for a in figure.layout.annotations][1:] == ["16.0 MB", "10.0 MB", "7.0 MB", "4.0 MB"]
+    assert [a.text for a in figure.layout.annotations] == ["16.0 MB", "10.0 MB", "7.0 MB", "4.0 MB"]
     assert figure.layout.shapes[0].y0 == 12 and "MB (1e6 bytes)" in figure.layout.yaxis.title.text
     marks = figure.data[-1]
     assert marks.name == "predicted total (plan)" and list(marks.y) == pytest.approx([16.16, 10.1, 7.07, 4.04])
@@ -110,7 +112,7 @@ def test_planner_recomputes_when_a_control_moves():
     app = planner()
     controls, _ = controls_of(app)
     summary, (memory, speed) = app.children[0].children[1], figures_of(app)
-    assert isinstance(memory, go.FigureWidget) and "does not fit" in summary.value
+    assert isinstance(memory, go.Figure) and "does not fit" in summary.value
     controls["parameters"].value = "1B"
     assert "does not fit" in summary.value        # 16 GB of state, but 73 GB of activations at 7B's shape
     controls["model width"].value, controls["layers"].value = 2048, 16    # a 1B model's shape
@@ -179,7 +181,7 @@ def test_planner_zero_stage_shards_the_memory_and_zero_3_moves_half_as_much_agai
     app = planner()
     controls, _ = controls_of(app)
     summary, stage = app.children[0].children[1], controls["ZeRO stage (0 = DDP)"]
-    assert (stage.min, stage.max, stage.value) == (0, 3, 0)
+    assert (stage.slider.min, stage.slider.max, stage.value) == (0, 3, 0)
     speedups = {}
     for k in (1, 2, 3, 0):
         stage.value = k
@@ -209,19 +211,25 @@ def test_planner_conventions_keep_their_byte_counts():
             7 * (weights + grads + optimizer))
 
 
-def test_figures_fit_beside_the_controls_at_their_stated_width():
+def test_figures_take_the_width_their_slots_share():
     app = planner()
-    assert all(figure.layout.width <= 520 for figure in figures_of(app))
+    assert all(figure.layout.width is None for figure in figures_of(app))  # each as wide as its slot
+    assert all(slot.layout.flex == "1 1 460px" for slot in app.children[1].children)
     assert all(box.layout.flex_flow == "row wrap" for box in app.children)  # narrow windows stack, never clip
 
 
-def test_a_figure_slot_replaces_its_figure_whole_and_closes_the_old_one():
+def test_a_figure_slot_replaces_its_figure_whole_in_one_output_and_stays_one_widget():
     slot = FigureSlot()
-    assert slot.figure is None
+    assert slot.figure is None and slot.outputs == ()
     slot.draw(go.Figure(go.Bar(y=[1])))
-    first = slot.figure
-    slot.draw(go.Figure(go.Bar(y=[2])))
-    assert slot.figure is not first and slot.figure.data[0].y == (2,) and first.comm is None
+    first, widget = slot.figure, slot.model_id
+    slot.draw(go.Figure(go.Bar(y=[2]), layout_title_text="two"))
+    (output,) = slot.outputs
+    assert slot.figure is not first and slot.figure.data[0].y == (2,) and slot.model_id == widget
+    document = output["data"]["application/vnd.plotly.v1+json"]
+    assert document["data"][0]["y"] == [2] and document["layout"]["title"]["text"] == "two"
+    assert document["layout"]["title"]["pad"]["t"] == 28 and document["layout"]["margin"]["t"] == 54
+    assert document["config"]["displaylogo"] is False
 
 
 def test_memory_bars_stack_activations_on_top_when_the_plans_count_them():

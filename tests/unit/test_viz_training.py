@@ -50,6 +50,9 @@ def test_fsdp_timeline_puts_each_kind_in_its_lane_coloured_by_unit_in_millisecon
     assert figure.data[1].base[0] == pytest.approx(1.2) and figure.data[1].x[0] == pytest.approx(1.8)
     assert [bar.marker.color for bar in figure.data] == [PALETTE[0], PALETTE[1], PALETTE[0], PALETTE[1], PALETTE[1]]
     assert [bar.showlegend for bar in figure.data] == [True, True, False, False, False]  # one legend entry per unit
+    # units numbered 0, 1 (their modules, an nn.Sequential's "0" and "2", beside the number, never instead of it)
+    assert [bar.name for bar in figure.data[:2]] == ["unit 0 (module '0')", "unit 1 (module '2')"]
+    assert [bar.text[0] for bar in figure.data[:2]] == ["unit 0", "unit 1"]
     assert list(figure.layout.yaxis.categoryarray) == ["reduce-scatter", "compute", "all-gather"]  # top down
     (backward,) = figure.layout.shapes
     assert backward.x0 == pytest.approx(4.0) and figure.layout.xaxis.title.text.endswith("(ms)")

@@ -4,6 +4,7 @@ import html
 
 from labkit.exercises import STACK_MAP, Flashcard, load_flashcards, load_questions
 from labkit.widgets import flashcards, quiz, stack_map_exercise
+from labkit.widgets.app import prose
 
 
 def test_stack_map_exercise_gives_nothing_away_before_the_student_answers():
@@ -38,7 +39,7 @@ def test_quiz_scores_first_attempts_and_explains():
     score, first, second = app.children
     *_, button, feedback = first.children
     button.click()
-    assert feedback.value == "Pick a letter first." and "0 of 0" in score.value
+    assert feedback.value == prose("Pick a letter first.") and "0 of 0" in score.value
     pick(first, (questions[0].answer + 1) % 4)
     button.click()
     assert "Not quite" in feedback.value and "Answer:" in feedback.value
