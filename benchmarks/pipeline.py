@@ -14,7 +14,9 @@ on the way. handover_seconds_by_size times exactly that on labkit's transport, b
 ranks (a ping-pong between ranks 0 and 1, each message sent after 20 ms of emulated compute to a rank waiting for
 it; alpha + n beta fitted with plan.fit_point_to_point, fitted_handover), so that both see the same load; and
 "simulated" is simulate_pipeline with that HandOver, walking the plan the executor posts on gloo (receives
-ahead). The last lines give the worst |simulated - measured| and |formula - measured| per schedule.
+ahead). The last lines give the worst |simulated - measured| and |formula - measured| per schedule, and whether
+the simulator met its target, within TARGET = 0.01 of the measured bubble everywhere: a printed verdict, not an
+assert (on a shared machine a busy moment is not a failure of the model; rerun and compare).
 
     python benchmarks/pipeline.py            about 6 minutes on 2 cores
 """
@@ -46,6 +48,7 @@ KINDS = ["gpipe", "1f1b"]
 FORWARD_S, BACKWARD_S = 0.020, 0.040
 EMULATED = (FORWARD_S, BACKWARD_S)
 ROUNDS = 5
+TARGET = 0.01  # issue 25: the simulator within 0.01 (absolute) of the measured bubble at every p <= 4, m <= 16
 EXAMPLES, HIDDEN = 64, 64  # the batch; every activation between stages is HIDDEN float32 wide
 HEADER = ("p", "m", "schedule", "formula", "simulated", "measured", "spread", "sim - meas", "formula - meas",
           "peak held", "expected")
@@ -107,6 +110,17 @@ def activation_nbytes(microbatches: int) -> int:
     return math.ceil(EXAMPLES / microbatches) * HIDDEN * 4
 
 
+def verdict(lines, summary) -> str:
+    """Whether every simulated bubble was within TARGET of the measured one: the worst gap, and where it missed."""
+    gaps = [abs(sim) for _, sim, _ in summary]
+    worst = max(gaps)
+    if worst <= TARGET:
+        return f"worst |sim - measured| {worst:.4f} <= {TARGET}: met"
+    missed = ", ".join(f"{line[2]} p={line[0]} m={line[1]} ({gap:.4f})"
+                       for line, gap in zip(lines, gaps, strict=True) if gap > TARGET)
+    return f"worst |sim - measured| {worst:.4f} > {TARGET}: not met at {missed}"
+
+
 def main():
     load = os.getloadavg()[0]
     print(f"pipeline: mlp(layers=3) on p gloo ranks, emulated compute {FORWARD_S * 1e3:.0f} ms forward / "
@@ -128,6 +142,7 @@ def main():
         formula = max((abs(f), i) for i, (k, _, f) in enumerate(summary) if k == kind)
         print(f"{kind}: worst |simulated - measured| {sim[0]:.4f} (p={lines[sim[1]][0]}, m={lines[sim[1]][1]}); "
               f"worst |formula - measured| {formula[0]:.4f} (p={lines[formula[1]][0]}, m={lines[formula[1]][1]})")
+    print(verdict(lines, summary))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     labkit.shutdown()
 

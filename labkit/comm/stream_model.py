@@ -5,8 +5,14 @@ GPU", and "if multiple ncclSend() and ncclRecv() operations need to progress con
 be fused within a ncclGroupStart()/ncclGroupEnd() section" (NCCL docs, API, "Point To Point Communication
 Functions"); torch's dist.batch_isend_irecv is such a group. So each rank's operations run one group after the
 other, in posting order, on its stream; a dist.isend followed by a dist.irecv (or a blocking dist.recv) is two
-groups, whatever the CPU does meanwhile. The model assumes one stream per rank: torch may give other pairs of
-ranks streams of their own, which can only add concurrency, so what completes here completes there.
+groups, whatever the CPU does meanwhile. The model assumes one stream per rank. That is what torch does in
+labkit's NCCL groups: started with a device_id (eager init), a group runs every unbatched send and receive on its
+one communicator and stream, serialised with its other operations (ProcessGroupNCCL::pointToPoint, and the
+warning it prints about it). A group started without one creates a two-rank communicator and stream per pair of
+ranks on first use instead: with 2 ranks both directions still share that one stream, and with 3 or more a ring
+that posts each send first hangs earlier, every rank's first send waiting to create the communicator with its
+right neighbour while that neighbour creates its own with the next. The one-stream model is conservative for
+both: an order it accepts completes either way.
 
 On gloo the same posts may run (an isend returns at once and its message waits in a buffer): this model is how
 labkit checks, on a laptop, code that must also run on GPUs (the pipeline executor's tests, the AllReduce

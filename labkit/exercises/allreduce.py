@@ -182,10 +182,14 @@ def _nccl_order_message(posts: list[list[tuple]], ring: bool) -> str | None:
     if stuck is None:
         return None
     waiting = "; ".join(f"rank {rank} in its {_group_text(group)}" for rank, group in enumerate(stuck) if group)
-    return (f"{_NCCL_HANG}. NCCL runs each rank's sends and receives one "
-            "after another on the rank's GPU stream, and a send or a receive posted on its own waits there until "
-            "its peer runs the matching one (NCCL docs, ncclSend/ncclRecv: \"blocking for the GPU\"; operations "
-            "that must progress together go in one group). In the order your ranks posted their messages, these "
+    return (f"{_NCCL_HANG}. A send or a receive posted on its own waits on its stream until its peer runs the "
+            "matching one (NCCL docs, ncclSend/ncclRecv: \"blocking for the GPU\"; operations that must progress "
+            "together go in one group), and torch puts them on one stream per communicator: in labkit's NCCL "
+            "groups (started with a device_id) the group's one, so a rank's sends and receives queue behind each "
+            "other; in a group started without one, a two-rank communicator per pair of ranks made on first use, "
+            "where 3 or more ranks hang even earlier, each first send waiting to create the communicator with a "
+            "neighbour busy creating its own (ProcessGroupNCCL::pointToPoint); this check's one-stream rule is the "
+            "safe, conservative one. In the order your ranks posted their messages, these "
             f"ranks would wait for ever: {waiting}. dist.isend returning at once does not help: it frees the CPU, "
             f"not the stream. {_RING_FIX if ring else _HUB_FIX}")
 

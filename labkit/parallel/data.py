@@ -215,9 +215,11 @@ class BucketedDDP(nn.Module):
       starts early in the backward; with a bucket_mb, the first bucket gets the same cap (torch 2.13 uses
       its small first bucket only when bucket_cap_mb is not given). Buckets are filled in reverse parameter
       order, roughly the order the backward produces gradients, and launched strictly in bucket order, so
-      every rank issues the same collectives in the same order. torch instead starts with one bucket for
-      everything and, after the first backward, rebuilds them in the order the gradients really arrived;
-      where that order is the reverse parameter order (a stack of layers), its buckets are these.
+      every rank issues the same collectives in the same order. torch instead, when find_unused_parameters=False
+      (its default) or static_graph=True, starts with one bucket for everything and, after the first backward,
+      rebuilds them in the order the gradients really arrived, its small bucket first in that order (the
+      Reducer's rebuild_buckets; DDP_SET_LAST_BUCKET_CAP=1 puts it last); where that order is the reverse
+      parameter order (a stack of layers), its buckets are these.
     - Frozen parameters are in no bucket; a tied parameter (one tensor in two modules) is in one.
     - Unused parameters: a bucket that a missing gradient keeps from filling is launched by finish(), with
       zeros for the missing gradients. Each bucket also sums one flag per parameter, how many ranks produced

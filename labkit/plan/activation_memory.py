@@ -19,6 +19,11 @@ recomputes them inside its backward: then s b h (10 + 24/t), or s b h 34/t with 
 recomputation keeps only each layer's input, 2 s b h. The paper's Table 2 lists these per layer; L layers keep L
 times as much. Other layouts are other byte counts: `bytes_per_value` (4 for float32) and `dropout=False` (no
 masks, and the softmax output is then saved once, not also as the dropout's output).
+
+This is the paper's block (a GELU MLP of width 4h, LayerNorm, dropout); at LLaMA-7B's width it is the paper's
+standard block, not LLaMA's. LLaMA's own (a SwiGLU MLP of width 11008, RMSNorm, no dropout) keeps, by the same
+count, 16 s b h outside its MLP and four 11008-wide tensors in it (the SiLU's input and output, the up
+projection's output, the down projection's input): 16 + 8 x 11008 / 4096 = 37.5 s b h, not 34.
 """
 
 from __future__ import annotations
@@ -46,7 +51,9 @@ def activation_nbytes(layers: int, d_model: int, heads: int, sequence: int, micr
     output layer and the loss; and, while a fully recomputed layer runs its backward, that one layer's
     activations again. Frozen weights (LoRA) need not keep their inputs: then this is an upper bound.
 
-    >>> round(activation_nbytes(32, 4096, 32, sequence=2048, micro_batch=8) / 1e9, 2)   # LLaMA-7B's shape: 34 sbhL
+    The paper's standard block at LLaMA-7B's width, 34 sbhL:
+
+    >>> round(activation_nbytes(32, 4096, 32, sequence=2048, micro_batch=8) / 1e9, 2)
     73.01
     >>> round(activation_nbytes(32, 4096, 32, 2048, 8, recompute="full") / 1e9, 2)      # 2 sbhL
     4.29

@@ -24,7 +24,9 @@ micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h
       labkit.parallel.tensor_gpt does). With vocab_parallel_loss, Megatron's vocabulary-parallel cross-entropy
       (same section) replaces that gather: each rank keeps its vocabulary slice of the logits and the loss takes
       3 all-reduces of b s numbers (the max, the target's logit and the sum of exponentials per token; its
-      backward is local). labkit's executor does not run it: the layout says which one is planned.
+      backward is local), in FP32 whatever the model's precision (VocabParallelCrossEntropy casts the logits
+      with .float(), megatron/core/tensor_parallel/cross_entropy.py): LOSS_BYTES_PER_NUMBER = 4 bytes each.
+      labkit's executor does not run it: the layout says which one is planned.
   tp, sequence parallel (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
       Models", section 4.2.2): each all-reduce becomes a reduce-scatter (a) and an all-gather (a / t). The
       embedding 1 reduce-scatter forward, 1 all-gather backward; a block 2 all-gathers and 2 reduce-scatters
@@ -67,11 +69,12 @@ from labkit.checks import choice, finite_result, flag, number, shown, whole
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes, ring_reduce_scatter_bytes
 
-__all__ = ["COLLECTIVES", "GPTShape", "ParallelLayout", "axis_traffic", "axis_wire_bytes", "check_fit", "rank_layers",
-           "rank_params"]
+__all__ = ["COLLECTIVES", "LOSS_BYTES_PER_NUMBER", "GPTShape", "ParallelLayout", "axis_traffic", "axis_wire_bytes",
+           "check_fit", "rank_layers", "rank_params"]
 
 _AXES = ("dp", "pp", "tp")  # as labkit.parallel.mesh.AXES: outermost to innermost (plan imports no torch)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "broadcast")  # labkit.parallel.counters' kinds
+LOSS_BYTES_PER_NUMBER = 4  # Megatron's vocabulary-parallel loss all-reduces FP32 numbers (module docstring)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class ParallelLayout:
     gathers them in every forward and backward, is not an option of this layout. Two of Megatron-LM's
     optimisations that labkit.parallel.ThreeDGPT does not run can be planned: `scatter_gather` (pipeline sends
     of 1/tp of the activation per tp rank, all-gathered after; Narayanan et al. 2021, section 4.1) and
-    `vocab_parallel_loss` (the head's logits kept split over tp, the loss from 3 all-reduces of b s numbers;
+    `vocab_parallel_loss` (the head's logits kept split over tp, the loss from 3 all-reduces of b s FP32 numbers;
     Shoeybi et al. 2019, section 3). Both default to False, what ThreeDGPT runs.
 
     >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
@@ -270,8 +273,7 @@ def _tp_per_microbatch(shape: GPTShape, kind: str, layout: ParallelLayout, b: in
     """Numbers one layer hands to tp collectives per micro-batch of b sequences of s tokens (module docstring)."""
     t, whole_act = layout.tp, b * s * shape.d_model
     part = whole_act // t
-    loss = Counter({"all_reduce": 3 * b * s} if layout.vocab_parallel_loss else
-                   {"all_gather": b * s * math.ceil(shape.vocab / t)})  # the head's logits, or the split loss's
+    loss = Counter() if layout.vocab_parallel_loss else Counter({"all_gather": b * s * math.ceil(shape.vocab / t)})
     if not layout.sequence_parallel:
         layers = {"embeddings": {"all_reduce": whole_act}, "block": {"all_reduce": 4 * whole_act},
                   "head": {"all_reduce": whole_act}}
@@ -280,6 +282,14 @@ def _tp_per_microbatch(shape: GPTShape, kind: str, layout: ParallelLayout, b: in
                   "block": {"reduce_scatter": 4 * whole_act, "all_gather": 6 * part},
                   "head": {"reduce_scatter": whole_act, "all_gather": 2 * part}}
     return Counter(layers[kind]) + (loss if kind == "head" else Counter())
+
+
+def _loss_numbers(layout: ParallelLayout, kinds, b: int, s: int) -> Counter:
+    """Numbers the vocabulary-parallel loss hands to its tp all-reduces in one step, each LOSS_BYTES_PER_NUMBER
+    bytes: 3 b s per micro-batch on a rank holding the head (module docstring)."""
+    if layout.tp == 1 or not layout.vocab_parallel_loss or "head" not in kinds:
+        return Counter()
+    return Counter({"all_reduce": 3 * b * s * layout.microbatches})
 
 
 def _sequence_sharded_numbers(shape: GPTShape, kind: str) -> int:
@@ -370,8 +380,10 @@ def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int,
     numbers = {"dp": _dp_numbers(layout, params, tensors),
                "pp": _pp_numbers(shape, layout, stage, b, s),
                "tp": _tp_numbers(shape, layout, kinds, b, s) + _scatter_gather_numbers(shape, layout, stage, b, s)}
-    traffic = {axis: {kind: n * nbytes for kind, n in sorted(counted.items()) if n}
-               for axis, counted in numbers.items()}
+    in_bytes = {axis: Counter({kind: n * nbytes for kind, n in counted.items()}) for axis, counted in numbers.items()}
+    loss = _loss_numbers(layout, kinds, b, s)                             # FP32 whatever bytes_per_number is
+    in_bytes["tp"] += Counter({kind: n * LOSS_BYTES_PER_NUMBER for kind, n in loss.items()})
+    traffic = {axis: {kind: n for kind, n in sorted(counted.items()) if n} for axis, counted in in_bytes.items()}
     return finite_result("axis_traffic", traffic, batch=batch, sequence=sequence, bytes_per_number=bytes_per_number)
 
 

@@ -22,7 +22,11 @@ micro-batch, for GPipe and 1F1B): its AllReduce runs there for free.
 
 The same condition in tokens (Austin et al. 2025, "How to Scale Your Model", part 5, "Data Parallelism": compute
 bound when the tokens per chip exceed C / W): the AllReduce hides entirely when the last micro-batch's tokens per
-GPU are at least about C / W, the GPU's FLOP/s over its link's bytes/s (`tokens_to_hide_allreduce`).
+GPU are at least about C / W, the GPU's FLOP/s over its link's bytes/s in one direction (`tokens_to_hide_allreduce`).
+The book's W is its "bidirectional" bandwidth, which it defines (part 2) as the bytes a chip sends out per second
+along an axis, what a GPU's one-direction figure measures; its T_math and T_comm each count half of what this module
+counts (2 FLOPs per parameter and token for the backward and 2 bytes per parameter on the wire, against 4 and
+2(N-1)/N x 2), so the ratio and the threshold are the same.
 """
 
 from __future__ import annotations

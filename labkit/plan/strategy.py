@@ -4,8 +4,9 @@ The lesson's three answers (time -> data, one layer -> tensor, too many layers -
 worked 7B example ends on: when the model fits and only its training state (gradients, optimizer) does not,
 shard that state over the data-parallel ranks or train LoRA adapters before splitting the model. Where the
 weights themselves do not fit, sharding them too (ZeRO-3, PyTorch FSDP) is as much an answer as the pipeline:
-torchtitan trains Llama-3-70B with FSDP2 and 8-way tensor parallelism, no pipeline
-(torchtitan/models/llama3/train_configs/llama3_70b.toml in pytorch/torchtitan).
+torchtitan's preset config for Llama-3-70B uses FSDP2 and 8-way tensor parallelism, no pipeline, with full
+activation checkpointing, for 64 A100 GPUs by its own comment (torchtitan/models/llama3/train_configs/
+llama3_70b.toml in pytorch/torchtitan).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def parallelism_for(params: float, largest_layer_params: float, gpu_nbytes: floa
     4. Every layer fits but the weights of the stack do not: too many layers -> pipeline parallelism
        (Huang et al. 2019, "GPipe") or ZeRO-3/FSDP, which shards the weights too and gathers one layer at a
        time (Rajbhandari et al. 2020, section 5.3; Zhao et al. 2023, "PyTorch FSDP"); at that size usually with
-       tensor parallelism inside a node (torchtitan's Llama-3-70B: FSDP2 + 8-way tensor parallelism).
+       tensor parallelism inside a node (torchtitan's preset config for Llama-3-70B: FSDP2 + 8-way tensor parallelism).
     Tensor and pipeline parallelism are both "model parallelism"; large runs combine all of these.
 
     >>> parallelism_for(7e9, 0.2e9, 80e9).strategy    # the lesson's 7B: 14 GB of weights, 112 GB of state
@@ -80,5 +81,5 @@ def parallelism_for(params: float, largest_layer_params: float, gpu_nbytes: floa
         f"even the weights ({weights / GB:.1f} GB) exceed {on_gpu} while every layer fits (at most "
         f"{layer_state / GB:.1f} GB of state): too many layers. Put consecutive layers on consecutive GPUs and keep "
         "them busy with micro-batches (pipeline parallelism), or shard the weights too and gather one layer at a "
-        "time (ZeRO-3, PyTorch FSDP); at this size usually with tensor parallelism inside a node (torchtitan trains "
-        "Llama-3-70B with FSDP2 + tensor parallelism)"))
+        "time (ZeRO-3, PyTorch FSDP); at this size usually with tensor parallelism inside a node (torchtitan's preset "
+        "config for Llama-3-70B uses FSDP2 + tensor parallelism)"))

@@ -131,11 +131,12 @@ def ddp_bucket_count(gradient_nbytes: float, bucket_mb: float = 25.0) -> int:
 
     DDP synchronises the gradients once per step, but in one AllReduce per bucket, each launched during the
     backward as soon as its bucket is full, so that it overlaps the rest of the backward (Li et al.,
-    "PyTorch Distributed", VLDB 2020, section 3.2.2). The count is an upper bound, reached when the tensors
-    are small next to a bucket and their size divides it: torch never splits a tensor, and a bucket closes
-    with the tensor that takes it to the cap or past it (torch 2.13's dist._compute_bucket_assignment_by_size),
-    so every bucket but the last holds at least bucket_mb. Without bucket_cap_mb, torch also gives the first
-    1 MiB of gradients a bucket of its own (dist._DEFAULT_FIRST_BUCKET_BYTES): about one bucket more.
+    "PyTorch Distributed", VLDB 2020, section 3.2.2). For an explicit bucket_cap_mb the count is an upper
+    bound, reached when the tensors are small next to a bucket and their size divides it: torch never splits a
+    tensor, and a bucket closes with the tensor that takes it to the cap or past it (torch 2.13's
+    dist._compute_bucket_assignment_by_size), so every bucket but the last holds at least bucket_mb. With
+    torch's defaults (no bucket_cap_mb) it is not a bound: one bucket is capped at 1 MiB
+    (dist._DEFAULT_FIRST_BUCKET_BYTES), and torch can make one bucket more (the 7B's 14 GB: up to 536).
 
     >>> ddp_bucket_count(7e9 * 2)          # the lesson's 7B model, BF16 gradients: 14 GB / 25 MiB = 534.06
     535

@@ -19,6 +19,7 @@ from labkit.plan import (
     rank_params,
     transformer_params,
 )
+from labkit.plan.axis_traffic import LOSS_BYTES_PER_NUMBER
 
 SMALL = GPTShape(vocab=10, d_model=4, layers=2, heads=2, context=8)  # d_ff 16
 TINY_GPT = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)  # labkit.models.TinyGPT, untied
@@ -171,6 +172,12 @@ def test_megatrons_vocabulary_parallel_loss_moves_b_s_numbers_by_hand():
         assert last_split["all_reduce"] - last.get("all_reduce", 0) == 2 * 3 * tokens * 4
         assert axis_traffic(SMALL, gathered, 8, 0) == axis_traffic(SMALL, split, 8, 0)   # no head on stage 0
     assert "all_gather" not in axis_traffic(SMALL, ParallelLayout(tp=2, vocab_parallel_loss=True), 8, 0)["tp"]
+    # the loss's numbers are FP32 whatever the model's (Megatron's VocabParallelCrossEntropy: logits.float())
+    tokens = 8 * 8                                         # one micro-batch of all 8 sequences, 8 tokens each
+    for nbytes in (2, 4, 8):
+        split_tp = axis_traffic(SMALL, ParallelLayout(tp=2, vocab_parallel_loss=True), 8, 0, bytes_per_number=nbytes)
+        plain_tp = axis_traffic(SMALL, ParallelLayout(tp=2), 8, 0, bytes_per_number=nbytes)
+        assert split_tp["tp"]["all_reduce"] - plain_tp["tp"]["all_reduce"] == 3 * tokens * LOSS_BYTES_PER_NUMBER == 768
 
 
 def test_interleaving_sends_between_more_pieces():

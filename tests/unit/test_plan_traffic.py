@@ -246,6 +246,19 @@ def test_ddp_bucket_count_against_the_buckets_ddp_builds(tensors, numel, cap_num
     assert formula == built or cap_numel % numel != 0
 
 
+def test_ddp_bucket_count_is_no_bound_with_a_small_first_bucket():
+    # torch's defaults cap one bucket at 1 MiB and the rest at 25 MiB: the count can then be one more than
+    # ceil(S / cap), here 10 tensors of 100 numbers, a first bucket of 100 and then 500 (3 buckets, not 2)
+    import torch
+
+    from labkit.parallel.data import pack_buckets
+    params = [(str(i), torch.nn.Parameter(torch.zeros(100))) for i in range(10)]
+    built = len(pack_buckets(params, 500 * 4, 100 * 4))
+    assert built == 3 == ddp_bucket_count(1000 * 4, bucket_mb=500 * 4 / 2**20) + 1
+    first, rest = 2**20, 25 * 2**20                                  # the 7B's 14 GB under torch's defaults
+    assert ddp_bucket_count(14e9) == 535 and 1 + math.ceil((14e9 - first) / rest) == 536
+
+
 @pytest.mark.parametrize("numels, cap_numel, first_cap_numel", [
     ([150] * 5, 250, 250), ([150] * 5, 250, 150), ([150] * 5, 250, 125), ([150] * 5, 250, 300),
     ([10, 500, 20, 30, 40, 700, 5, 5, 5], 100, 30), ([64] * 9, 64, 64), ([1000, 1, 1, 1000, 1], 500, 1)])
