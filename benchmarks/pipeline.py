@@ -5,7 +5,7 @@ For p = 1 to 4 stages and m = 1 to 16 micro-batches, GPipe and 1F1B run training
 labkit.parallel.run_pipeline, each forward EMULATED to take 20 ms and each backward 40 ms (the real compute is
 well under a millisecond; the stages sleep the rest, so that 4 ranks on a 2-core laptop overlap as GPUs would).
 Measured bubble = 1 - (sum of action times) / (makespan x p): the least of ROUNDS steps, the settings taking
-turns (labkit.parallel.pipeline.steps_taking_turns: a busy machine only adds idle time); "spread" is the most
+turns (labkit.parallel.pipeline.steps_taking_turns: a busy machine mostly adds idle time); "spread" is the most
 minus the least of them, the noise the measurement was taken in.
 
 The formula (p-1)/(m+p-1) (labkit.plan.bubble_fraction) counts hand-overs between stages as free. They are not:

@@ -142,7 +142,7 @@ def torch_2d():
 
 def emulated_bubble(steps=8):
     """pp=2 x tp=2, 4 micro-batches, each stage's forward emulated to last 20 ms and its backward 40 ms: the idle
-    share of a step, measured, the best of `steps` steps (load on a shared machine only adds idle time)."""
+    share of a step, measured, the best of `steps` steps (load on a shared machine mostly adds idle time)."""
     run = ThreeDGPT(model(), Mesh(dp=1, pp=2, tp=2), microbatches=4, lr=LR)
     bubbles = []
     for inputs, targets in batches(steps):

@@ -3,10 +3,11 @@
     steps_taking_turns(step, settings, rounds)   inside a rank: each setting's events, one entry per round
     bubbles_by_round(per_rank)                   from every rank's: each setting's bubble in each round
 
-A busy machine only ever adds idle time to a step (a late message, a rank waiting for a core), never removes
-it; and a slow moment lasts longer than one step. So each round runs every setting once, starting from the next
-setting each round (as labkit.measure.seconds_taking_turns does), and a caller takes the least bubble of the
-rounds as the step's, and their spread as the noise it measured with.
+A busy machine mostly adds idle time to a step (a late message, a rank waiting for a core); it can also stretch
+a stage's own work (a sleep that wakes late, compute sharing a core), which hides idle time, but that is the
+smaller effect with emulated compute; and a slow moment lasts longer than one step. So each round runs every
+setting once, starting from the next setting each round (as labkit.measure.seconds_taking_turns does), and a
+caller takes the least bubble of the rounds as the step's, and their spread as the noise it measured with.
 """
 
 from __future__ import annotations
