@@ -2,6 +2,8 @@
 
     text_table(header, rows)     columns aligned with spaces
     progress_bar(iterable, ...)  tqdm's text bar, on stdout, LINE_CHARS wide at most
+    wrapped(text, indent)        a sentence in lines of LINE_CHARS at most, broken between words
+    print_line(text)             print on stdout, on a line of its own even while a progress bar is drawn there
 
 text_table has one copy, used by the worked example's table (labkit.plan.worked_example), `make gpu-check`
 (labkit.commands.gpu_check), tests/gpu/run_notebooks.py and the benchmarks in benchmarks/. No torch here:
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-__all__ = ["LINE_CHARS", "progress_bar", "text_table"]
+__all__ = ["LINE_CHARS", "print_line", "progress_bar", "text_table", "wrapped"]
 
 LINE_CHARS = 100  # a printed line this long fits a notebook at 1280 px with the file browser open
 ALIGNMENTS = {"<": str.ljust, ">": str.rjust}  # as in format specs: "<" left, ">" right
@@ -73,3 +75,35 @@ def progress_bar(iterable: Iterable | None = None, **options):
     from tqdm.std import tqdm  # the text bar (tqdm.auto would pick the widget in a notebook)
 
     return tqdm(iterable, **{"file": sys.stdout, "ncols": LINE_CHARS, "ascii": False, **options})
+
+
+def wrapped(text: str, indent: str = "  ") -> str:
+    """`text` broken between words into lines of at most LINE_CHARS characters, the lines after the first indented
+    by `indent`; its own line breaks are kept. JupyterLab breaks a long printed line at any character, mid-word
+    (its text output is word-break: break-all), so a sentence a notebook prints goes through this first.
+
+    >>> print(wrapped("the AllReduce takes 1.67 s " * 5))
+    the AllReduce takes 1.67 s the AllReduce takes 1.67 s the AllReduce takes 1.67 s the AllReduce takes
+      1.67 s the AllReduce takes 1.67 s
+    """
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, LINE_CHARS, subsequent_indent=indent, break_long_words=False,
+                                    break_on_hyphens=False) or line for line in text.split("\n"))
+
+
+def print_line(text: str) -> None:
+    """Print `text` on stdout on a line of its own, also while a progress_bar is drawn there (labkit.run's "labkit:
+    4 ranks, gloo on CPU ..." while a sweep's bar counts its runs). A bar redraws its line after a carriage return
+    and ends it only when done, so a plain print lands on the bar's line, after it; tqdm.write clears the bar,
+    prints, and draws the bar again below.
+
+    >>> print_line("labkit: 2 ranks")
+    labkit: 2 ranks
+    """
+    import sys
+
+    from tqdm.std import tqdm
+
+    tqdm.write(text, file=sys.stdout)
+

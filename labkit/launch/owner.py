@@ -26,6 +26,7 @@ from labkit.launch.backend import BackendChoice, choose_backend, usable_gpu_coun
 from labkit.launch.errors import Interrupted, rank_list
 from labkit.launch.forkserver import ForkServer, describe_exit
 from labkit.launch.pool import Pool
+from labkit.tables import print_line
 
 __all__ = ["MAX_LIVE_RANKS", "OWNER", "PG_TIMEOUT_SECONDS", "START_TIMEOUT_SECONDS", "Owner", "prestart", "run",
            "shutdown"]
@@ -101,7 +102,7 @@ class Owner:
         """Say how `world_size` ranks will run: the backend, why, and each rank's device; once per reason."""
         if choice.reason not in self.announced:
             self.announced.add(choice.reason)
-            print(f"labkit: {world_size} ranks, {choice.reason}; {_devices(world_size, choice.backend)}.")
+            print_line(f"labkit: {world_size} ranks, {choice.reason}; {_devices(world_size, choice.backend)}.")
 
     def serial(self, key: tuple[int, str]) -> int | None:
         """The serial number of the pool kept for `key`, None if none is kept."""
