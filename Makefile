@@ -22,6 +22,10 @@ PIP_PROGRESS := $(shell [ -t 2 ] && [ -z "$$CI" ] && echo on || echo off)
 # make lab opens your own copy of the course (created once, never overwritten): your edits and outputs stay
 # yours, and `git pull` never conflicts with them. `make refresh NOTEBOOK=03_ring_allreduce` resets one.
 LAB_DIR ?= my-notebooks
+# The port JupyterLab listens on, on 127.0.0.1 only. Empty: JupyterLab's own (8888, or the next free one). Named, e.g.
+# `make lab LAB_PORT=8889` for a second student on one GPU box, it is that port or an error, never another one, so
+# that the student's `ssh -L 8889:127.0.0.1:8889` reaches this lab (README, "For instructors").
+LAB_PORT ?=
 CELL_TIMEOUT ?= 180
 # pytest-xdist workers for `make unit`: most distributed tests wait on process starts and rendezvous, so two
 # share 2 cores well; more only help with more cores (each test starts up to 8 ranks).
@@ -58,8 +62,9 @@ $(OVERRIDES): jupyter/overrides.json $(STAMP)
 $(KERNEL_CONFIG): jupyter/ipython_kernel_config.py $(STAMP)
 	mkdir -p $(dir $@) && cp jupyter/ipython_kernel_config.py $@
 
-lab: setup copy ## open your copy of the course in JupyterLab (http://127.0.0.1, token required)
+lab: setup copy ## open your copy of the course in JupyterLab (http://127.0.0.1, token required; LAB_PORT=8889: that port)
 	$(BIN)/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.root_dir=$(LAB_DIR) \
+		$(if $(LAB_PORT),--ServerApp.port=$(LAB_PORT) --ServerApp.port_retries=0) \
 		--KernelSpecManager.allowed_kernelspecs=labkit
 
 copy: ## your copy of the course (my-notebooks/): adds the notebooks it lacks, never overwrites one

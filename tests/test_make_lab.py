@@ -125,3 +125,18 @@ def test_the_students_copy_is_made_once_and_never_overwritten(tmp_path):
         assert edited.read_text() == f.read()
     unnamed = make(f"LAB_DIR={mine}", "refresh", check=False)
     assert unnamed.returncode != 0 and "make refresh NOTEBOOK=" in unnamed.stdout
+
+
+def jupyter_command(*make_args: str) -> str:
+    """The `jupyter lab` command that `make -n lab` would run, its continuation lines joined."""
+    dry_run = make("-n", "lab", *make_args).stdout.replace("\\\n", " ")
+    return next(line for line in dry_run.splitlines() if "jupyter lab" in line)
+
+
+def test_lab_port_names_the_port_and_the_lab_still_binds_loopback_only(tmp_path):
+    named = jupyter_command("LAB_PORT=9999", f"LAB_DIR={tmp_path / 'mine'}").split()
+    assert "--ServerApp.port=9999" in named and "--ServerApp.port_retries=0" in named  # that port or an error
+    assert [arg for arg in named if arg.startswith("--ServerApp.ip")] == ["--ServerApp.ip=127.0.0.1"]
+    default = jupyter_command(f"LAB_DIR={tmp_path / 'mine'}").split()
+    assert not [arg for arg in default if arg.startswith("--ServerApp.port")]  # JupyterLab's own choice, 8888
+    assert "--ServerApp.ip=127.0.0.1" in default
