@@ -68,3 +68,22 @@ def test_solution_cells_become_code_cells_and_nothing_else_changes():
 def test_a_solution_cell_without_one_python_block_is_refused():
     with pytest.raises(ValueError, match="2 ```python blocks"):
         solution_code({"source": "```python\na\n```\n```python\nb\n```\n"})
+
+
+def exercises(notebook: list[dict]) -> list[int]:
+    """The indices of the exercises' stub cells: code cells that call a grader."""
+    return [i for i, c in enumerate(notebook) if c["cell_type"] == "code" and grader_calls(c)]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_every_exercise_states_its_task_briefly_and_folds_three_hints_before_its_solution(path):
+    notebook = cells(path)
+    for stub in exercises(notebook):
+        spec = next(source(c) for c in reversed(notebook[:stub]) if "Your turn" in source(c))
+        task = re.sub(r"<details>.*?</details>", "", spec[spec.index("Your turn"):], flags=re.DOTALL)
+        shown = [line for line in task.splitlines()[1:] if line.strip()]
+        assert len(shown) <= 10, f"the task above cell {stub} is {len(shown)} lines: fold what the grader checks"
+        solution = next(i for i in range(stub, len(notebook)) if is_solution(notebook[i]))
+        between = "".join(source(c) for c in notebook[stub + 1:solution])
+        summaries = re.findall(r"<details><summary>(Hint \d)</summary>", between)
+        assert summaries == ["Hint 1", "Hint 2", "Hint 3"], f"the hints after cell {stub}: {summaries}"
