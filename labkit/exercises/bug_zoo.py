@@ -27,7 +27,7 @@ from labkit.models import make_classification
 from labkit.parallel import all_reduce_sum, broadcast_parameters, count_collectives
 
 __all__ = ["ANSWERS", "BATCH", "CAUSES", "DISTRACTORS", "LR", "RUNS", "STEPS", "Cause", "RankRecord", "Symptoms",
-           "reference_run", "zoo_batch", "zoo_model", "zoo_run"]
+           "cause_gap", "confirmation", "reference_run", "zoo_batch", "zoo_model", "zoo_run"]
 
 BATCH, STEPS, LR = 96, 12, 0.2  # 96 rows: 2, 3 and 4 ranks all get equal shards
 RUNS = "ABCDEF"
@@ -264,3 +264,29 @@ def _numbers(values: list[float]) -> str:
     shown = [f"{v:.7g}" if math.isfinite(v) else str(v) for v in values]
     same = " (identical)" if len(set(shown)) == 1 and len(shown) > 1 else ""
     return ", ".join(shown) + same
+
+
+# Runs whose cause a measurement can confirm: one process with the cause built in, and what that process is.
+# Named by letter, so that a notebook cell can check the measurement before the student has chosen a cause.
+_CONFIRMED_BY = {"A": "one process trained on only the first 1/N of the batch, as if every rank had the first shard"}
+
+
+def _cause_reference(letter: str, world_size: int) -> RankRecord:
+    """One process that has run `letter`'s cause built in (only run A has one)."""
+    if letter != "A":
+        raise ValueError(f"only run A's cause is confirmed by a measurement, not run {letter!r}'s")
+    return reference_run(rows=slice(0, BATCH // world_size))
+
+
+def cause_gap(letter: str, found: Symptoms) -> float:
+    """The largest difference of run `letter`'s final parameters from one process that has its cause built in:
+    float32 rounding (under 1e-6) when that is the cause. It says nothing of what the cause is."""
+    return found.reference_gap(_cause_reference(letter, found.world_size))
+
+
+def confirmation(letter: str, found: Symptoms) -> str:
+    """The sentence the diagnosis widget adds once run `letter` is diagnosed right: the measurement that confirms
+    its cause."""
+    return (f"A measurement confirms it: run {letter} ends {cause_gap(letter, found):.1e} from "
+            f"{_CONFIRMED_BY[letter]}.")
+

@@ -7,8 +7,9 @@ home directory, never the repository, and no server. It is written atomically (a
 os.replace, as notebook 09 teaches), so a kernel killed mid-write leaves the previous file whole, and under a
 lock, so two kernels grading at once both count.
 
-The course's own solutions, checked by the same graders in the folded cells, pass `record=False`: running them is
-not the student passing.
+The course's own solutions are folded Markdown cells that a student's Run All never executes; CI runs them
+(tests/notebooks/solutions.py turns them into code) through the same graders with `record=False`: running them
+is not the student passing.
 """
 
 from __future__ import annotations

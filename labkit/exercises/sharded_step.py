@@ -24,6 +24,11 @@ float32 and float64), on every rank:
   notebook 03 does (`ring_nbytes_per_rank`): 2(N-1)/N x S bytes when N divides the size. gloo's all_gather
   needs equal sizes, so padding every slice to the largest is allowed: at most 2(N-1) x the largest slice.
 
+The difficulty is ZeRO, not gloo's padding: `padded(flat, N)` hands the student a flat copy cut into N equal
+pieces, piece r being slice r padded with zeros to the largest, which gloo's equal-size collectives take as
+they are (`padded(...).view(N, -1)`: one row per rank), and `unpad_into(param, buffer, N)` puts the updated
+slices back into `param`. Both are labkit.parallel.flat_shards' FlatLayout, which ZeRO's own buckets use.
+
 The guard on each rank, which counts the collectives and refuses everything else, is in
 `labkit.exercises.step_guard`; what is wrong with a step's values and traffic, in `labkit.exercises.step_values`
 and `labkit.exercises.step_nbytes`.
@@ -43,9 +48,10 @@ from labkit.exercises.step_nbytes import step_traffic
 from labkit.exercises.step_values import wrong_step
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
+from labkit.parallel.flat_shards import FlatLayout
 from labkit.plan.counts import shard_sizes
 
-__all__ = ["STEP_CASES", "check_sharded_step"]
+__all__ = ["STEP_CASES", "check_sharded_step", "padded", "unpad_into"]
 
 # (world_size, numel, dtype): sizes N divides first, then sizes it does not, fewer elements than ranks, float64
 STEP_CASES = [(3, 6, torch.float32), (2, 4, torch.float32), (4, 8, torch.float32), (3, 7, torch.float32),
@@ -53,8 +59,39 @@ STEP_CASES = [(3, 6, torch.float32), (2, 4, torch.float32), (4, 8, torch.float32
 ALLOWED = "dist.reduce_scatter (or reduce_scatter_tensor) and dist.all_gather (or all_gather_into_tensor, or " \
           "one dist.broadcast of each slice from its owner)"
 PADDING_HINT = ("gloo's all_gather wants every rank's tensor the same size, and when N does not divide numel the "
-                "slices differ by one element.")
+                "slices differ by one element; the rows of the stub's padded copies are all one length.")
 SAME_DTYPE_HINT = "Make every buffer like the tensor it holds a piece of: a buffer of another dtype or device."
+
+
+def padded(flat: torch.Tensor, world_size: int) -> torch.Tensor:
+    """A new 1-D buffer of `world_size` equal pieces: piece r is rank r's slice of `flat` (shard_sizes), followed
+    by zeros up to the largest slice. `.view(world_size, -1)` gives one row per rank, all of one length, as
+    gloo's all_gather and reduce_scatter want them.
+
+    >>> padded(torch.arange(1.0, 8.0), 3).view(3, -1)      # 7 numbers over 3 ranks: slices of 3, 2 and 2
+    tensor([[1., 2., 3.],
+            [4., 5., 0.],
+            [6., 7., 0.]])
+    """
+    layout = FlatLayout([flat.shape], world_size)
+    buffer = flat.new_zeros(world_size * layout.piece)
+    buffer[:layout.numel] = flat.reshape(-1)
+    layout.spread(buffer)
+    return buffer
+
+
+def unpad_into(param: torch.Tensor, buffer: torch.Tensor, world_size: int) -> None:
+    """`padded`'s inverse, in place: every piece of `buffer` (flat, or one row per rank) without its padding,
+    copied into `param`, in param's own memory.
+
+    >>> param = torch.zeros(7)
+    >>> unpad_into(param, padded(torch.arange(1.0, 8.0), 3), 3); param
+    tensor([1., 2., 3., 4., 5., 6., 7.])
+    """
+    layout = FlatLayout([param.shape], world_size)
+    flat = buffer.reshape(-1).clone()
+    layout.compact(flat)
+    param.copy_(flat[:layout.numel].view_as(param))
 
 
 @graded("sharded_step")

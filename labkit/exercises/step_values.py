@@ -113,11 +113,13 @@ def _wrong_values(rank: int, got: torch.Tensor, outcomes: list[StepOutcome], num
     found = _categories(got, candidates, dtype)
     mine = set(range(start, start + sizes[rank]))
     disagree = " After the step the ranks disagree." if len({tuple(o.param) for o in outcomes}) > 1 else ""
-    if all(c == "unchanged" or (i in mine and c == "right") for i, c in enumerate(found)) and mine:
+    if all(c == "unchanged" or (i in mine and c == "right") for i, c in enumerate(found)) \
+            and any(found[i] == "right" for i in mine):
         return (f"rank {rank} updated its own slice ({element_span(start, start + sizes[rank])}) but every other "
                 f"element is unchanged.{disagree} The reduce-scatter and the update worked; the all-gather is "
                 "missing.")
-    everywhere = {"unchanged": "its param is unchanged: the step must update param itself, in place.",
+    everywhere = {"unchanged": ("its param is unchanged: the step must update param itself, in place (a padded "
+                                "copy's rows reach param only through unpad_into)."),
                   "summed": ("its param moved by lr x the sum of the gradients over the ranks, not their average: "
                              "the reduce-scatter sums, and nothing divided by N."),
                   "own": (f"it updated with its own gradient, not the average over the ranks.{disagree} No "

@@ -4,12 +4,15 @@ Only the interface lives here; the runs, their causes and the answers are course
 `labkit.exercises.bug_zoo`. Each card offers the six causes and two distractors chosen for its run, sorted by
 their text, so neither a position nor a default gives the answer away. A card keeps its last verdict; the line
 at the top counts the runs diagnosed right, and every "Check" is recorded in the student's progress file
-(exercise "bug_zoo_diagnoses"), passed once all six are right at the same time.
+(exercise "bug_zoo_diagnoses"), passed once all six are right at the same time. A card may confirm a right
+diagnosis with a measurement (`confirm`), shown only once the student has chosen that cause, so that no cell
+names a cause before the student does.
 """
 
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 
 import ipywidgets as widgets
 
@@ -25,8 +28,8 @@ PROMPT = "choose a cause"  # the value "": a browser shows no text for a drop-do
 class DiagnosisCard(widgets.VBox):
     """Run `letter`'s question: its causes in a drop-down, a "Check" button, and the feedback, kept."""
 
-    def __init__(self, letter: str, on_check):
-        self.letter, self.right = letter, None
+    def __init__(self, letter: str, on_check, confirm: Callable[[], str] | None = None):
+        self.letter, self.right, self._confirm = letter, None, confirm
         keys = sorted({*ANSWERS.values(), *DISTRACTORS[letter]}, key=lambda key: CAUSES[key].label)
         self.dropdown = widgets.Dropdown(options=[(PROMPT, ""), *((CAUSES[k].label, k) for k in keys)],
                                          value="", layout=widgets.Layout(width="100%", max_width="640px"))
@@ -55,6 +58,8 @@ class DiagnosisCard(widgets.VBox):
         cause = CAUSES[key]
         if self.right:
             text = f"<b>✅ Right.</b> This run shows {html.escape(cause.shows)}."
+            if self._confirm is not None:
+                text += " " + html.escape(self._confirm())
         else:
             text = (f"<b>❌ Not this one.</b> {html.escape(cause.label.capitalize())} would show "
                     f"{html.escape(cause.shows)}. Look again at run {self.letter}'s symptoms above.")
@@ -62,8 +67,10 @@ class DiagnosisCard(widgets.VBox):
         self._on_check()
 
 
-def diagnosis_widget() -> App:
-    """The six runs' cards under a line that counts those diagnosed right."""
+def diagnosis_widget(confirm: dict[str, Callable[[], str]] | None = None) -> App:
+    """The six runs' cards under a line that counts those diagnosed right. `confirm` maps a run's letter to a
+    function giving the sentence of a measurement that confirms its cause, added once that run is diagnosed
+    right (labkit.exercises.bug_zoo.confirmation)."""
     score = widgets.HTML()
     cards: list[DiagnosisCard] = []
 
@@ -72,6 +79,6 @@ def diagnosis_widget() -> App:
         score.value = f"<b>{right} of {len(cards)} runs diagnosed right</b>"
         record_attempt("bug_zoo_diagnoses", right == len(cards))
 
-    cards.extend(DiagnosisCard(letter, on_check) for letter in ANSWERS)
+    cards.extend(DiagnosisCard(letter, on_check, (confirm or {}).get(letter)) for letter in ANSWERS)
     score.value = f"<b>0 of {len(cards)} runs diagnosed right</b>"
     return App([score, *cards], layout=widgets.Layout(width="100%"))

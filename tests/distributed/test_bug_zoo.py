@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import labkit
 from labkit.exercises import Verdict
-from labkit.exercises.bug_zoo import ANSWERS, BATCH, CAUSES, Symptoms, reference_run, zoo_run
+from labkit.exercises.bug_zoo import ANSWERS, BATCH, CAUSES, Symptoms, cause_gap, confirmation, reference_run, zoo_run
 from labkit.exercises.bug_zoo_fix import check_fixed_training
 from labkit.exercises.guard import where_ranks_waited
 from labkit.exercises.progress import load_progress
@@ -40,6 +40,8 @@ def test_each_broken_run_shows_its_symptom_and_a_healthy_run_none():
     same_shard = symptoms("A")                                                  # one loss on every rank
     assert len({round(r.losses[-1], 9) for r in same_shard.records}) == 1
     assert same_shard.reference_gap(reference_run(rows=slice(0, BATCH // 3))) < 1e-6
+    assert cause_gap("A", same_shard) < 1e-6 < cause_gap("A", symptoms("healthy"))   # what 13 checks unnamed
+    assert "first 1/N of the batch" in confirmation("A", same_shard)
     assert symptoms("B").first_step_ratio() == pytest.approx(3, rel=1e-4)      # no divide: N x the step
     batch_norm = symptoms("C")
     assert len(set(batch_norm.end_checksums())) == 1                            # parameters agree ...
@@ -80,6 +82,17 @@ def test_the_widget_says_why_keeps_the_state_and_records_six_right(tmp_path, mon
     assert load_progress()["bug_zoo_diagnoses"]["passed"]
     first.choose("learning_rate")                      # a later slip is shown, and the pass stays recorded
     assert "5 of 6" in widget.children[0].value and load_progress()["bug_zoo_diagnoses"]["passed"]
+
+
+def test_a_cause_is_confirmed_only_once_the_student_has_chosen_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABKIT_PROGRESS", str(tmp_path / "progress.json"))
+    asked = []
+    card = diagnosis_widget(confirm={"A": lambda: asked.append("A") or "A measurement confirms it."}).children[1]
+    assert card.letter == "A" and not asked and "measurement" not in card.feedback.value
+    card.choose("learning_rate")
+    assert "Not this one" in card.feedback.value and "measurement" not in card.feedback.value and not asked
+    card.choose(ANSWERS["A"])
+    assert "Right" in card.feedback.value and "A measurement confirms it." in card.feedback.value and asked
 
 
 def test_every_run_offers_its_answer_and_two_distractors_in_alphabetical_order():

@@ -12,6 +12,7 @@ from processes import alive_after
 
 import labkit
 from labkit.exercises import ForbiddenCall, Verdict, check_sharded_step, ring_nbytes_per_rank, step_inputs
+from labkit.exercises.sharded_step import padded, unpad_into
 from labkit.exercises.step_guard import LR, Collective, StepGuard, StepOutcome
 from labkit.exercises.step_nbytes import step_nbytes_bounds
 from labkit.exercises.step_values import TOLERANCES, reference_step, wrong_step
@@ -22,19 +23,31 @@ HANG_SECONDS = 2.0
 
 
 def notebook_11_solution(param, grad, lr):
-    """The solution in notebook 11's folded cell (notebooks/11_sharding.ipynb, "A solution")."""
+    """The reference solution in notebook 11 (notebooks/11_sharding.ipynb, the cell tagged solution): the rows of
+    the padded copies that the exercise hands over."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    sizes = shard_sizes(param.numel(), n)
-    params, grads = param.split(sizes), grad.split(sizes)
+    grads = padded(grad, n).view(n, -1)
+    params = padded(param, n).view(n, -1)
     my_grad = torch.empty_like(grads[rank])
     dist.reduce_scatter(my_grad, list(grads))
     params[rank].sub_(lr * my_grad / n)
-    mine = param.new_zeros(sizes[0])
-    mine[:sizes[rank]] = params[rank]
-    gathered = [param.new_zeros(sizes[0]) for _ in range(n)]
-    dist.all_gather(gathered, mine)
-    for p, g in zip(params, gathered, strict=True):
-        p.copy_(g[:p.numel()])
+    dist.all_gather(list(params), params[rank].clone())
+    unpad_into(param, params, n)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("numel", [1, 2, 5, 6, 7, 10])
+def test_the_padded_copy_has_one_equal_row_per_rank_and_unpads_back(numel, world_size):
+    flat = torch.arange(1.0, numel + 1, dtype=torch.float64)
+    rows = padded(flat, world_size).view(world_size, -1)
+    sizes = shard_sizes(numel, world_size)
+    assert rows.dtype == flat.dtype and rows.shape[1] == sizes[0]
+    for row, piece, size in zip(rows, flat.split(sizes), sizes, strict=True):
+        assert torch.equal(row[:size], piece) and not row[size:].any()       # slice r, then zeros
+    param = torch.zeros_like(flat)
+    memory = param.data_ptr()
+    unpad_into(param, rows, world_size)
+    assert torch.equal(param, flat) and param.data_ptr() == memory
 
 
 def test_the_notebook_s_solution_passes_and_says_what_was_checked():

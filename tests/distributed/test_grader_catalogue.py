@@ -17,6 +17,7 @@ import torch.distributed.distributed_c10d as c10d
 import labkit
 from labkit import comm
 from labkit.exercises import check_naive_allreduce, check_ring_allreduce, check_sharded_step
+from labkit.exercises.sharded_step import padded, unpad_into
 from labkit.plan.counts import shard_sizes
 
 DEADLOCK_SECONDS = 3.0  # a wrong solution that hangs is stopped after this long (right ones take milliseconds)
@@ -978,8 +979,31 @@ def step_reduce_then_broadcast(param, grad, lr):
     dist.broadcast(param, src=0)
 
 
-STEP_RIGHT = [step_padded_all_gather, step_broadcast_from_owners, step_tensor_api, step_gather_list_then_cat,
-              step_sgd_optimizer_on_slice]
+def step_forgets_to_unpad(param, grad, lr):
+    """The notebook's padded rows, updated and gathered right, never copied back into param."""
+    rank, n = me()
+    grads, params = padded(grad, n).view(n, -1), padded(param, n).view(n, -1)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    dist.all_gather(list(params), params[rank].clone())
+
+
+def step_padded_rows(param, grad, lr):
+    """Notebook 11's way: the rows of the padded copies (labkit.exercises.sharded_step.padded), AVG, a broadcast
+    per owner, then unpad_into."""
+    rank, n = me()
+    grads, params = padded(grad, n).view(n, -1), padded(param, n).view(n, -1)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads), op=dist.ReduceOp.AVG)
+    params[rank] -= lr * my_grad
+    for owner in range(n):
+        dist.broadcast(params[owner], src=owner)
+    unpad_into(param, params, n)
+
+
+STEP_RIGHT = [step_padded_rows, step_padded_all_gather, step_broadcast_from_owners, step_tensor_api,
+              step_gather_list_then_cat, step_sgd_optimizer_on_slice]
 STEP_WRONG = [  # (wrong solution, what its verdict must say)
     (step_sums, "the sum of the gradients over the ranks, not their average: the reduce-scatter sums"),
     (step_without_reduce_scatter, "the gradients were never summed over the ranks. The reduce-scatter is missing"),
@@ -994,6 +1018,8 @@ STEP_WRONG = [  # (wrong solution, what its verdict must say)
     (step_gathers_gradients, "sent its slice of the averaged gradient into the all-gather"),
     (step_gathers_whole_gradients, "rank 0 sent 48 bytes in its collectives (an all_gather of 72 bytes"),
     (step_returns, "returned the updated parameters in a new tensor, but its param is unchanged"),
+    (step_forgets_to_unpad, "its param is unchanged: the step must update param itself, in place (a padded copy's "
+                            "rows reach param only through unpad_into)"),
     (step_new_memory, "pointed at new memory (param.data = ... or param.set_(...)) (it is now float64 on cpu"),
     (step_float32_buffers, "Make every buffer like the tensor it holds a piece of"),
     (step_unpadded_all_gather, "gloo's all_gather wants every rank's tensor the same size"),

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from labkit.tables import text_table
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "notebooks"))
+from solutions import with_solutions_as_code  # noqa: E402 - the folded reference solutions, as code cells
+
 NCCL_LINE = re.compile(r"NCCL INFO (\w+): opCount")
 KERNEL = "labkit-this-interpreter"
 
@@ -122,9 +125,11 @@ def run_notebook(path: pathlib.Path, world_size: int, workdir: pathlib.Path) -> 
     counts.mkdir()
     os.environ.update(LABKIT_COUNT_DIR=str(counts), NCCL_DEBUG="INFO", NCCL_DEBUG_SUBSYS="COLL",
                       NCCL_DEBUG_FILE=str(counts / "nccl.%h.%p"))
+    source = workdir / f"with_solutions_{path.name}"  # the reference solutions run too, as in test_papermill.py
+    source.write_text(json.dumps(with_solutions_as_code(json.loads(path.read_text())), indent=1) + "\n")
     start, error = time.perf_counter(), ""
     try:
-        papermill.execute_notebook(str(path), str(workdir / path.name), parameters={"world_size": world_size},
+        papermill.execute_notebook(str(source), str(workdir / path.name), parameters={"world_size": world_size},
                                    kernel_name=KERNEL, cwd=str(path.parent), progress_bar=False,
                                    execution_timeout=600)
     except Exception as exc:  # noqa: BLE001 - one notebook's failure is a row of the table
