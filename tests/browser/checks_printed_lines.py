@@ -10,7 +10,8 @@ from playwright.sync_api import Page
 
 from labkit.tables import LINE_CHARS
 
-NOTEBOOKS = ("08_worked_example_7b.ipynb", "11_sharding.ipynb", "12_3d_parallelism.ipynb")
+NOTEBOOKS = ("08_worked_example_7b.ipynb", "11_zero.ipynb", "12_fsdp.ipynb", "13_3d_parallelism.ipynb",
+             "14_3d_layouts.ipynb")
 
 PRINTED = ('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stdout"] pre, '
            '.jp-OutputArea-output[data-mime-type="text/plain"] pre')

@@ -22,7 +22,7 @@ HANG_SECONDS = 2.0
 
 
 def notebook_11_solution(param, grad, lr):
-    """The solution in notebook 11's folded cell (notebooks/11_sharding.ipynb, "A solution")."""
+    """The solution in notebook 11's folded cell (notebooks/11_zero.ipynb, "A solution")."""
     rank, n = dist.get_rank(), dist.get_world_size()
     sizes = shard_sizes(param.numel(), n)
     params, grads = param.split(sizes), grad.split(sizes)
