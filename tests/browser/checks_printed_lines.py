@@ -1,4 +1,4 @@
-"""What notebooks 08, 11 and 12 print, as a student reads it at 1280 px with the file browser open (JupyterLab's
+"""What notebooks 08 and 11 to 14 print, as a student reads it at 1280 px with the file browser open (JupyterLab's
 first layout): no printed line wraps. JupyterLab breaks a text output's long line at any character (word-break:
 break-all), mid-word ("instea" + "d"), and no setting or override changes that, so every line a notebook prints
 fits: at most labkit.tables.LINE_CHARS (100) characters, where 107 fit.
