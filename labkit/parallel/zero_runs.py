@@ -30,10 +30,11 @@ from labkit.parallel.data import average_gradients, broadcast_parameters
 from labkit.parallel.fsdp import FullyShardedDP
 from labkit.parallel.zero import ShardedOptimizer
 
-__all__ = ["ADAMW", "STEPS", "TORCH_STRATEGIES", "Comparison", "adam_state_numbers", "classification_data",
-           "compare", "model_and_optimizer", "rank_slice", "train", "train_alone", "train_torch"]
+__all__ = ["ADAMW", "STEPS", "STRATEGIES", "TORCH_STRATEGIES", "Comparison", "adam_state_numbers",
+           "classification_data", "compare", "model_and_optimizer", "rank_slice", "train", "train_alone", "train_torch"]
 
 STEPS, ADAMW = 10, {"lr": 0.01, "weight_decay": 0.1}
+STRATEGIES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 TORCH_STRATEGIES = ("torch ZeroRedundancyOptimizer", "torch fully_shard")
 
 
@@ -52,6 +53,8 @@ def rank_slice(examples: int) -> slice:
 def model_and_optimizer(strategy: str):
     """The notebooks' small model (three hidden layers of 64, seeded: the same on every rank) and its AdamW, under
     `strategy`: DDP broadcasts the weights, ZeRO-3 wraps the model in FullyShardedDP, ZeRO-1 and -2 shard AdamW."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy {strategy!r}: DDP, ZeRO-1, ZeRO-2 or ZeRO-3")
     model = mlp(hidden=64, layers=3).to(labkit.device())
     if strategy == "DDP":
         broadcast_parameters(model)
@@ -59,8 +62,6 @@ def model_and_optimizer(strategy: str):
     if strategy == "ZeRO-3":
         model = FullyShardedDP(model)
         return model, torch.optim.AdamW(model.parameters(), **ADAMW)
-    if strategy not in ("ZeRO-1", "ZeRO-2"):
-        raise ValueError(f"strategy {strategy!r}: DDP, ZeRO-1, ZeRO-2 or ZeRO-3")
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, shard_gradients=strategy == "ZeRO-2", **ADAMW)
     return model, optimizer
 
