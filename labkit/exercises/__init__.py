@@ -12,9 +12,9 @@
                   optimizer step, equal to the large batch (accumulation_guard: on each rank)
     atomic_save check_atomic_save (notebook 09): the student's checkpoint save killed midway, the previous one
                 must survive (atomic_watch: in the saving process)
-    bug_zoo     notebook 13's six broken training runs (zoo_run), their symptoms and causes (the widget is
+    bug_zoo     notebook 15's six broken training runs (zoo_run), their symptoms and causes (the widget is
                 labkit.widgets.zoo_diagnosis); bug_zoo_fix: check_fixed_training, the student's repair of one
-    mesh_coordinates  check_mesh_coordinates (notebook 12): a rank's (dp, pp, tp) coordinates and its three
+    mesh_coordinates  check_mesh_coordinates (notebook 13): a rank's (dp, pp, tp) coordinates and its three
                       groups, against torch's DeviceMesh layout, no processes
     guard       on each rank while a grader runs: collectives switched off, messages counted
     diagnosis   what is wrong with a wrong answer: its values, its traffic (`ring_nbytes_per_rank`)

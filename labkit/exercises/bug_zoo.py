@@ -1,4 +1,4 @@
-"""Notebook 13's bug zoo: six broken data-parallel training runs, what each shows, and what is wrong with each.
+"""Notebook 15's bug zoo: six broken data-parallel training runs, what each shows, and what is wrong with each.
 
 Every run is the same small job: a seeded classifier trained by full-batch SGD, each rank on its own equal
 shard of one batch, with the course's data parallelism written out (labkit.parallel's broadcast_parameters at

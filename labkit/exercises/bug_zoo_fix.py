@@ -1,4 +1,4 @@
-"""The grader of notebook 13's "your turn": fix a broken data-parallel training loop, on real ranks.
+"""The grader of notebook 15's "your turn": fix a broken data-parallel training loop, on real ranks.
 
 `check_fixed_training(fn)` calls the student's `fn(model, x, y, steps, lr)` on 3 and then 2 ranks. Each rank's
 `model` starts from its own random initialisation (seed 100 + rank, as a script that seeds by rank does) and

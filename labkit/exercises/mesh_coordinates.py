@@ -1,4 +1,4 @@
-"""The mesh grader of notebook 12: a rank's (dp, pp, tp) coordinates and its three groups, checked with no processes.
+"""The mesh grader of notebook 13: a rank's (dp, pp, tp) coordinates and its three groups, checked with no processes.
 
 The student writes two functions of `(rank, dp, pp, tp)`, the global rank and the mesh's three sizes:
 
@@ -15,8 +15,8 @@ Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 
     rank = (dp_i * pp + pp_j) * tp + tp_k
 
 `check_mesh_coordinates(coordinates, groups)` compares both with `labkit.parallel.mesh_layout` (the same layout,
-computed without processes; notebook 12 checks it against the real Mesh) on every rank of all 64 shapes with 1 to
-4 ranks per axis, notebook 12's 2 x 2 x 2 first, then the smaller worlds first. The first mistake is reported,
+computed without processes; notebook 13 checks it against the real Mesh) on every rank of all 64 shapes with 1 to
+4 ranks per axis, notebook 13's 2 x 2 x 2 first, then the smaller worlds first. The first mistake is reported,
 named where the grader recognises it: another axis order (tp outermost, pp and tp swapped, ...), an axis's formula
 (which one the student's numbers follow, on every shape: world_size where a product of sizes belongs, a missing
 modulo, the wrong axis's size), coordinates or ranks counted from 1, true division; groups without the rank,
@@ -45,7 +45,7 @@ from labkit.plan import ParallelLayout
 
 __all__ = ["LAYOUT", "SHAPES", "TIMEOUT_SECONDS", "check_mesh_coordinates"]
 
-# (dp, pp, tp): notebook 12's mesh first, then every shape of 1 to 4 ranks per axis, the smaller worlds first
+# (dp, pp, tp): notebook 13's mesh first, then every shape of 1 to 4 ranks per axis, the smaller worlds first
 SHAPES = [(2, 2, 2)] + sorted((shape for shape in itertools.product(range(1, 5), repeat=3) if shape != (2, 2, 2)),
                               key=lambda shape: (math.prod(shape), shape))
 LAYOUT = "rank = (dp_i * pp + pp_j) * tp + tp_k"  # the notebook's statement of the layout; inverting it is the task

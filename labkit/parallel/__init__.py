@@ -8,7 +8,8 @@ and pipeline parallelism (`pipeline`: GPipe, 1F1B and interleaved 1F1B schedules
 point-to-point sends, and a simulator), combined on a mesh (`mesh`: the ranks on named axes dp, pp and tp,
 each axis's process groups from torch's DeviceMesh; `three_d`: a GPT trained on all three axes at
 once). `counters` counts labkit's collectives by kind and group; `torch_counters` every collective a rank makes,
-torch's own too."""
+torch's own too. `zero_runs` and `mesh_runs` are the runs two notebooks share (11 and 12: the small MLP under every
+ZeRO stage; 13 and 14: the GPT on a mesh), imported from their modules."""
 
 from labkit.parallel.counters import (
     AllReduceCounter,

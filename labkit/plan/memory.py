@@ -196,7 +196,7 @@ def memory_options(params: float, devices: int, lora_rank: int = 0, zero_stage: 
 def tp_in_node(devices: int, heads: int, gpus_per_node: int = 8) -> int:
     """The tensor-parallel degree of memory_options' "TP x PP over N": the largest t <= gpus_per_node that divides
     both `devices` and `heads` (tensor parallelism inside a node, on its fast links, and whole heads per rank;
-    Narayanan et al. 2021, section 3, takeaway #1; notebook 12). The rest of the devices are pipeline stages.
+    Narayanan et al. 2021, section 3, takeaway #1; notebook 13). The rest of the devices are pipeline stages.
 
     >>> tp_in_node(8, 32), tp_in_node(64, 32), tp_in_node(12, 32), tp_in_node(8, 12)
     (8, 8, 4, 4)

@@ -1,7 +1,7 @@
 """Step time with communication, data-parallel speedup, and the bandwidth a target speedup needs.
 
 One model of overlap, used by data parallelism (notebook 08) and by the data-parallel axis of a pipeline
-(notebook 12). A step is `compute_seconds` of forward and backward plus a gradient AllReduce of `comm_seconds`.
+(notebook 13). A step is `compute_seconds` of forward and backward plus a gradient AllReduce of `comm_seconds`.
 The AllReduce can start only once gradients exist, so it can hide behind backward compute alone (PyTorch DDP's
 bucketed AllReduce; Li et al. 2020, "PyTorch Distributed", VLDB, section 3.2.3), and with gradient accumulation
 only behind the **last micro-batch's** backward: the earlier ones run under no_sync and sync nothing (section

@@ -1,4 +1,4 @@
-"""Notebook 13's diagnosis widget: one card per broken run, a drop-down of causes, "Check", and why.
+"""Notebook 15's diagnosis widget: one card per broken run, a drop-down of causes, "Check", and why.
 
 Only the interface lives here; the runs, their causes and the answers are course content, in
 `labkit.exercises.bug_zoo`. Each card offers the six causes and two distractors chosen for its run, sorted by

@@ -1,4 +1,4 @@
-"""Notebook 13's diagnosis widget as a student uses it at 1280 px: six cards, each with its drop-down whole (the
+"""Notebook 15's diagnosis widget as a student uses it at 1280 px: six cards, each with its drop-down whole (the
 longest cause readable), a wrong answer told why not (what that cause would show), the right one confirmed, and
 the count at the top kept as the answers change; with every card's feedback shown, no card scrolls sideways and
 no feedback is double-spaced (every card had a scrollbar, 4 px too wide, and wrapped feedback read double)."""
@@ -10,8 +10,8 @@ from widget_checks import check_widget_text
 
 from labkit.exercises.bug_zoo import ANSWERS, CAUSES, DISTRACTORS
 
-NOTEBOOK = "13_bug_zoo.ipynb"
-SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots" / "13_bug_zoo_widget.png"
+NOTEBOOK = "15_bug_zoo.ipynb"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots" / "15_bug_zoo_widget.png"
 
 DROPDOWN_FITS = """card => { const select = card.querySelector('select');
   const r = select.getBoundingClientRect(), area = card.closest('.jp-OutputArea-output').getBoundingClientRect();
@@ -22,7 +22,7 @@ DROPDOWN_FITS = """card => { const select = card.querySelector('select');
 def check(page: Page, cells: list[dict]) -> None:
     """Answer every card wrong, then right, reading the feedback and the count each time; then a screenshot."""
     cards = page.locator(".labkit-diagnosis")
-    assert cards.count() == len(ANSWERS), f"notebook 13 shows {cards.count()} diagnosis cards, not {len(ANSWERS)}"
+    assert cards.count() == len(ANSWERS), f"notebook 15 shows {cards.count()} diagnosis cards, not {len(ANSWERS)}"
     score = page.locator(".jp-OutputArea-output").filter(has=cards.first).locator(".widget-html").first
     for i, (letter, answer) in enumerate(ANSWERS.items()):
         card = cards.nth(i)

@@ -1,4 +1,4 @@
-"""Notebook 12's layout explorer as a student sees it at 1280 px, with the file browser open and collapsed: every
+"""Notebook 14's layout explorer as a student sees it at 1280 px, with the file browser open and collapsed: every
 control's label and value whole, both charts inside the output area, plotly's toolbar clear of their titles, which
 say why they show ranks 0-3 of 8 (replica dp 0: the other replica is the same); and layouts picked in its
 dropdowns: a product other than the world is explained in the summary, a good one redraws both charts for that
@@ -9,8 +9,8 @@ from pathlib import Path
 from playwright.sync_api import Page
 from widget_checks import check_toolbar_clear_of_titles
 
-NOTEBOOK = "12_3d_parallelism.ipynb"
-SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots" / "12_explorer_file_browser.png"
+NOTEBOOK = "14_3d_layouts.ipynb"
+SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots" / "14_explorer_file_browser.png"
 
 MEASURE = """area => {
   const outer = area.getBoundingClientRect();
@@ -42,7 +42,7 @@ MEASURE = """area => {
 def check(page: Page, cells: list[dict]) -> None:
     explorer = page.locator(".jp-OutputArea-output").filter(has=page.locator(".widget-dropdown")).filter(
         has=page.locator(".widget-checkbox"))
-    assert explorer.count() == 1, "notebook 12 shows one layout explorer (dropdowns for dp, pp, tp and a checkbox)"
+    assert explorer.count() == 1, "notebook 14 shows one layout explorer (dropdowns for dp, pp, tp and a checkbox)"
     explorer = explorer.first
     for where, command in (("file browser open", "activateById('filebrowser')"),
                            ("file browser collapsed", "collapseLeft()")):

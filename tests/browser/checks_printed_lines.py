@@ -1,4 +1,4 @@
-"""What notebooks 08, 11 and 12 print, as a student reads it at 1280 px with the file browser open (JupyterLab's
+"""What notebooks 08 and 11 to 14 print, as a student reads it at 1280 px with the file browser open (JupyterLab's
 first layout): no printed line wraps. JupyterLab breaks a text output's long line at any character (word-break:
 break-all), mid-word ("instea" + "d"), and no setting or override changes that, so every line a notebook prints
 fits: at most labkit.tables.LINE_CHARS (100) characters, where 107 fit.
@@ -10,7 +10,8 @@ from playwright.sync_api import Page
 
 from labkit.tables import LINE_CHARS
 
-NOTEBOOKS = ("08_worked_example_7b.ipynb", "11_sharding.ipynb", "12_3d_parallelism.ipynb")
+NOTEBOOKS = ("08_worked_example_7b.ipynb", "11_zero.ipynb", "12_fsdp.ipynb", "13_3d_parallelism.ipynb",
+             "14_3d_layouts.ipynb")
 
 PRINTED = ('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stdout"] pre, '
            '.jp-OutputArea-output[data-mime-type="text/plain"] pre')

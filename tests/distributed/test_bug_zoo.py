@@ -1,4 +1,4 @@
-"""Notebook 13's bug zoo: each broken run shows its own symptom on real ranks, the diagnosis widget grades and
+"""Notebook 15's bug zoo: each broken run shows its own symptom on real ranks, the diagnosis widget grades and
 records the answers, and check_fixed_training rejects a catalogue of wrong fixes, each with a message that names
 the mistake, and accepts right ones written differently."""
 

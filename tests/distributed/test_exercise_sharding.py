@@ -23,7 +23,7 @@ HANG_SECONDS = 2.0
 
 
 def notebook_11_solution(param, grad, lr):
-    """The reference solution in notebook 11 (notebooks/11_sharding.ipynb, the cell tagged solution): the rows of
+    """The reference solution in notebook 11 (notebooks/11_zero.ipynb, the cell tagged solution): the rows of
     the padded copies that the exercise hands over."""
     rank, n = dist.get_rank(), dist.get_world_size()
     grads = padded(grad, n).view(n, -1)

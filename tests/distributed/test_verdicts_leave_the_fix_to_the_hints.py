@@ -224,7 +224,7 @@ def groups_dp_stride_tp(rank, dp, pp, tp):
 
 
 def the_broken_loop(model, x, y, steps, lr):
-    """13: notebook 13's loop as given, the stub's raise deleted: no broadcast, no division."""
+    """15: notebook 15's loop as given, the stub's raise deleted: no broadcast, no division."""
     for _ in range(steps):
         model.zero_grad()
         F.cross_entropy(model(x), y).backward()

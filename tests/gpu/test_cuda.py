@@ -23,7 +23,7 @@ from labkit.commands import gpu_check
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 NO_CUDA = f"CUDA is not available (torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'})"
-NOTEBOOK_10 = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "10_nccl_and_review.ipynb")
+NOTEBOOK_10 = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "10_nccl_and_debugging.ipynb")
 
 
 def needs_gpus(count: int):

@@ -1,6 +1,6 @@
-"""The mesh grader (notebook 12) against its catalogue: wrong coordinates and groups, each rejected with a message
+"""The mesh grader (notebook 13) against its catalogue: wrong coordinates and groups, each rejected with a message
 that names the mistake, and right ones written in different ways (divmod, a torch mesh tensor, an enumeration),
-all accepted. No processes: the grader compares numbers with labkit.parallel.mesh_layout, which notebook 12 checks
+all accepted. No processes: the grader compares numbers with labkit.parallel.mesh_layout, which notebook 13 checks
 against the real Mesh (torch's DeviceMesh) on real ranks."""
 
 import itertools

@@ -33,7 +33,7 @@ def test_each_answer_names_its_deciding_bytes():
 
 
 def test_too_many_layers_offers_the_pipeline_and_sharded_weights():
-    # the course's own answer for a model whose weights do not fit (notebook 11): ZeRO-3 shards them too
+    # the course's own answer for a model whose weights do not fit (notebook 12): ZeRO-3 shards them too
     strategy, why = parallelism_for(70e9, 0.86e9, 80e9)
     assert strategy == "pipeline parallelism or ZeRO-3/FSDP"
     assert "pipeline parallelism" in why and "ZeRO-3, PyTorch FSDP" in why and "tensor parallelism" in why

@@ -122,3 +122,25 @@ def test_unknown_exercises_are_refused_with_the_list():
         graded("allreduce")
     with pytest.raises(ValueError, match="unknown exercise 'x'"):
         record_attempt("x", True)
+
+
+def test_a_progress_file_from_before_the_renamed_notebooks_still_shows_every_attempt(progress_file):
+    """Issue 26 renamed 10-13 and split two of them; the file is keyed by exercise, so a file written then reads
+    as it did, under the notebooks' new names, and an old copy's show_progress("11_sharding") bolds 11_zero."""
+    progress_file.parent.mkdir(parents=True)
+    progress_file.write_text(json.dumps({
+        "stack_map": {"passed": True, "attempts": 2, "passed_at": "2026-11-30T10:00:00+00:00"},
+        "sharded_step": {"passed": False, "attempts": 3, "passed_at": None},
+        "mesh_coordinates": {"passed": True, "attempts": 1, "passed_at": "2026-11-30T11:00:00+00:00"},
+        "bug_zoo_fix": {"passed": False, "attempts": 1, "passed_at": None}}))
+    shown = show_progress("11_sharding")
+    where = {title: (notebook, status) for notebook, title, status in shown.rows()}
+    assert where[EXERCISES["stack_map"][1]] == ("10_nccl_and_debugging", "passed")
+    assert where[EXERCISES["sharded_step"][1]] == ("11_zero", "tried 3x, not passed yet")
+    assert where[EXERCISES["mesh_coordinates"][1]] == ("13_3d_parallelism", "passed")
+    assert where[EXERCISES["bug_zoo_fix"][1]] == ("15_bug_zoo", "tried 1x, not passed yet")
+    assert "| **11_zero** |" in shown._repr_markdown_()
+    notebooks = {os.path.splitext(name)[0] for name in os.listdir(os.path.join(os.path.dirname(__file__), "..", "..",
+                                                                               "notebooks"))}
+    assert {notebook for notebook, _ in EXERCISES.values()} <= notebooks       # every exercise's notebook exists
+    assert not set(progress_module.RENAMED_NOTEBOOKS) & notebooks              # and no old name is left

@@ -112,15 +112,23 @@ def test_neither_the_length_nor_the_place_of_an_option_gives_the_answer_away():
 
 
 def test_the_review_refers_to_nothing_outside_the_course():
-    """No exam objective numbers, frequency tiers or other courses' lesson codes ("12-05") that a student of
-    this course never saw: in the quiz data and in notebook 10, where the quiz is taken."""
-    outside = re.compile(r"\b\d{2}-\d{2}\b|\bTier \d|\bobjectives? \d|study guide|curriculum", re.IGNORECASE)
+    """No frequency tiers, curriculum or other courses' lesson codes ("12-05") that a student of this course never
+    saw: in the quiz data and in notebook 16, where the quiz is taken. The exam's framing (issue 26: objectives 4.1
+    and 4.4, the study guide's reading list naming NCCL, AllReduce and ring-allreduce) is in 16's opening cell
+    alone, and names no other objective."""
+    outside = re.compile(r"\b\d{2}-\d{2}\b|\bTier \d|curriculum", re.IGNORECASE)
+    framing = re.compile(r"\bobjectives?\W+\d|study\s+guide", re.IGNORECASE)
     texts = every_text() + [(card.id, side) for card in load_flashcards() for side in (card.front, card.back)]
-    notebook = json.loads((ROOT.parent / "notebooks" / "10_nccl_and_review.ipynb").read_text(encoding="utf-8"))
-    texts += [(f"notebook 10 cell {i}", "".join(cell["source"])) for i, cell in enumerate(notebook["cells"])]
-    found = [(where, match.group()) for where, text in texts for match in [outside.search(text)] if match]
+    notebook = json.loads((ROOT.parent / "notebooks" / "16_review.ipynb").read_text(encoding="utf-8"))
+    cells = [(f"notebook 16 cell {i}", "".join(cell["source"])) for i, cell in enumerate(notebook["cells"])]
+    (_, opening), rest = cells[0], cells[1:]
+    found = [(where, match.group()) for where, text in texts + cells for match in [outside.search(text)] if match]
+    found += [(where, match.group()) for where, text in texts + rest for match in [framing.search(text)] if match]
     assert not found, found
-    assert outside.search("Next in the curriculum (12-05)") and outside.search("objectives 4.1 and 4.4")
+    assert framing.search(opening) and set(re.findall(r"\b\d\.\d\b", opening)) == {"4.1", "4.4"}
+    assert all(term in opening for term in ("NCCL", "AllReduce", "ring-allreduce"))
+    assert outside.search("Next in the curriculum (12-05)") and framing.search("objectives 4.1 and 4.4")
+
 
 def test_the_lessons_traps_are_distractors():
     families = load_distractor_families()
@@ -231,7 +239,7 @@ def test_the_sharding_questions_ask_what_plan_computes():
 
 
 def test_the_3d_questions_quote_what_plan_computes():
-    """Notebook 12's GPT-3 175B as dp=8 x pp=8 x tp=8 on 512 GPUs: the busiest rank's tensor-parallel bytes on the
+    """Notebook 13's GPT-3 175B as dp=8 x pp=8 x tp=8 on 512 GPUs: the busiest rank's tensor-parallel bytes on the
     wire, and their seconds over NVLink (450 GB/s each way) and InfiniBand NDR (400 Gb/s = 50 GB/s), are what the
     question and its options say; each link-speed slip gives one wrong option."""
     questions = {q.id: q for q in load_questions()}
@@ -248,7 +256,7 @@ def test_the_3d_questions_quote_what_plan_computes():
         f"About {tp_wire / 450e9:.0f} s over NVLink, about {tp_wire / 50e9:.0f} s over InfiniBand"
     assert f"About {tp_wire / 450e9:.0f} s over NVLink, about {tp_wire / 400e9:.1f} s over InfiniBand" in texts  # Gb
     assert f"About {tp_wire / 900e9:.0f} s over NVLink, about {tp_wire / 100e9:.0f} s over InfiniBand" in texts  # both
-    # the forward's half of tp's collectives shows in the step (notebook 12: the busiest rank holds blocks only, 2 of
+    # the forward's half of tp's collectives shows in the step (notebook 13: the busiest rank holds blocks only, 2 of
     # each block's 4 all-reduces in the forward); Megatron-LM runs the backward's during the weight-gradient GEMMs
     overlaps = question.options[3]
     assert not overlaps.correct and overlaps.text == "Little on either: it overlaps the compute"

@@ -8,7 +8,7 @@ from labkit.widgets import LayoutExplorer, suggested_layout
 from labkit.widgets.layout_explorer import AXIS_WHEN, plan_layout
 
 SHAPE = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)  # TinyGPT(82, tied=False)'s sizes
-BATCH, NUMBER_NBYTES = 16, 8  # float64, as notebook 12 trains
+BATCH, NUMBER_NBYTES = 16, 8  # float64, as notebooks 13 and 14 train
 
 
 def explorer(world_size=8):
