@@ -36,6 +36,19 @@ def status(url: str, token: str | None = None) -> int:
         return error.code
 
 
+def jupyter_processes(pid: int) -> list[psutil.Process]:
+    """The JupyterLab processes below `pid`; a child that has already exited (a zombie not yet reaped, such as a
+    short-lived helper the server started) or vanished while being read is none of them."""
+    found = []
+    for process in psutil.Process(pid).children(recursive=True):
+        try:
+            if "jupyter" in " ".join(process.cmdline()):
+                found.append(process)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return found
+
+
 def test_kernel_is_registered_inside_the_venv():
     spec_path = os.path.join(sys.prefix, "share", "jupyter", "kernels", "labkit", "kernel.json")
     with open(spec_path) as f:
@@ -74,7 +87,7 @@ def test_make_lab_serves_on_loopback_and_refuses_requests_without_the_token(tmp_
             f"http://127.0.0.1:{port}/api/kernelspecs", headers={"Authorization": f"token {token}"}))
         assert set(json.load(kernelspecs)["kernelspecs"]) == {"labkit"}, "one obvious kernel"
         assert (tmp_path / "mine" / "00_setup.ipynb").exists(), "make lab opens the student's own copy"
-        server += [p for p in psutil.Process(lab.pid).children(recursive=True) if "jupyter" in " ".join(p.cmdline())]
+        server += jupyter_processes(lab.pid)
         listening = {c.laddr.ip for p in server for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
         assert listening == {"127.0.0.1"}
     finally:
