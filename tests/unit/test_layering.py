@@ -13,12 +13,15 @@
    depend on its package, which is no design fact). Source in strings that a module executes for a student (the
    %%ranks prelude, labkit.launch.cells.PRELUDE) is the student's code, not an import of the package.
 3. DESIGN.md's rule, read from the same graph: no module of plan, viz, comm, parallel, checkpoint, models,
-   measure or groups imports labkit.launch itself.
+   measure or groups imports labkit.launch itself; and notebooks and commands import the launcher's names from
+   the package labkit.launch, never from its modules.
 """
 
 from __future__ import annotations
 
 import ast
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -198,3 +201,25 @@ def test_three_more_cycles_of_issue_27_stay_broken(module, partner):
     graph = import_graph()
     assert partner in graph and module in graph
     assert partner not in reachable(graph, module), f"{module} reaches {partner} again"
+
+
+LAUNCH_MODULE_IMPORT = re.compile(r"^\s*(?:from|import)\s+labkit\.launch\.\w+", re.MULTILINE)
+
+
+def launch_module_imports(text: str) -> list[str]:
+    """Lines of `text` importing one of labkit.launch's modules (labkit.launch.backend ...) instead of the package."""
+    return [match.group(0).strip() for match in LAUNCH_MODULE_IMPORT.finditer(text)]
+
+
+def test_notebooks_and_commands_import_the_launcher_by_its_package():
+    """What notebooks and `labkit.commands` use of the launcher (run, the backend choice) comes from
+    `labkit.launch` itself, so that its modules can move without breaking a course cell."""
+    notebooks = sorted((PACKAGE.parent / "notebooks").glob("*.ipynb"))
+    commands = sorted((PACKAGE / "commands").glob("*.py"))
+    assert len(notebooks) > 10 and commands
+    found = [f"{p.name}: {line}" for p in notebooks for cell in json.loads(p.read_text())["cells"]
+             if cell["cell_type"] == "code" for line in launch_module_imports("".join(cell["source"]))]
+    found += [f"{p.name}: {line}" for p in commands for line in launch_module_imports(p.read_text())]
+    assert not found, f"import these from labkit.launch instead: {found}"
+    assert launch_module_imports("x = 1\nfrom labkit.launch.backend import choose_backend\n") == \
+        ["from labkit.launch.backend"]
