@@ -1,7 +1,13 @@
-"""Process groups: is one up, who am I in it, and do all its ranks agree.
+"""Who am I, process groups, and do all their ranks agree: the leaf the rest of labkit reads. It imports only torch
+and the standard library (as picotron's process_group_manager.py does), so code on a rank started by torchrun
+loads none of labkit's launcher.
 
-Every distributed primitive in labkit takes `group=`: None for the whole world (torch's default group), or a
-sub-group from `torch.distributed.new_group` or a `labkit.parallel.Mesh` axis. These helpers are the one place
+Who am I: `rank()`, `world_size()`, `local_rank()` and `device()`, which `labkit.rank()` and its siblings are.
+They work the same under labkit's pool and under torchrun: both initialise torch.distributed's default process
+group and set LOCAL_RANK, and the backend says where tensors live (NCCL: this rank's GPU).
+
+Groups: every distributed primitive in labkit takes `group=`: None for the whole world (torch's default group), or
+a sub-group from `torch.distributed.new_group` or a `labkit.parallel.Mesh` axis. These helpers are the one place
 that asks torch.distributed those questions, so each primitive reads the same way and fails with the same
 message outside a rank. Ranks inside a group are numbered 0 .. size-1 (torch's "group rank"); messages name
 the global rank too, the number `labkit.rank()` prints.
@@ -21,9 +27,11 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["broadcast_object", "check_gathered", "check_placed", "check_same", "first_misplaced", "gather_objects",
-           "global_rank", "group_is_up", "group_rank", "group_ranks", "group_size", "new_group", "require_group",
-           "require_member"]
+import os
+
+__all__ = ["broadcast_object", "check_gathered", "check_placed", "check_same", "device", "first_misplaced",
+           "gather_objects", "global_rank", "group_is_up", "group_rank", "group_ranks", "group_size", "local_rank",
+           "new_group", "rank", "require_group", "require_member", "world_size"]
 
 OUTSIDE = ("{caller} needs a torch.distributed process group: call it inside a rank (in a function given to "
            "labkit.run, in a %%ranks cell, or in a script started by torchrun). Here none is initialised.")
@@ -45,6 +53,36 @@ def require_group(caller: str) -> None:
     """RuntimeError naming `caller` unless a process group is up."""
     if not group_is_up():
         raise RuntimeError(OUTSIDE.format(caller=caller))
+
+
+def rank() -> int:
+    """This process's rank in the default process group (0 .. world_size() - 1): `labkit.rank()`."""
+    require_group("labkit.rank()")
+    return _dist().get_rank()
+
+
+def world_size() -> int:
+    """Number of ranks in the default process group: `labkit.world_size()`."""
+    require_group("labkit.world_size()")
+    return _dist().get_world_size()
+
+
+def local_rank() -> int:
+    """Rank among the processes on this machine (LOCAL_RANK, which torchrun and labkit's pool set for each rank;
+    the rank itself where it is unset, as on one node)."""
+    value = os.environ.get("LOCAL_RANK")
+    return int(value) if value is not None else rank()
+
+
+def device():
+    """Where this rank's tensors belong (`labkit.device()`): cuda:LOCAL_RANK when NCCL is in the group, the CPU
+    otherwise. Under labkit's NCCL pools, CPU tensors still work: they travel over gloo."""
+    import torch
+
+    require_group("labkit.device()")
+    if "nccl" in _dist().get_backend():  # "nccl", or "cpu:gloo,cuda:nccl"
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
 
 
 def require_member(caller: str, group=None, *, alone_ok: bool = False) -> None:
@@ -122,8 +160,6 @@ def broadcast_object(obj, group=None):
     """
     if group_size(group) == 1:
         return obj
-    from labkit.launch.context import device  # here, not above: labkit.launch imports this module
-
     box = [obj]
     _dist().broadcast_object_list(box, src=global_rank(group, 0), group=group, device=device())
     return box[0]
@@ -153,8 +189,6 @@ def first_misplaced(named_tensors) -> str:
     """The first of `named_tensors` ((name, tensor) pairs) that is not on this rank's labkit.device(), described;
     "" if none. Under NCCL a CPU tensor would quietly travel over gloo, and one on another rank's GPU would hang
     or fail, so every primitive that communicates a model's tensors asks this first."""
-    from labkit.launch.context import device  # here, not above: labkit.launch imports this module
-
     home = device()
     for name, tensor in named_tensors:
         if tensor.device != home:

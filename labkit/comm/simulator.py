@@ -15,11 +15,19 @@ from collections import defaultdict
 
 import torch
 
-from labkit.checks import whole
+from labkit.checks import choice, whole
+from labkit.comm.naive import naive_allreduce
+from labkit.comm.ring import ring_allgather, ring_allreduce, ring_reduce_scatter
 from labkit.comm.transport import Transfer, Transport
+from labkit.comm.tree import broadcast, reduce, tree_allreduce
 
-__all__ = ["ALPHA_SECONDS", "BETA_SECONDS_PER_BYTE", "SimTransport", "canonical_order", "run_simulated", "simulate",
-           "with_model_times"]
+__all__ = ["ALGORITHMS", "ALPHA_SECONDS", "BETA_SECONDS_PER_BYTE", "SimTransport", "canonical_order", "run_simulated",
+           "simulate", "with_model_times"]
+
+# The algorithms `simulate` and `run_simulated` take by name: labkit.comm's kernels, imported from their own
+# modules (not from labkit.comm, whose __init__ imports this module).
+ALGORITHMS = {kernel.__name__: kernel for kernel in (ring_allreduce, naive_allreduce, ring_reduce_scatter,
+                                                     ring_allgather, broadcast, reduce, tree_allreduce)}
 
 ALPHA_SECONDS = 20e-6  # per-message latency of the model
 BETA_SECONDS_PER_BYTE = 1 / 10e9  # a 10 GB/s link (GB = 1e9 bytes)
@@ -77,9 +85,8 @@ def run_simulated(algorithm, inputs: list[torch.Tensor], *args, **kwargs):
     """Run `algorithm(inputs[r], *args, transport=...)` on len(inputs) simulated ranks.
 
     Returns (results in rank order, the rank's transports, every transfer in order)."""
-    from labkit import comm
-
-    algorithm = getattr(comm, algorithm) if isinstance(algorithm, str) else algorithm
+    if isinstance(algorithm, str):
+        algorithm = ALGORITHMS[choice("algorithm", algorithm, list(ALGORITHMS))]
     world_size = len(inputs)
     network, events = _Network(), []
     transports = [SimTransport(r, world_size, network, events) for r in range(world_size)]
@@ -106,8 +113,9 @@ def simulate(algorithm: str, world_size: int, numel: int, dtype: torch.dtype = t
              **kwargs) -> list[Transfer]:
     """The transfers of `algorithm` on `world_size` ranks for a tensor of `numel` elements, timed by the model.
 
-    `algorithm` is a name in labkit.comm ("ring_allreduce", "naive_allreduce", "ring_reduce_scatter",
-    "ring_allgather", "broadcast", "reduce", "tree_allreduce"). For ring_allgather, `numel` is each rank's chunk."""
+    `algorithm` is one of labkit.comm's kernels by name (ALGORITHMS: "ring_allreduce", "naive_allreduce",
+    "ring_reduce_scatter", "ring_allgather", "broadcast", "reduce", "tree_allreduce"). For ring_allgather,
+    `numel` is each rank's chunk."""
     world_size, numel = whole("world_size", world_size), whole("numel", numel, minimum=0)
     inputs = [torch.zeros(numel, dtype=dtype) for _ in range(world_size)]
     return run_simulated(algorithm, inputs, *args, **kwargs)[2]

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import labkit
 from labkit import comm
 from labkit.checks import choice, whole
-from labkit.launch.backend import choose_backend, init_process_group, usable_gpu_count
+from labkit.launch import choose_backend, init_process_group, usable_gpu_count
 
 __all__ = ["ALGORITHMS", "check_allreduce", "init_from_environment", "main"]
 

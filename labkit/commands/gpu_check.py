@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 import labkit
-from labkit.launch.backend import choose_backend
+from labkit.launch import choose_backend
 from labkit.measure import median_seconds
 from labkit.tables import text_table
 

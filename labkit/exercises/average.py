@@ -12,7 +12,7 @@ gradient of the whole batch in one process. A solution passes only if, on every 
   than the parameters, with ReduceOp.SUM (or AVG), and waited for every async_op=True handle: handle.wait(),
   a loop on handle.is_completed(), or its future's wait() (handle.get_future().wait(),
   torch.futures.wait_all); taking the future, chaining then() on it, or a loop on its done() or value(), does
-  not wait (on GPUs done() is True once the all_reduce is queued: `average_guard.WaitWatch`);
+  not wait (on GPUs done() is True once the all_reduce is queued: `wait_watch.WaitWatch`);
 - after fn, every gradient equals the full-batch gradient of one process (float64, within 1e-9), at every step;
 - the replicas stay identical, and equal to one process trained on the whole batch.
 """

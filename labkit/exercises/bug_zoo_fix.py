@@ -17,7 +17,7 @@ whole batch everywhere is not data parallel), and so is an all_reduce of the par
 has begun (parameter averaging, which plain SGD cannot tell from gradient averaging but Adam can). torch's
 DistributedDataParallel and labkit.parallel's broadcast_parameters and average_gradients do the fix for you and
 are switched off too. A broadcast or all_reduce started with async_op=True must be waited for (its handle or its
-future; labkit.exercises.average_guard.watch_waits watches them): one never waited for is named first.
+future; labkit.exercises.wait_watch.watch_waits watches them): one never waited for is named first.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ import torch
 
 import labkit
 from labkit.checks import whole
+from labkit.exercises.wait_watch import WaitWatch
 from labkit.launch.errors import NoReply
 
 __all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "Posted", "RefusedOperator", "attempt",
@@ -172,7 +173,7 @@ class Outcome:
 @dataclass
 class Posted:
     """One message posted through ProcessGroup.send or .recv, and whether graded code waited for its handle
-    (`waited`, set by labkit.exercises.average_guard.WaitWatch; `future` when it took the handle's future)."""
+    (`waited`, set by labkit.exercises.wait_watch.WaitWatch; `future` when it took the handle's future)."""
 
     verb: str  # "send" or "recv"
     peer: int
@@ -298,9 +299,7 @@ class Guard:
 
     def watch_waits(self) -> None:
         """From now until the guard ends, note which posted messages' handles graded code waits for, however it
-        waits (labkit.exercises.average_guard.WaitWatch: wait(), is_completed(), the handle's future)."""
-        from labkit.exercises.average_guard import WaitWatch  # it imports this module
-
+        waits (labkit.exercises.wait_watch.WaitWatch: wait(), is_completed(), the handle's future)."""
         WaitWatch(self.posted).install(self._saved)
 
     def unwaited(self) -> list[tuple[str, int]]:

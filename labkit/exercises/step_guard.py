@@ -7,7 +7,7 @@ in ProcessGroup.send and .recv (`labkit.exercises.guard`), and converted to the 
 algorithm (`Collective.sent_nbytes`). Calls that would move data past that count raise `ForbiddenCall` while the
 step is graded: point-to-point messages, object collectives, reduce/gather/scatter/all_to_all, coalesced forms,
 the backend's methods and the c10d operators under torch.ops (functional collectives). Each collective's handle
-is watched (`labkit.exercises.average_guard.watch_waits`), so that one started with async_op=True and never waited
+is watched (`labkit.exercises.wait_watch.watch_waits`), so that one started with async_op=True and never waited
 for is named as such.
 """
 

@@ -131,7 +131,7 @@ def _why_unhealthy(pool: Pool) -> str:
 
 
 def _devices(world_size: int, backend: str) -> str:
-    """Which device each rank computes on: labkit.device() there (context.py)."""
+    """Which device each rank computes on: labkit.device() there (labkit.groups)."""
     if backend != "nccl":
         return "every rank computes on cpu"
     if world_size <= 4:

@@ -21,7 +21,7 @@ from collections import ChainMap
 import cloudpickle
 import torch
 
-from labkit.groups import group_is_up
+from labkit.groups import device, group_is_up
 
 __all__ = ["dumps", "landing_device", "lands_on_rank_device", "load_result", "loads"]
 
@@ -44,8 +44,6 @@ def landing_device() -> torch.device:
     """Where a GPU tensor unpickled in this process lands: labkit.device() inside a rank (its own GPU under
     NCCL), the CPU anywhere else."""
     if group_is_up():
-        from labkit.launch.context import device
-
         return device()
     return torch.device("cpu")
 

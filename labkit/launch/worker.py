@@ -40,7 +40,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import NamedTuple
 
-from labkit.groups import group_is_up
+from labkit.groups import device, group_is_up
 from labkit.launch import protocol
 from labkit.launch.errors import describe_exception, describe_stack
 from labkit.launch.inflight import recorded_collectives
@@ -291,8 +291,6 @@ def health_probe() -> float:
     """A tiny all_reduce: it completes, and sums to the world size, only if the group is in step."""
     import torch
     import torch.distributed as dist
-
-    from labkit.launch.context import device
 
     t = torch.ones(1, device=device())
     dist.all_reduce(t)

@@ -32,7 +32,7 @@ from torch import nn
 
 from labkit import groups, measure
 from labkit.checks import shown
-from labkit.launch import device
+from labkit.groups import device
 from labkit.parallel.fsdp_units import (
     FlatUnit,
     cast_floating,

@@ -1,4 +1,5 @@
-"""The package's house rules, checked on its source: every module declares its public API, nothing reaches into
+"""The package's house rules, checked on its source: every module declares its public API (a name it serves on first
+use through a module `__getattr__` counts, when imported under `if TYPE_CHECKING:`), nothing reaches into
 another module's private names, functions stay short, and no module is named like the standard library or like
 another module of the package."""
 
@@ -32,8 +33,20 @@ def declared_all(module: ast.Module) -> list[str] | None:
     return None
 
 
+def lazy_names(module: ast.Module) -> set[str]:
+    """Names a module serves on first use (PEP 562): imported under a top-level `if TYPE_CHECKING:`, so that
+    readers and type checkers see where they come from, and served at run time by the module's `__getattr__`
+    (labkit/__init__.py's launcher names). Without a `__getattr__`, none: those names would not exist."""
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "__getattr__" for node in module.body):
+        return set()
+    checked = [node for node in module.body if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+               and node.test.id == "TYPE_CHECKING"]
+    return {(a.asname or a.name).split(".")[0] for block in checked for node in block.body
+            if isinstance(node, ast.ImportFrom | ast.Import) for a in node.names}
+
+
 def defined_names(module: ast.Module) -> set[str]:
-    names = set()
+    names = lazy_names(module)
     for node in module.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             names.add(node.name)
@@ -127,3 +140,13 @@ def test_the_rules_catch_what_they_are_for(tmp_path):
     assert private_imports(bad) == ["labkit.comm.transport._Batch (line 1)", "launch._owner (line 3)"]
     assert long_functions(bad) == ["f (41 lines, line 5)"]
     assert declared_all(tree(bad)) is None
+
+
+def test_lazy_names_count_only_where_a_module_getattr_serves_them(tmp_path):
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from labkit.launch import run\n"
+    without = tmp_path / "without.py"
+    without.write_text(typed + "__all__ = ['run']\n")
+    served = tmp_path / "served.py"
+    served.write_text(typed + "__all__ = ['run']\n\ndef __getattr__(name):\n    ...\n")
+    assert "run" not in defined_names(tree(without))
+    assert "run" in defined_names(tree(served))
