@@ -1,7 +1,8 @@
 """labkit.parallel communicates through one module: read with ast, no file of labkit/parallel/ but _collectives.py
 names a torch.distributed collective (calls it, takes it as a value, imports it or looks it up with getattr),
-except the one the 3D step leaves uncounted on purpose. So every collective the parallelisms make is counted,
-by the one record_collective call in _collectives.py, and counted-equals-planned checks cannot miss one.
+except the one the 3D step leaves uncounted on purpose. So every collective the parallelisms make is counted, in
+_collectives.py, and counted-equals-planned checks cannot miss one. (The pipeline's sends go through labkit.comm's
+transport, not torch.distributed: stage_run.py counts each where it posts it.)
 
 A barrier carries no data and neither counter counts one (counters.py, torch_counters.py): barriers are not
 collectives here. A ProcessGroup's own methods (group.allreduce([t])) cannot be told apart by reading; labkit
