@@ -3,6 +3,7 @@ parallel/ recorded before it existed (record_collective(kind, tensor, group) wit
 its kind, numel x element size, the group's global ranks), and leaves what torch's own collective leaves, on
 the world and on a pair of ranks, for tensors of several dtypes and sizes."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -17,6 +18,8 @@ from labkit.parallel._collectives import (
     reduce_scatter,
     reduce_scatter_by_all_reduce,
 )
+
+pytestmark = pytest.mark.numerics  # compares floating-point results: make unit runs it again on other kernels
 
 WORLD_SIZE = 4
 KINDS = {"all_reduce": "all_reduce", "broadcast": "broadcast", "all_gather": "all_gather",
