@@ -16,8 +16,8 @@ Every one of them is `_counted`: record, then call torch.distributed, looked up 
 switches a collective off, or a test that watches one, sees every call). The counting convention, which
 labkit.plan's formulas and the notebooks' counted-equals-planned checks rely on: the bytes are what this rank
 hands the collective, `t`'s numel x element size (an all_gather: this rank's part; a reduce_scatter: the whole
-tensor it sums), on the group named by its global ranks (counters.py says why). A rank outside `group` is
-refused by the callers that need it (counters.all_reduce_sum); here nothing is checked that torch checks.
+tensor it sums), on the group named by its global ranks (counters.py says why). Nothing here checks that this
+rank is in `group`: all_reduce_sum and the public classes refuse a rank outside it before they get here.
 
 Tensors come as the callers made them, on labkit.device() (tests/unit/test_device_discipline.py treats these
 functions as collectives); nothing here moves a tensor to another device.
