@@ -34,7 +34,8 @@ __all__ = ["BATCH", "HIDDEN", "WIDTH", "AllReduceCall", "MegatronGuard", "Megatr
 
 BATCH, WIDTH, HIDDEN = 5, 6, 12  # 5 tokens of 6 features; 12 hidden features split 6 + 6 or 4 + 4 + 4
 _PARALLEL = Path(labkit.__file__).parent / "parallel"  # labkit's own f and g live here ...
-_ALLOWED = _PARALLEL / "counters.py"  # ... but all_reduce_sum is only dist.all_reduce (SUM), allowed
+_ALLOWED = {_PARALLEL / "counters.py", _PARALLEL / "_collectives.py"}  # ... but all_reduce_sum is allowed: it
+# is only dist.all_reduce (SUM), made by _collectives.all_reduce
 _TORCH_AUTOGRAD_COLLECTIVES = Path(torch.__file__).parent / "distributed" / "nn" / "functional.py"
 
 
@@ -156,7 +157,7 @@ def ready_made_caller() -> str | None:
         path = Path(frame.f_code.co_filename)
         if path == _TORCH_AUTOGRAD_COLLECTIVES:
             found = f"torch.distributed.nn.functional's {frame.f_code.co_qualname}"
-        elif path.parent == _PARALLEL and path != _ALLOWED:
+        elif path.parent == _PARALLEL and path not in _ALLOWED:
             found = f"labkit.parallel's {frame.f_code.co_qualname}"
         frame = frame.f_back
     return found

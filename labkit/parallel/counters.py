@@ -8,6 +8,9 @@ by the group they run on.
     record_collective(kind, t, group)  what every collective of labkit.parallel calls just before it goes out
     all_reduce_sum(t, group)           a counted all_reduce (SUM) on a process group
 
+The collectives themselves are _collectives.py's, each counted there, where it is called; this module holds the
+counters they report to, and opens them.
+
 Data parallelism (data.py; ZeRO and FSDP through flat_shards.py), the tensor-parallel layers (tensor.py) and the
 pipeline executor all report here, so one counter sees them all: the way to check a paper's communication count
 (Megatron's one all_reduce per MLP forward, DDP's one per bucket) against what the code really sent, and, on a 3D
@@ -32,14 +35,13 @@ How the groups are told apart:
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from labkit import groups
+from labkit.parallel._collectives import all_reduce, counting, record_collective
 from labkit.parallel.mesh import AXES
 
 __all__ = ["ALONE", "AllReduceCounter", "CollectiveCounter", "Traffic", "all_reduce_sum", "count_allreduces",
@@ -119,18 +121,6 @@ class AllReduceCounter:
             self.nbytes += nbytes
 
 
-_counters: list[CollectiveCounter | AllReduceCounter] = []
-
-
-@contextlib.contextmanager
-def _counting(counter):
-    _counters.append(counter)
-    try:
-        yield counter
-    finally:
-        _counters.remove(counter)
-
-
 def count_collectives():
     """Count every collective labkit.parallel makes inside the block, on this rank, by kind and by group (a
     CollectiveCounter): the all_reduces of data parallelism and of the tensor-parallel layers, the all_gathers
@@ -154,7 +144,7 @@ def count_collectives():
         >>> labkit.run(count, world_size=2)[0]
         ({'all_gather': 1}, {'all_reduce': 1})
     """
-    return _counting(CollectiveCounter())
+    return counting(CollectiveCounter())
 
 
 def count_allreduces():
@@ -175,18 +165,7 @@ def count_allreduces():
         >>> labkit.run(count, world_size=2)
         [(6, 22032), (6, 22032)]
     """
-    return _counting(AllReduceCounter())
-
-
-def record_collective(kind: str, tensor: torch.Tensor, group=None) -> None:
-    """Tell the open counters that this rank makes a collective of `kind` on `tensor` over `group` (None: the
-    world; for a send, the group its two stages belong to): every collective of labkit.parallel calls this just
-    before it goes out."""
-    if not _counters:
-        return
-    nbytes, ranks = tensor.numel() * tensor.element_size(), tuple(groups.group_ranks(group))
-    for counter in _counters:
-        counter.record(kind, nbytes, ranks)
+    return counting(AllReduceCounter())
 
 
 def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False):
@@ -210,5 +189,4 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False):
         [(3.0, {'all_reduce': 4}), (3.0, {'all_reduce': 4})]
     """
     groups.require_member("all_reduce_sum", group)
-    record_collective("all_reduce", tensor, group)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return all_reduce(tensor, group, async_op=async_op)

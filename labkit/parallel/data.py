@@ -26,12 +26,12 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from labkit import groups, measure
 from labkit.checks import number, shown, whole
-from labkit.parallel.counters import all_reduce_sum, record_collective
+from labkit.parallel._collectives import broadcast
+from labkit.parallel.counters import all_reduce_sum
 
 __all__ = ["DEFAULT_BUCKET_MB", "FIRST_BUCKET_MB", "Bucket", "BucketedDDP", "Event", "MiB", "average_gradients",
            "broadcast_parameters", "bucket_caps_mb",
@@ -122,12 +122,9 @@ def broadcast_parameters(model: nn.Module, src: int = 0, group=None) -> None:
 
 
 def _broadcast(model: nn.Module, src: int, group) -> None:
-    """Group rank `src`'s parameters and buffers to the group's other ranks (dist.broadcast's `src` is a global
-    rank; `group_src` would take `src` itself)."""
-    root = groups.global_rank(group, src)
+    """Group rank `src`'s parameters and buffers to the group's other ranks."""
     for tensor in [*model.parameters(), *model.buffers()]:
-        record_collective("broadcast", tensor, group)
-        dist.broadcast(tensor.detach(), root, group=group)
+        broadcast(tensor.detach(), src, group=group)
 
 
 def average_gradients(model: nn.Module, group=None) -> None:

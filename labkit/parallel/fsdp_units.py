@@ -17,12 +17,11 @@ full[:numel], so that the module's own forward computes with the gathered values
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from labkit import groups
 from labkit.checks import items, shown
-from labkit.parallel.counters import record_collective
+from labkit.parallel._collectives import broadcast
 from labkit.parallel.flat_shards import FlatLayout, post_all_gather, post_reduce_scatter
 
 __all__ = ["FlatUnit", "cast_floating", "cast_frozen", "check_module", "choose_units", "claim_parameters",
@@ -88,8 +87,7 @@ class FlatUnit:
         self.slots = [where for _, where in owned]
         self.layout = FlatLayout([p.shape for p in params], groups.group_size(group))
         flat = torch.cat([p.detach().reshape(-1) for p in params])
-        record_collective("broadcast", flat, group)
-        dist.broadcast(flat, groups.global_rank(group, 0), group=group)
+        broadcast(flat, 0, group=group)
         me = groups.group_rank(group)
         start = self.layout.start(me)
         self.shard = nn.Parameter(flat[start:start + self.layout.sizes[me]].clone())

@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import groups
-from labkit.parallel.counters import all_reduce_sum, record_collective
-from labkit.parallel.flat_shards import all_gather_single, reduce_scatter_single
+from labkit.parallel._collectives import all_gather, reduce_scatter
+from labkit.parallel.counters import all_reduce_sum
 
 __all__ = ["allreduce_sequence_parallel_grads", "gather_from_sequence_parallel", "reduce_scatter_to_sequence_parallel",
            "sequence_parallel_linear", "sequence_slice"]
@@ -64,9 +64,8 @@ def _all_gather_sequence(part: torch.Tensor, group) -> torch.Tensor:
     """Every group rank's (batch, length / t, ...) `part`, concatenated along the sequence in group-rank order."""
     parts = groups.group_size(group)
     flat = part.contiguous().reshape(-1)
-    record_collective("all_gather", flat, group)
     gathered = flat.new_empty(parts * flat.numel())
-    all_gather_single(gathered, flat, group=group)
+    all_gather(gathered, flat, group=group)
     batch, length, *rest = part.shape
     return gathered.view(parts, batch, length, *rest).transpose(0, 1).reshape(batch, parts * length, *rest)
 
@@ -76,9 +75,8 @@ def _reduce_scatter_sequence(whole: torch.Tensor, group) -> torch.Tensor:
     batch, length, *rest = whole.shape
     parts = _parts(length, group)
     chunks = whole.reshape(batch, parts, length // parts, *rest).transpose(0, 1).contiguous()
-    record_collective("reduce_scatter", chunks, group)
     mine = chunks.new_empty(chunks.shape[1:])
-    reduce_scatter_single(mine.view(-1), chunks.view(-1), group=group)
+    reduce_scatter(mine.view(-1), chunks.view(-1), group=group)
     return mine
 
 

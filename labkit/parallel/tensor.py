@@ -35,13 +35,13 @@ from __future__ import annotations
 import hashlib
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from labkit import groups
 from labkit.checks import flag
-from labkit.parallel.counters import all_reduce_sum, record_collective
+from labkit.parallel._collectives import all_gather
+from labkit.parallel.counters import all_reduce_sum
 from labkit.parallel.sequence import reduce_scatter_to_sequence_parallel, sequence_parallel_linear
 from labkit.plan.counts import shard_sizes
 
@@ -62,9 +62,9 @@ def _all_gather_last(part: torch.Tensor, sizes: list[int], group) -> torch.Tenso
     in size (`sizes`), so each is padded to the largest for the all_gather and trimmed after."""
     widest = max(sizes)
     padded = F.pad(part, (0, widest - part.shape[-1])).contiguous()
-    record_collective("all_gather", padded, group)
-    parts = [torch.empty_like(padded) for _ in sizes]
-    dist.all_gather(parts, padded, group=group)
+    gathered = padded.new_empty(len(sizes) * padded.numel())
+    all_gather(gathered, padded.view(-1), group=group)
+    parts = gathered.view(len(sizes), *padded.shape).unbind(0)
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes, strict=True)], dim=-1)
 
 

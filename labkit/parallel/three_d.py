@@ -237,6 +237,8 @@ class ThreeDGPT:
         and averaged over the equal replicas. Not counted: reporting, not training."""
         mine = loss if loss is not None and self.mesh.rank_in("tp") == 0 else 0.0
         total = torch.tensor([mine], dtype=torch.float64, device=labkit.device())
+        # parallel/'s one raw collective, left uncounted on purpose: the step's traffic is what it plans, without
+        # this report (tests/unit/test_collectives_in_one_place.py names it as the one exception)
         dist.all_reduce(total)
         return total.item() / self.layout.dp
 

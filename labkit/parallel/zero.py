@@ -44,12 +44,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
 from labkit import groups
 from labkit.checks import flag, number, shown
-from labkit.parallel.counters import record_collective
+from labkit.parallel._collectives import broadcast
 from labkit.parallel.data import MiB
 from labkit.parallel.flat_shards import post_all_gather, post_reduce_scatter
 from labkit.parallel.zero_buckets import (
@@ -175,11 +174,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _broadcast_from_first(self) -> None:
-        root = groups.global_rank(self.group, 0)
         for bucket in self.buckets:
             for p in bucket.params:
-                record_collective("broadcast", p, self.group)
-                dist.broadcast(p.detach(), root, group=self.group)
+                broadcast(p.detach(), 0, group=self.group)
 
     # --- The step ---
 

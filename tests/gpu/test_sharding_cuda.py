@@ -14,7 +14,7 @@ on GPU tensors. Every test skips, saying why, where torch.cuda.is_available() is
 
 labkit's ZeRO calls torch.distributed.all_gather_single and reduce_scatter_single, the torch 2.13 names of
 all_gather_into_tensor and reduce_scatter_tensor (a rename: same arguments and behaviour), and the old names on a
-torch that predates them (a GPU machine's own torch, 2.11 say): labkit.parallel.flat_shards picks at each call.
+torch that predates them (a GPU machine's own torch, 2.11 say): labkit.parallel._collectives picks at each call.
 The watched collectives are therefore matched by family: "all_gather" is either name.
 """
 

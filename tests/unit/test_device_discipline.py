@@ -6,7 +6,8 @@ every function of labkit and every function and %%ranks cell of the notebooks:
 
     a tensor made by a factory (torch.tensor, zeros, ones, empty, full, arange, rand, randn, randint, linspace,
     eye) without `device=` must not reach, in the same function, a torch.distributed collective or
-    point-to-point call, a labkit.comm kernel, or a transport's send/recv.
+    point-to-point call, a labkit.comm kernel, one of labkit.parallel's counted collectives (_collectives.py,
+    through which the package's parallelisms communicate), or a transport's send/recv.
 
 What "reaches" means here, and nothing more: the factory's result is passed directly, or through names
 assigned in order, and through method calls, indexing, arithmetic, lists and comprehensions and torch
@@ -34,6 +35,8 @@ COLLECTIVES = {
     "irecv", "P2POp", "all_reduce_coalesced", "all_gather_coalesced",
 }
 COMM_KERNELS = {"ring_allreduce", "naive_allreduce", "ring_reduce_scatter", "ring_allgather", "broadcast", "reduce"}
+COUNTED = {"all_reduce", "broadcast", "all_gather", "reduce_scatter", "all_gather_by_broadcasts",
+           "reduce_scatter_by_all_reduce", "all_gather_single", "reduce_scatter_single"}  # labkit.parallel._collectives
 TRANSPORT_METHODS = {"isend", "irecv", "exchange", "send", "recv", "_post_send", "_post_recv"}
 TENSOR_KEYWORDS = {"tensor", "tensor_list", "output", "input", "output_tensor_list", "input_tensor_list",
                    "scatter_list", "gather_list", "chunk", "output_tensor", "input_tensor"}
@@ -178,9 +181,16 @@ class _Scope:
 
 
 def _comm_names(tree: ast.AST) -> set[str]:
-    """Kernels imported by bare name: `from labkit.comm import ring_allreduce`."""
-    return {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-            and (node.module or "").startswith("labkit.comm") for alias in node.names if alias.name in COMM_KERNELS}
+    """Kernels imported by bare name: `from labkit.comm import ring_allreduce`, and labkit.parallel's counted
+    collectives: `from labkit.parallel._collectives import broadcast`."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            names = COMM_KERNELS if module.startswith("labkit.comm") else \
+                COUNTED if module == "labkit.parallel._collectives" else set()
+            found |= {alias.asname or alias.name for alias in node.names if alias.name in names}
+    return found
 
 
 def check_source(source: str, where, whole_body: bool = False, comm_names: set[str] | None = None) -> list[Violation]:
@@ -304,6 +314,20 @@ def ring_step(transport, chunk):
 '''
     found = check_source(source, lambda line: f"planted.py:{line}")
     assert [v.where for v in found] == ["planted.py:3"] and "transport.irecv" in found[0].sink
+
+
+def test_the_check_sees_labkit_parallels_counted_collectives():
+    source = '''
+from labkit.parallel._collectives import all_gather, broadcast
+def share(group):
+    flat = torch.zeros(4)
+    broadcast(flat, 0, group=group)
+    out = torch.empty(8, device=labkit.device())
+    all_gather(out, torch.ones(4), group=group)
+'''
+    found = check_source(source, lambda line: f"planted.py:{line}")
+    assert [(v.where, v.sink.split(" (")[0]) for v in found] == [("planted.py:4", "broadcast"),
+                                                                ("planted.py:7", "all_gather")], found
 
 
 def _everything() -> list[Violation]:
