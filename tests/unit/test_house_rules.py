@@ -213,3 +213,35 @@ def test_the_patch_rule_catches_what_it_is_for(tmp_path):
                    "dist.ProcessGroup.allreduce = print\nsetattr(torch.Tensor, 'x', 1)\ndel torch.save\n"
                    "ProcessGroup.send = print\nsetattr(self, 'x', 1)\nother.attr = 1\n")
     assert torch_patches(bad) == ["line 4", "line 5", "line 6", "line 7"]
+
+
+def private_module_imports(path: Path, text: str | None = None) -> list[str]:
+    """Private modules (`_x.py`, or anything under a `_pkg/`, such as labkit.exercises._kit) that `path` imports
+    from outside the package that holds them: their names, public or `_named`, are shared inside that package
+    only (labkit.exercises' graders use the kit; nothing else in labkit does). `text`: the source, if not
+    path's own. Tests may import a private module to test it."""
+    importer, found = module_name(path).split("."), []
+    for node in ast.walk(tree(path) if text is None else ast.parse(text)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        for name in (n for n in names if n.startswith("labkit")):
+            parts = name.split(".")
+            private = next((i for i, part in enumerate(parts) if part.startswith("_") and part != "__init__"), None)
+            if private is not None and importer[:private] != parts[:private]:
+                found.append(f"{name} (line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=module_name)
+def test_private_modules_are_imported_only_inside_their_package(path):
+    assert not private_module_imports(path), f"{module_name(path)} imports private modules of another package: " \
+                                             f"{private_module_imports(path)}; use that package's public API"
+
+
+def test_the_private_module_rule_catches_what_it_is_for():
+    text = "from labkit.exercises._kit._intercept import Interceptor\nimport labkit.exercises.guard\n"
+    # paths only, never written: module_name reads which package such a module would belong to
+    assert private_module_imports(PACKAGE / "parallel" / "probe.py", text) == \
+        ["labkit.exercises._kit._intercept (line 1)"]
+    assert private_module_imports(PACKAGE / "exercises" / "probe.py", text) == []
+    assert private_module_imports(PACKAGE / "exercises" / "_kit" / "probe.py", text) == []
