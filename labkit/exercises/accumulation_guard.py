@@ -40,6 +40,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import labkit
+from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises.guard import Guard
 from labkit.models import mlp
 
@@ -210,34 +211,21 @@ class AccumulationGuard(Guard):
         super().__init__()
         self.watch = watch
 
-    def __enter__(self) -> AccumulationGuard:
-        try:
-            self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce"), point_to_point=False)
-            self._count_allreduces()
-        except BaseException:
-            self._restore()
-            raise
-        return self
+    def install(self) -> None:
+        """Every collective but all_reduce off; each all_reduce made outside DDP's own hook noted."""
+        self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce"), point_to_point=False)
+        wrap_group_method(self, Kind.ALLREDUCE, self._counted)
 
-    def _count_allreduces(self) -> None:
-        """Note each ProcessGroup.allreduce (where dist.all_reduce arrives) made outside DDP's own hook."""
-        import torch.distributed as dist
-
-        original, watch = vars(dist.ProcessGroup)["allreduce"], self.watch
-
-        def counted(group, tensors, *args, **kwargs):
-            if not watch.in_sync:
-                watch.current.own_allreduces.append(_held(tensors, list(watch.ddp.module.parameters())))
-            return original(group, tensors, *args, **kwargs)
-
-        self._saved.append((dist.ProcessGroup, "allreduce", original))
-        dist.ProcessGroup.allreduce = counted
+    def _counted(self, call: GroupCall):
+        """Note a ProcessGroup.allreduce (where dist.all_reduce arrives) made outside DDP's own hook, then make it."""
+        if not self.watch.in_sync:
+            self.watch.current.own_allreduces.append(_held(call.tensor, list(self.watch.ddp.module.parameters())))
+        return call.proceed()
 
 
-def _held(tensors, parameters: list) -> str:
+def _held(tensor: torch.Tensor, parameters: list) -> str:
     """What an all_reduce made by hand held: "gradient" for a parameter's .grad or a tensor of a parameter's
     shape (a copy of one), else the tensor's shape in words."""
-    tensor = tensors if isinstance(tensors, torch.Tensor) else tensors[0]
     if any(p.grad is not None and p.grad.data_ptr() == tensor.data_ptr() or p.shape == tensor.shape
            for p in parameters):
         return "gradient"

@@ -35,6 +35,7 @@ import torch
 
 import labkit.checkpoint
 from labkit.exercises import progress
+from labkit.exercises._kit._intercept import Interceptor
 
 try:
     import resource
@@ -158,10 +159,10 @@ def _called_from(prefixes) -> bool:
     return False
 
 
-class Watch:
+class Watch(Interceptor):
     """While a save runs: record what it does to `target` in `record`, send tempfile and relative paths to
     `elsewhere`; `on_write()` runs when the target is opened for writing, `on_replace()` just before a rename onto
-    it. Everything is restored on exit (the rank runs later calls)."""
+    it. Everything is restored on exit, however the save ends (the rank runs later calls): an `Interceptor`."""
 
     def __init__(self, target, elsewhere, report: Report, record: dict, on_write=None, on_replace=None,
                  on_start=None):
@@ -170,31 +171,23 @@ class Watch:
         self.on_write, self.on_replace, self.on_start = on_write, on_replace, on_start  # each takes no argument
         self.synced: dict[tuple[int, int], tuple[int, str]] = {}  # (st_dev, st_ino) -> (bytes, by which call)
         self.renamed: dict[tuple[int, int], str] = {}  # (st_dev, st_ino) -> name, of each file renamed onto target
-        self.saved: list = []
+        super().__init__()
 
-    def __enter__(self) -> Watch:
-        """Install the wrappers, send tempfile and the working directory elsewhere, then run on_start."""
-        self.saved = [(owner, name, getattr(owner, name)) for owner, name, _ in self._wrappers()]
-        self.limits = [(limit, resource.getrlimit(limit)) for limit in (resource.RLIMIT_FSIZE, resource.RLIMIT_CORE)]
-        self.saved_xfsz, self.saved_cwd, self.saved_tempdir = signal.getsignal(signal.SIGXFSZ), os.getcwd(), \
-            tempfile.tempdir
+    def install(self) -> None:
+        """Install the wrappers, send tempfile and the working directory elsewhere, then run on_start. What arm
+        changes (the file size limit, core files, SIGXFSZ) and the working directory are put back on exit, after
+        the wrappers."""
+        super().install()
+        for limit in (resource.RLIMIT_FSIZE, resource.RLIMIT_CORE):
+            self.on_exit(resource.setrlimit, limit, resource.getrlimit(limit))
+        self.on_exit(signal.signal, signal.SIGXFSZ, signal.getsignal(signal.SIGXFSZ))
+        self.on_exit(os.chdir, os.getcwd())
+        self.patch(tempfile, "tempdir", self.elsewhere)
         for owner, name, wrapper in self._wrappers():
-            setattr(owner, name, wrapper)
-        tempfile.tempdir = self.elsewhere
+            self.patch(owner, name, wrapper)
         os.chdir(self.elsewhere)
         if self.on_start:
             self.on_start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        """Put back everything __enter__ and arm changed: the rank goes on to run other calls."""
-        for owner, name, original in self.saved:
-            setattr(owner, name, original)
-        tempfile.tempdir = self.saved_tempdir
-        os.chdir(self.saved_cwd)
-        for limit, values in self.limits:
-            resource.setrlimit(limit, values)
-        signal.signal(signal.SIGXFSZ, self.saved_xfsz)
 
     def _wrappers(self) -> list:
         """(owner, name, wrapper) for every function watched."""

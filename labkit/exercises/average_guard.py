@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit
+from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises.guard import Guard
 from labkit.exercises.wait_watch import FUTURE_POLLS, WaitWatch, watch_waits
 from labkit.models import mlp
@@ -97,17 +98,13 @@ class AverageGuard(Guard):
         self._names = [name for name, _ in named]
         self._index = {p.grad.untyped_storage().data_ptr(): i for i, (_, p) in enumerate(named) if p.grad is not None}
 
-    def __enter__(self) -> AverageGuard:
-        try:
-            self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce", "barrier"), point_to_point=False)
-            self._replace(torch.nn.parallel.DistributedDataParallel, "__init__",
-                          "torch.nn.parallel.DistributedDataParallel")
-            self._record_allreduce()
-            self._watch_work()
-        except BaseException:
-            self._restore()
-            raise
-        return self
+    def install(self) -> None:
+        """All_reduce recorded and watched; everything else, and DDP, refused."""
+        self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce", "barrier"), point_to_point=False)
+        self.switch_off(torch.nn.parallel.DistributedDataParallel, "__init__",
+                        "torch.nn.parallel.DistributedDataParallel")
+        self._record_allreduce()
+        watch_waits(self._works, self)
 
     def refuse(self, spelling: str):
         """As Guard.refuse, naming labkit.parallel's ready-made average when that is what made the call."""
@@ -122,26 +119,20 @@ class AverageGuard(Guard):
         return [call for _, call in left]
 
     def _record_allreduce(self) -> None:
-        import torch.distributed as dist
-
-        original = vars(dist.ProcessGroup)["allreduce"]
-
-        def recorded(group, tensors, *args, **kwargs):
+        def recorded(made: GroupCall):
             ready_made = ready_made_caller()
             if ready_made:
                 self.refuse(f"labkit.parallel's {ready_made}")
-            tensor = tensors[0] if isinstance(tensors, list | tuple) else tensors
-            options = args[0] if args else kwargs.get("opts")
-            call = Reduction(self._target(tensor), tensor.numel(), _op_name(getattr(options, "reduceOp", None)),
-                             waited=not getattr(options, "asyncOp", True))  # a blocking all_reduce waits itself
+            tensor = made.tensor
+            call = Reduction(self._target(tensor), tensor.numel(), made.reduce_op,
+                             waited=not made.asynchronous)  # a blocking all_reduce waits itself
             self.calls.append(call)
-            self._check_in_step(original, group, tensor)
-            work = original(group, tensors, *args, **kwargs)
+            self._check_in_step(made.original, made.group, tensor)
+            work = made.proceed()
             self._works.append((work, call))
             return work
 
-        self._saved.append((dist.ProcessGroup, "allreduce", original))
-        dist.ProcessGroup.allreduce = recorded
+        wrap_group_method(self, Kind.ALLREDUCE, recorded)
 
     def _check_in_step(self, allreduce, group, tensor: torch.Tensor) -> None:
         """Before each all_reduce, agree with the other ranks on what it reduces (a tiny all_reduce MAX of
@@ -166,9 +157,6 @@ class AverageGuard(Guard):
         return f"the gradient of {self._names[index - 1]} ({numel} elements)" if index else \
             f"a tensor of {numel} elements"
 
-    def _watch_work(self) -> None:
-        watch_waits(self._works, self._saved)
-
     def _target(self, tensor: torch.Tensor) -> str:
         pointer = tensor.untyped_storage().data_ptr()
         return next((kind for kind, pointers in self._memory.items() if pointer in pointers), "buffer")
@@ -176,14 +164,6 @@ class AverageGuard(Guard):
 
 class OutOfStep(RuntimeError):
     """Raised on every rank when the ranks' all_reduces at one moment reduce different gradients."""
-
-
-def _op_name(op) -> str:
-    """'SUM', 'MAX', ...: the name of a ReduceOp (or of its RedOpType)."""
-    import torch.distributed as dist
-
-    return next((name for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM")
-                 if op == getattr(dist.ReduceOp, name)), str(op))
 
 
 def _original_wait(work) -> None:

@@ -25,11 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
+from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.average_guard import BATCH, average_batch, ready_made_caller, watch_waits
 from labkit.exercises.guard import Guard, first_failure, stop_pool, where_ranks_waited
@@ -93,19 +93,15 @@ class FixGuard(Guard):
         self._model, self._outcome = model, outcome
         self._works: list[tuple[object, _Call]] = []  # (handle, the call it belongs to), for watch_waits
 
-    def __enter__(self) -> FixGuard:
-        try:
-            self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce", "broadcast", "barrier"),
-                                              point_to_point=False)
-            self._replace(torch.nn.parallel.DistributedDataParallel, "__init__",
-                          "torch.nn.parallel.DistributedDataParallel")
-            for name in ("allreduce", "broadcast"):
-                self._watch(name)
-            watch_waits(self._works, self._saved)
-        except BaseException:
-            self._restore()
-            raise
-        return self
+    def install(self) -> None:
+        """Broadcast and all_reduce watched, every other collective and DDP refused, the handles watched."""
+        self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce", "broadcast", "barrier"),
+                                          point_to_point=False)
+        self.switch_off(torch.nn.parallel.DistributedDataParallel, "__init__",
+                        "torch.nn.parallel.DistributedDataParallel")
+        for kind in (Kind.ALLREDUCE, Kind.BROADCAST):
+            wrap_group_method(self, kind, self._watched)
+        watch_waits(self._works, self)
 
     def refuse(self, spelling: str):
         """Refuse `spelling`, named as the ready-made fix that called it when there is one (broadcast_parameters
@@ -122,24 +118,17 @@ class FixGuard(Guard):
             work.wait()  # the guard is off by now: Work.wait is torch's own again
         return [(call.what, call.future) for _, call in left]
 
-    def _watch(self, name: str) -> None:
-        """ProcessGroup.`name` (allreduce or broadcast) watched: the ready-made fixes and parameter averaging
-        refused, and each call's handle recorded so that watch_waits sees whether it was waited for."""
-        original = vars(dist.ProcessGroup)[name]
-
-        def watched(group, tensors, *args, **kwargs):
-            if ready_made_caller():
-                self.refuse(name)
-            if name == "allreduce" and self._outcome.forwards and self._holds_parameters(tensors):
-                self.refuse(PARAMETER_AVERAGE)
-            options = next((a for a in (*args, *kwargs.values()) if hasattr(a, "asyncOp")), None)
-            call = _Call(self._describe(name, tensors), waited=not getattr(options, "asyncOp", True))
-            work = original(group, tensors, *args, **kwargs)
-            self._works.append((work, call))
-            return work
-
-        self._saved.append((dist.ProcessGroup, name, original))
-        setattr(dist.ProcessGroup, name, watched)
+    def _watched(self, made: GroupCall):
+        """An allreduce or broadcast: the ready-made fixes and parameter averaging refused, else made, its handle
+        recorded so that watch_waits sees whether it was waited for."""
+        if ready_made_caller():
+            self.refuse(str(made.kind))
+        if made.kind == Kind.ALLREDUCE and self._outcome.forwards and self._holds_parameters(made.tensors):
+            self.refuse(PARAMETER_AVERAGE)
+        call = _Call(self._describe(made.kind, made.tensors), waited=not made.asynchronous)
+        work = made.proceed()
+        self._works.append((work, call))
+        return work
 
     def _describe(self, name: str, tensors) -> str:
         """'dist.broadcast of the parameter 0.weight', 'dist.all_reduce of the gradient of 0.bias', or '... of a

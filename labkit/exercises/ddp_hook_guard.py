@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit
+from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises.average_guard import BATCH, AverageGuard, average_batch, sgd_step
 from labkit.models import mlp
 
@@ -117,59 +118,44 @@ class HookGuard(AverageGuard):
         self._parameters = {id(p) for p in model.parameters()}
         self._order = order
 
-    def __enter__(self) -> HookGuard:
+    def install(self) -> None:
+        """AverageGuard's, then the all_reduces timed, the handles, futures and barriers watched, hooks counted."""
         import torch.distributed as dist
 
-        super().__enter__()
-        try:
-            self._time_allreduce()
-            for name in _HANDLE_METHODS:
-                self._watch(dist.Work, name, self._handle_used)
-            for name in _FUTURE_WAITING:
-                self._watch(torch._C.Future, name, self._future_used)
-            self._watch(dist.ProcessGroup, "barrier", self._barrier_used)
-            for name in self.hooks:
-                self._count_hooks(name)
-        except BaseException:
-            self._restore()
-            raise
-        return self
+        super().install()
+        wrap_group_method(self, Kind.ALLREDUCE, self._timed)
+        for name in _HANDLE_METHODS:
+            self._watch(dist.Work, name, self._handle_used)
+        for name in _FUTURE_WAITING:
+            self._watch(torch._C.Future, name, self._future_used)
+        wrap_group_method(self, Kind.BARRIER, self._barrier_used)
+        for name in self.hooks:
+            self._count_hooks(name)
 
     def unwaited(self) -> list:
         """As AverageGuard's, once the student's code is done: the grader's own waits are no step's."""
         self.step = None
         return super().unwaited()
 
-    def _time_allreduce(self) -> None:
+    def _timed(self, call: GroupCall):
         """On top of AverageGuard's recording: the step, whether the backward runs, how many gradients are ready."""
-        import torch.distributed as dist
-
-        below = dist.ProcessGroup.allreduce
-
-        def timed(group, tensors, *args, **kwargs):
-            tensor = tensors[0] if isinstance(tensors, list | tuple) else tensors
-            options = args[0] if args else kwargs.get("opts")
-            if self.in_backward and not getattr(options, "asyncOp", True):
-                self.early.append((self.step, "dist.all_reduce without async_op=True"))
-            launch = Launch(self.step, tensor.numel(), self.in_backward, len(self._order[-1]) if self._order else 0)
-            self.launches.append(launch)
-            work = below(group, tensors, *args, **kwargs)
-            self._handles.append((work, launch))
-            return work
-
-        self._saved.append((dist.ProcessGroup, "allreduce", below))
-        dist.ProcessGroup.allreduce = timed
+        if self.in_backward and not call.asynchronous:
+            self.early.append((self.step, "dist.all_reduce without async_op=True"))
+        launch = Launch(self.step, call.tensor.numel(), self.in_backward, len(self._order[-1]) if self._order else 0)
+        self.launches.append(launch)
+        work = call.proceed()
+        self._handles.append((work, launch))
+        return work
 
     def _watch(self, owner, name: str, note) -> None:
         """Call note(obj, name) before every owner.name(...), then owner's own method."""
-        below = vars(owner)[name]
+        def make(below):
+            def watched(obj, *args, **kwargs):
+                note(obj, name)
+                return below(obj, *args, **kwargs)
+            return watched
 
-        def watched(obj, *args, **kwargs):
-            note(obj, name)
-            return below(obj, *args, **kwargs)
-
-        self._saved.append((owner, name, below))
-        setattr(owner, name, watched)
+        self.wrap(owner, name, make)
 
     def _handle_used(self, work, name: str) -> None:
         """A student's handle waited (or asked after) while the backward runs, or used in a step after its own."""
@@ -181,10 +167,11 @@ class HookGuard(AverageGuard):
         if self.step is not None and launch.step < self.step and launch.again is None:
             launch.again = (self.step, f"handle.{name}()")
 
-    def _barrier_used(self, _group, _name: str) -> None:
+    def _barrier_used(self, call: GroupCall):
         """dist.barrier() while the backward runs: gloo's barrier waits for every earlier all_reduce first."""
         if self.in_backward:
             self.early.append((self.step, "dist.barrier()"))
+        return call.proceed()
 
     def _future_used(self, _future, name: str) -> None:
         """A future waited for (or asked after) while the backward runs: only the student's code runs there."""
@@ -193,15 +180,14 @@ class HookGuard(AverageGuard):
 
     def _count_hooks(self, name: str) -> None:
         """Count torch.Tensor.<name> calls on the model's parameters (the grader registered its own before)."""
-        below = getattr(torch.Tensor, name)
+        def make(below):
+            def counted(tensor, *args, **kwargs):
+                if id(tensor) in self._parameters:
+                    self.hooks[name] += 1
+                return below(tensor, *args, **kwargs)
+            return counted
 
-        def counted(tensor, *args, **kwargs):
-            if id(tensor) in self._parameters:
-                self.hooks[name] += 1
-            return below(tensor, *args, **kwargs)
-
-        self._saved.append((torch.Tensor, name, vars(torch.Tensor)[name]))
-        setattr(torch.Tensor, name, counted)
+        self.wrap(torch.Tensor, name, make)
 
 
 @dataclass

@@ -36,6 +36,8 @@ import torch
 
 import labkit
 from labkit.checks import whole
+from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._intercept import Interceptor, RefusedOperator
 from labkit.exercises.wait_watch import WaitWatch
 from labkit.launch.errors import NoReply
 
@@ -181,36 +183,31 @@ class Posted:
     future: bool = False
 
 
-class Guard:
+class Guard(Interceptor):
     """While graded code runs on a rank: collectives raise, point-to-point messages are counted.
 
     Everything is replaced where Python looks it up, for the whole process (threads too): torch.distributed's
     functions, the ProcessGroup and Backend classes' methods, the c10d operators under torch.ops, and
     labkit.comm's transport. Messages are counted in ProcessGroup.send and ProcessGroup.recv, where
-    dist.send, dist.isend and dist.batch_isend_irecv all arrive, once per message."""
+    dist.send, dist.isend and dist.batch_isend_irecv all arrive, once per message. An `Interceptor`: what
+    `install` (extended by each grader's guard) replaces is put back when the `with` ends, however it ends."""
 
     def __init__(self):
+        super().__init__()
         self.sends: list[tuple[int, int]] = []
         self.recvs: list[tuple[int, int]] = []
         self.forbidden: list[str] = []
         self.posted: list[tuple[object, Posted]] = []  # (handle, message) per watched message, kept alive
         self.posts: list[tuple] = []  # the messages as NCCL would run them: groups of ("send"/"recv", peer)
         self._batch = None  # the frame of the dist.batch_isend_irecv call that posted the last message
-        self.on = False  # True from the first replacement until everything is put back
-        self._saved: list[tuple[object, str, object]] = []
 
-    def __enter__(self) -> Guard:
-        try:
-            self._switch_off_collectives()
-            self._count(self.sends, "send")
-            self._count(self.recvs, "recv")
-        except BaseException:
-            self._restore()
-            raise
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._restore()
+    def install(self) -> None:
+        """The ring grader's guard: every collective (labkit.comm's too) off, send and recv counted."""
+        super().install()
+        self.on_exit(setattr, self, "_batch", None)
+        self._switch_off_collectives()
+        self._count(self.sends, Kind.SEND)
+        self._count(self.recvs, Kind.RECV)
 
     def refuse(self, spelling: str):
         """Note that graded code called `spelling`, and raise ForbiddenCall (reported even if it is caught)."""
@@ -222,7 +219,7 @@ class Guard:
 
         self.switch_off_torch_distributed()
         for name in ("_post_send", "_post_recv"):
-            self._replace(TorchTransport, name, "a labkit.comm collective")
+            self.switch_off(TorchTransport, name, "a labkit.comm collective")
 
     def switch_off_torch_distributed(self, allowed: tuple[str, ...] = (), point_to_point: bool = True) -> None:
         """Make every way into torch.distributed's communication raise ForbiddenCall: its functions, the process
@@ -240,52 +237,29 @@ class Guard:
             importlib.import_module(module)
         for module, prefix in ((dist, "torch.distributed"), (distributed_c10d, "torch.distributed.distributed_c10d")):
             for name in functions:
-                self._replace(module, name, f"{prefix}.{name}")
+                self.switch_off(module, name, f"{prefix}.{name}")
         for name in group_methods:
-            self._replace(dist.ProcessGroup, name, f"ProcessGroup.{name} (as in dist.group.WORLD.{name})")
+            self.switch_off(dist.ProcessGroup, name, f"ProcessGroup.{name} (as in dist.group.WORLD.{name})")
         for name in _BACKEND_METHODS:
-            self._replace(torch._C._distributed_c10d.Backend, name, f"the process group's backend's {name}")
+            self.switch_off(torch._C._distributed_c10d.Backend, name, f"the process group's backend's {name}")
         for qualified in torch._C._dispatch_get_all_op_names():  # "c10d::allreduce_", "_c10d_functional::..."
             namespace, _, name = qualified.partition("::")
             if "c10d" in namespace:
-                self._replace(getattr(torch.ops, namespace), name, f"torch.ops.{namespace}.{name}", operator=True)
+                self.switch_off(getattr(torch.ops, namespace), name, f"torch.ops.{namespace}.{name}", operator=True)
 
-    def _replace(self, owner, name: str, spelling: str, operator: bool = False) -> None:
-        """Make owner.name raise while the guard is on, and call the original once it is off (a module imported
-        under the guard may have bound it). `operator=True` for an operator of a torch.ops namespace, which
-        creates its attributes on first use: it is replaced by a `RefusedOperator`, which keeps its overloads."""
-        original = vars(owner).get(name, _ABSENT)
-        if original is _ABSENT and not operator:  # not in this torch release
-            return
-        if original is _ABSENT:
-            original = getattr(owner, name)  # the namespace makes the operator's packet
-
-        def refused(*args, **kwargs):
-            if self.on:
-                self.refuse(spelling)
-            return original(*args, **kwargs)
-
-        self.on = True
-        self._saved.append((owner, name, original))
-        setattr(owner, name, RefusedOperator(original, self, spelling) if operator else refused)
-
-    def _count(self, messages: list[tuple[int, int]], name: str) -> None:
+    def _count(self, messages: list[tuple[int, int]], kind: Kind) -> None:
         """Record (peer, nbytes) for each ProcessGroup.send or .recv (tensors, peer, tag), then post it."""
-        import torch.distributed as dist
-
-        original = vars(dist.ProcessGroup)[name]
-
-        def counted(group, tensors, peer, *args, **kwargs):
-            messages.append((int(peer), sum(t.numel() * t.element_size() for t in tensors)))
+        def counted(call: GroupCall):
+            peer, tensors = int(call.args[1]), call.tensors
+            messages.append((peer, sum(t.numel() * t.element_size() for t in tensors)))
             batch = _batch_call()
-            self._note_post(name, int(peer), batch)
-            work = original(group, tensors, peer, *args, **kwargs)
+            self._note_post(str(kind), peer, batch)
+            work = call.proceed()
             if work is not None and not (tensors[0].is_cuda and batch is not None):
-                self.posted.append((work, Posted(name, int(peer))))
+                self.posted.append((work, Posted(str(kind), peer)))
             return work
 
-        self._saved.append((dist.ProcessGroup, name, original))
-        setattr(dist.ProcessGroup, name, counted)
+        wrap_group_method(self, kind, counted)
 
     def _note_post(self, verb: str, peer: int, batch) -> None:
         """Add a message to `posts`: to the last group if it comes from the same dist.batch_isend_irecv call
@@ -300,22 +274,11 @@ class Guard:
     def watch_waits(self) -> None:
         """From now until the guard ends, note which posted messages' handles graded code waits for, however it
         waits (labkit.exercises.wait_watch.WaitWatch: wait(), is_completed(), the handle's future)."""
-        WaitWatch(self.posted).install(self._saved)
+        WaitWatch(self.posted).install(self)
 
     def unwaited(self) -> list[tuple[str, int]]:
         """("send" or "recv", peer) of each posted message whose handle graded code never waited for."""
         return [(message.verb, message.peer) for _, message in self.posted if not message.waited]
-
-    def _restore(self) -> None:
-        self.on = False
-        self._batch = None
-        while self._saved:
-            owner, name, original = self._saved.pop()
-            setattr(owner, name, original)
-
-
-_ABSENT = object()
-
 
 def _batch_call():
     """The frame of the dist.batch_isend_irecv call on this thread's stack, or None. Its messages are one group
@@ -326,28 +289,6 @@ def _batch_call():
                                      and frame.f_code.co_filename.endswith("distributed_c10d.py")):
         frame = frame.f_back
     return frame
-
-
-class RefusedOperator:
-    """A c10d operator of torch.ops (or one of its overloads, `.default`) while a guard is on: calling it refuses;
-    everything else (its overloads, schema, name) is the operator's own, for torch's code that looks them up when
-    graded code first imports it. Once the guard is off it calls the operator, should a module have kept it."""
-
-    def __init__(self, operator, guard: Guard, spelling: str):
-        self._operator, self._guard, self._spelling = operator, guard, spelling
-
-    def __call__(self, *args, **kwargs):
-        if self._guard.on:
-            self._guard.refuse(self._spelling)
-        return self._operator(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        if "_operator" not in vars(self):  # while copy or pickle builds an empty one
-            raise AttributeError(name)
-        value = getattr(self._operator, name)
-        if isinstance(value, torch._ops.OpOverload):
-            return RefusedOperator(value, self._guard, self._spelling)
-        return value
 
 
 _last_messages: tuple[list, list] = ([], [])  # on a rank: (sends, recvs) of the last graded call

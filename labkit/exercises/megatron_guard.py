@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import labkit
+from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises.average_guard import watch_waits
 from labkit.exercises.guard import Guard
 
@@ -101,51 +102,26 @@ class MegatronGuard(Guard):
                 call.returned_before_wait = True
                 work.wait()
 
-    def __enter__(self) -> MegatronGuard:
-        try:
-            self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce"), point_to_point=False)
-            self._record_allreduce()
-            self._watch_work()
-        except BaseException:
-            self._restore()
-            raise
-        return self
+    def install(self) -> None:
+        """Every collective but all_reduce off; each all_reduce recorded (refused for a ready-made operator or an
+        op other than SUM) and its handle watched."""
+        self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce"), point_to_point=False)
+        wrap_group_method(self, Kind.ALLREDUCE, self._recorded)
+        watch_waits(self._works, self)
 
-    def _record_allreduce(self) -> None:
-        import torch.distributed as dist
-
-        original = vars(dist.ProcessGroup)["allreduce"]
-
-        def recorded(group, tensors, *args, **kwargs):
-            ready_made = ready_made_caller()
-            if ready_made:
-                self.refuse(ready_made)
-            options = args[0] if args else kwargs.get("opts")
-            op = _op_name(getattr(options, "reduceOp", None))
-            if op != "SUM":
-                self.refuse(f"dist.all_reduce with ReduceOp.{op}")
-            tensor = tensors[0] if isinstance(tensors, list | tuple) else tensors
-            call = AllReduceCall(self.operator, self.direction, tensor.numel(),
-                                 waited=not getattr(options, "asyncOp", True))  # a blocking one waits itself
-            self.calls.append(call)
-            work = original(group, tensors, *args, **kwargs)
-            self._works.append((work, call))
-            return work
-
-        self._saved.append((dist.ProcessGroup, "allreduce", original))
-        dist.ProcessGroup.allreduce = recorded
-
-    def _watch_work(self) -> None:
-        watch_waits(self._works, self._saved)
-
-
-
-def _op_name(op) -> str:
-    """'SUM', 'AVG', ...: the name of a ReduceOp (or of its RedOpType)."""
-    import torch.distributed as dist
-
-    return next((name for name in ("SUM", "AVG", "MAX", "MIN", "PRODUCT", "BAND", "BOR", "BXOR", "PREMUL_SUM")
-                 if op == getattr(dist.ReduceOp, name)), str(op))
+    def _recorded(self, made: GroupCall):
+        """One all_reduce: refused if a ready-made operator made it or its op is not SUM, else recorded, made."""
+        ready_made = ready_made_caller()
+        if ready_made:
+            self.refuse(ready_made)
+        if made.reduce_op != "SUM":
+            self.refuse(f"dist.all_reduce with ReduceOp.{made.reduce_op}")
+        call = AllReduceCall(self.operator, self.direction, made.tensor.numel(),
+                             waited=not made.asynchronous)  # a blocking one waits itself
+        self.calls.append(call)
+        work = made.proceed()
+        self._works.append((work, call))
+        return work
 
 
 def ready_made_caller() -> str | None:

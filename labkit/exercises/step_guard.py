@@ -19,6 +19,7 @@ import torch
 
 import labkit
 from labkit.checks import whole
+from labkit.exercises._kit._group_call import GroupCall, Kind, flat_tensors, wrap_group_method
 from labkit.exercises.average_guard import watch_waits
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import Guard
@@ -29,10 +30,10 @@ LR = 0.1  # not a power of two, so that a float32 buffer inside a float64 step s
 
 # What it may call, counted: the process group's method, and the kind it is recorded as; the torch.distributed
 # functions that reach them stay on too (every other way to communicate is switched off, send/recv included).
-_COUNTED = {"reduce_scatter": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
-            "_reduce_scatter_base": "reduce_scatter", "allgather": "all_gather", "all_gather_single": "all_gather",
-            "_allgather_base": "all_gather", "broadcast": "broadcast", "allreduce": "all_reduce",
-            "barrier": "barrier"}
+_COUNTED = {Kind.REDUCE_SCATTER: "reduce_scatter", Kind.REDUCE_SCATTER_SINGLE: "reduce_scatter",
+            Kind.REDUCE_SCATTER_BASE: "reduce_scatter", Kind.ALLGATHER: "all_gather",
+            Kind.ALL_GATHER_SINGLE: "all_gather", Kind.ALLGATHER_BASE: "all_gather", Kind.BROADCAST: "broadcast",
+            Kind.ALLREDUCE: "all_reduce", Kind.BARRIER: "barrier"}
 _STEP_ALLOWED = (*_COUNTED, "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
                  "_all_gather_base")
 
@@ -110,51 +111,29 @@ class StepGuard(Guard):
         self.calls: list[Collective] = []
         self._works: list[tuple[object, Collective]] = []  # (handle, the call it belongs to)
 
-    def __enter__(self) -> StepGuard:
-        try:
-            self.switch_off_torch_distributed(allowed=_STEP_ALLOWED, point_to_point=False)
-            for name, kind in _COUNTED.items():
-                self._record(name, kind)
-            watch_waits(self._works, self._saved)
-        except BaseException:
-            self._restore()
-            raise
-        return self
+    def install(self) -> None:
+        """Every collective a step does not use off; those it may use recorded, and their handles watched."""
+        self.switch_off_torch_distributed(allowed=_STEP_ALLOWED, point_to_point=False)
+        for method in _COUNTED:
+            wrap_group_method(self, method, self._recorded)
+        watch_waits(self._works, self)
 
-    def _record(self, name: str, kind: str) -> None:
-        """Record each call of ProcessGroup.`name` as a Collective of `kind`, then make it and watch its handle: a
-        blocking call (its options' asyncOp False) waits itself."""
-        import torch.distributed as dist
-
-        original = vars(dist.ProcessGroup)[name]
-
-        def recorded(group, *args, **kwargs):
-            call = _collective(kind, name, group, args, kwargs)
-            options = next((a for a in (*args, *kwargs.values()) if hasattr(a, "asyncOp")), None)
-            call.waited = not getattr(options, "asyncOp", True)
-            self.calls.append(call)
-            work = original(group, *args, **kwargs)
-            self._works.append((work, call))
-            return work
-
-        self._saved.append((dist.ProcessGroup, name, original))
-        setattr(dist.ProcessGroup, name, recorded)
-
-
-def _flat(value) -> list[torch.Tensor]:
-    """The tensors in a tensor or a (nested) list of them, in order."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [t for item in value for t in _flat(item)]
-    return []
+    def _recorded(self, made: GroupCall):
+        """Record a call as a Collective of its kind, then make it and watch its handle: a blocking call (its
+        options' asyncOp False) waits itself."""
+        call = _collective(_COUNTED[made.kind], made.kind, made.group, made.args, made.kwargs)
+        call.waited = not made.asynchronous
+        self.calls.append(call)
+        work = made.proceed()
+        self._works.append((work, call))
+        return work
 
 
 def _collective(kind: str, method: str, group, args: tuple, kwargs: dict) -> Collective:
     """A Collective from a ProcessGroup method's arguments, in each of its overloads: (outputs, inputs, opts),
     (tensors, opts), (tensor, root) ..."""
     rank, world_size = group.rank(), group.size()
-    first, second = (_flat(args[i]) if len(args) > i else [] for i in (0, 1))
+    first, second = (flat_tensors(args[i]) if len(args) > i else [] for i in (0, 1))
     if not first:
         return Collective(kind, [0], 1, rank, world_size)
     element_size = first[0].element_size()

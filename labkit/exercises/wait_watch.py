@@ -1,7 +1,7 @@
 """Which collectives graded code waited for, through their handles or their futures: `WaitWatch`, shared by the
 guards of every grader that lets the student start a collective with async_op=True (guard.Guard, average_guard,
-bug_zoo_fix, megatron_guard, step_guard). It replaces methods of torch's Work and Future for a guard's time and
-hands the originals to the guard, which puts them back when it ends.
+bug_zoo_fix, megatron_guard, step_guard). It replaces methods of torch's Work and Future through the guard's
+interceptor (labkit.exercises._kit._intercept), which puts them back when the guard ends.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ FUTURE_POLLS = ("A loop on the future's done(), or reading its value(), is no wa
                 "wait() makes what follows run after the sum.")
 
 
-def watch_waits(works: list, saved: list) -> None:
+def watch_waits(works: list, interceptor) -> None:
     """Mark a recorded collective waited (its `.waited`) only when the student's code waited for it (WaitWatch).
-    `works` holds (handle, call) pairs as they are launched; the replaced methods go to `saved`, which the guard
-    puts back when it ends."""
-    WaitWatch(works).install(saved)
+    `works` holds (handle, call) pairs as they are launched; the methods are replaced through `interceptor` (a
+    guard), which puts them back when it ends."""
+    WaitWatch(works).install(interceptor)
 
 
 class WaitWatch:
@@ -46,8 +46,8 @@ class WaitWatch:
         self._standing: list[tuple[object, list]] = []  # (future, the calls it stands for); keeps futures alive
         self._callbacks = threading.local()  # .depth > 0 while a callback runs on this thread
 
-    def install(self, saved: list) -> None:
-        """Replace the handle's and the future's methods (and torch._C._collect_all) for the guard's time."""
+    def install(self, interceptor) -> None:
+        """Replace the handle's and the future's methods (and torch._C._collect_all) for the interceptor's time."""
         import torch.distributed as dist
 
         future = torch._C.Future
@@ -61,9 +61,7 @@ class WaitWatch:
             (torch._C, "_collect_all", lambda collect: _after(collect, self._collected)),
         )
         for owner, name, replace in replacements:
-            original = vars(owner)[name]
-            saved.append((owner, name, original))
-            setattr(owner, name, replace(original))
+            interceptor.wrap(owner, name, replace)
 
     def _counts(self) -> bool:
         return not getattr(self._callbacks, "depth", 0)

@@ -97,8 +97,17 @@ def labkit_sum_then_divide(model):
         p.grad.div_(n())
 
 
+def process_group_default_options(model):
+    """The process group's own allreduce with its default options (op SUM), its handle waited: right, though
+    no ReduceOp is spelled anywhere (a grader that read the op from absent options called it ReduceOp.None)."""
+    for p in model.parameters():
+        dist.group.WORLD.allreduce([p.grad]).wait()
+        p.grad /= n()
+
+
 @pytest.mark.parametrize("fn", [loop_all_reduce_div, flatten_unflatten, cat_and_split, async_handles_waited,
-                                polled_until_completed, futures_chained_and_waited, labkit_sum_then_divide])
+                                polled_until_completed, futures_chained_and_waited, labkit_sum_then_divide,
+                                process_group_default_options])
 def test_right_solutions_pass_and_say_what_was_checked(fn):
     verdict = check_average_gradients(fn)
     assert verdict and isinstance(verdict, Verdict), verdict

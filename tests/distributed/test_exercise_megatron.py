@@ -179,8 +179,23 @@ class GFutureValue(torch.autograd.Function):
         return grad
 
 
+class GProcessGroup(torch.autograd.Function):
+    """g through the process group's own allreduce with its default options (op SUM), its handle waited: right,
+    though no ReduceOp is spelled (a grader that read the op from absent options refused it as ReduceOp.None)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        total = x.clone()
+        dist.group.WORLD.allreduce([total]).wait()
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 @pytest.mark.parametrize(("f", "g"), [(F, G), (FInPlace, GMarkDirty), (FSetupContext, G), (F, GPolled),
-                                      (F, GFutureValue)])
+                                      (F, GFutureValue), (F, GProcessGroup)])
 def test_right_solutions_pass_and_say_what_was_checked(f, g):
     verdict = check_megatron_f_g(f, g, record=False)
     assert verdict and isinstance(verdict, Verdict), verdict

@@ -27,8 +27,11 @@ def tree(path: Path) -> ast.Module:
 
 
 def declared_all(module: ast.Module) -> list[str] | None:
+    """The module's `__all__` (`__all__ = [...]`, or annotated: `__all__: list[str] = []`), None without one."""
     for node in module.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+            if isinstance(node, ast.AnnAssign) and node.value is not None else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets):
             return list(ast.literal_eval(node.value))
     return None
 
@@ -150,3 +153,95 @@ def test_lazy_names_count_only_where_a_module_getattr_serves_them(tmp_path):
     served.write_text(typed + "__all__ = ['run']\n\ndef __getattr__(name):\n    ...\n")
     assert "run" not in defined_names(tree(without))
     assert "run" in defined_names(tree(served))
+
+
+KIT = PACKAGE / "exercises" / "_kit"
+# Deliberate patches of torch objects outside the kit, each with its reason. The rule below sees only patches
+# made through a name bound to torch; one more is known and left: labkit/exercises/accumulation_guard.py sets
+# `ddp.no_sync` on the grader's own DistributedDataParallel instance (made for one attempt and dropped after it,
+# so nothing is ever put back), which a name-based rule cannot see.
+TORCH_PATCHES_ALLOWED: dict[str, str] = {}
+
+
+def torch_names(module: ast.Module) -> set[str]:
+    """The names a file binds to torch or to something imported from it (torch, dist, ProcessGroup, F, ...)."""
+    bound = set()
+    for node in ast.walk(module):
+        if isinstance(node, ast.Import):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "torch")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            bound.update(a.asname or a.name for a in node.names)
+    return bound
+
+
+def root_name(node: ast.AST) -> str | None:
+    """'dist' for dist.ProcessGroup.allreduce; None for an expression that does not start with a name."""
+    while isinstance(node, ast.Attribute | ast.Subscript):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def torch_patches(path: Path) -> list[str]:
+    """Where `path` assigns or deletes an attribute of torch or of something from it (`dist.ProcessGroup.x = f`,
+    `setattr(torch.Tensor, name, f)`, `del torch.save`), or calls setattr/delattr on a parameter or name that is
+    not `self` in labkit/exercises (a grader's own patching, which belongs to the kit's interceptor)."""
+    module, found = tree(path), []
+    bound, graders = torch_names(module), path.parent == PACKAGE / "exercises"
+    for node in ast.walk(module):
+        targets = node.targets if isinstance(node, ast.Assign | ast.Delete) else \
+            [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+        found += [f"line {node.lineno}" for t in targets if isinstance(t, ast.Attribute) and root_name(t) in bound]
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr") \
+                and node.args:
+            owner = root_name(node.args[0])
+            if owner in bound or (graders and owner != "self"):
+                found.append(f"line {node.lineno}")
+    return sorted(found, key=lambda where: int(where.split()[1]))
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if KIT not in p.parents], ids=module_name)
+def test_no_module_outside_the_graders_kit_patches_torch(path):
+    relative = str(path.relative_to(PACKAGE.parent))
+    found = torch_patches(path)
+    assert not found or relative in TORCH_PATCHES_ALLOWED, \
+        f"{relative} patches torch ({found}): patch through labkit.exercises._kit's Interceptor, which restores it"
+
+
+def test_the_patch_rule_catches_what_it_is_for(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nimport torch.distributed as dist\nfrom torch.distributed import ProcessGroup\n"
+                   "dist.ProcessGroup.allreduce = print\nsetattr(torch.Tensor, 'x', 1)\ndel torch.save\n"
+                   "ProcessGroup.send = print\nsetattr(self, 'x', 1)\nother.attr = 1\n")
+    assert torch_patches(bad) == ["line 4", "line 5", "line 6", "line 7"]
+
+
+def private_module_imports(path: Path, text: str | None = None) -> list[str]:
+    """Private modules (`_x.py`, or anything under a `_pkg/`, such as labkit.exercises._kit) that `path` imports
+    from outside the package that holds them: their names, public or `_named`, are shared inside that package
+    only (labkit.exercises' graders use the kit; nothing else in labkit does). `text`: the source, if not
+    path's own. Tests may import a private module to test it."""
+    importer, found = module_name(path).split("."), []
+    for node in ast.walk(tree(path) if text is None else ast.parse(text)):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+        for name in (n for n in names if n.startswith("labkit")):
+            parts = name.split(".")
+            private = next((i for i, part in enumerate(parts) if part.startswith("_") and part != "__init__"), None)
+            if private is not None and importer[:private] != parts[:private]:
+                found.append(f"{name} (line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=module_name)
+def test_private_modules_are_imported_only_inside_their_package(path):
+    assert not private_module_imports(path), f"{module_name(path)} imports private modules of another package: " \
+                                             f"{private_module_imports(path)}; use that package's public API"
+
+
+def test_the_private_module_rule_catches_what_it_is_for():
+    text = "from labkit.exercises._kit._intercept import Interceptor\nimport labkit.exercises.guard\n"
+    # paths only, never written: module_name reads which package such a module would belong to
+    assert private_module_imports(PACKAGE / "parallel" / "probe.py", text) == \
+        ["labkit.exercises._kit._intercept (line 1)"]
+    assert private_module_imports(PACKAGE / "exercises" / "probe.py", text) == []
+    assert private_module_imports(PACKAGE / "exercises" / "_kit" / "probe.py", text) == []
