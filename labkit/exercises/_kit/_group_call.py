@@ -12,14 +12,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch
+
+from labkit.launch.protocol import TextEnum  # enum.StrEnum, for Python 3.10 too
 
 __all__: list[str] = []
 
 
-class Kind(StrEnum):
+class Kind(TextEnum):
     """A ProcessGroup method a grader watches. Convention: the member's value is the method's name on
     torch.distributed.ProcessGroup (so `getattr(ProcessGroup, kind)` is the method), its name that in capitals,
     leading underscore dropped."""
