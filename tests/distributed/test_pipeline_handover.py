@@ -77,3 +77,24 @@ def test_settings_take_turns_and_each_rounds_bubble_is_over_every_stage():
              for s, runs in events.items()}  # a second stage, one slot later: half of 2 x 2 idle
     assert bubbles_by_round([events, other]) == {s: [0.5, 0.5, 0.5] for s in settings}
     assert measured_bubble(events[settings[0]][0] + other[settings[0]][0]) == 0.5
+
+
+def test_a_busy_machines_flat_times_are_measured_again_and_merged(monkeypatch):
+    """Times that do not grow with size (noise on a busy machine: fit_point_to_point refuses them) are measured
+    again and merged with the first readings, instead of failing the notebook's cell."""
+    sizes = [1024, 1 << 20]
+    flat = readings([[2e-3], [1e-3]], None, sizes), readings([[2e-3], [1e-3]], [[0.0], [0.0]], sizes)
+    growing = readings([[1e-3], [4e-3]], None, sizes), readings([[1e-3], [4e-3]], [[0.0], [0.0]], sizes)
+    calls = iter([list(flat), list(growing), list(growing)])
+    monkeypatch.setattr(labkit, "run", lambda *args, **kwargs: next(calls))
+    handover, one_way = measure_handover(0.02, sizes)
+    assert one_way == pytest.approx({1024: 0.75e-3, 1 << 20: 1.25e-3})   # medians of both calls' one-way times
+    assert handover.beta_seconds_per_byte > 0 and len(list(calls)) == 1   # fitted at the second call
+
+
+def test_times_that_never_grow_say_the_machine_is_too_busy(monkeypatch):
+    sizes = [1024, 1 << 20]
+    flat = readings([[2e-3], [1e-3]], None, sizes), readings([[2e-3], [1e-3]], [[0.0], [0.0]], sizes)
+    monkeypatch.setattr(labkit, "run", lambda *args, **kwargs: list(flat))
+    with pytest.raises(RuntimeError, match=r"could not be fitted after 4 x 9 rounds: .*rerun the cell"):
+        measure_handover(0.02, sizes)

@@ -29,9 +29,10 @@ from labkit.comm.torch_transport import default_transport
 from labkit.parallel.pipeline.simulate import HandOver
 from labkit.plan.traffic import fit_point_to_point
 
-__all__ = ["HANDOVER_SIZES", "fitted_handover", "handover_seconds_by_size", "measure_handover"]
+__all__ = ["FIT_TRIES", "HANDOVER_SIZES", "fitted_handover", "handover_seconds_by_size", "measure_handover"]
 
 HANDOVER_SIZES = (1 << 10, 16 << 10, 256 << 10, 1 << 20)  # bytes: a pipeline's activations, and enough for beta
+FIT_TRIES = 4  # measurements merged before giving up: a busy machine's noise can hide 1 MB's extra time in one
 _PING, _PONG = 11, 12  # message tags
 
 
@@ -94,10 +95,22 @@ def _hand_over(transport, payload: torch.Tensor, compute_seconds: float) -> tupl
 def measure_handover(compute_seconds: float, sizes_nbytes: Iterable[int] = HANDOVER_SIZES, rounds: int = 9,
                      world_size: int = 2, timeout: float = 300.0) -> tuple[HandOver, dict[int, float]]:
     """From the notebook: a HandOver fitted on this machine, and the one-way seconds it was fitted to (size ->
-    median over `rounds`), from one labkit.run of handover_seconds_by_size on `world_size` ranks."""
+    median over `rounds`), from labkit.run of handover_seconds_by_size on `world_size` ranks: once, or, when a busy
+    machine's noise leaves times that do not grow with size (fit_point_to_point refuses them), again with the
+    readings merged, FIT_TRIES times at most."""
     sizes = [int(n) for n in numbers_list("sizes_nbytes", sizes_nbytes, inclusive=False)]
-    return fitted_handover(labkit.run(handover_seconds_by_size, sizes, compute_seconds, rounds,
-                                      world_size=world_size, timeout=timeout))
+    per_rank: list[list[dict]] = []
+    for _ in range(FIT_TRIES):
+        readings = labkit.run(handover_seconds_by_size, sizes, compute_seconds, rounds, world_size=world_size,
+                              timeout=timeout)
+        per_rank = [[*mine, reading] for mine, reading in zip(per_rank or [[] for _ in readings], readings,
+                                                              strict=True)]
+        try:
+            return fitted_handover(per_rank)
+        except ValueError as refused:   # the medians did not grow with size: noise from a busy machine
+            why = refused
+    raise RuntimeError(f"the hand-over could not be fitted after {FIT_TRIES} x {rounds} rounds: {why} The machine "
+                       "is too busy to time messages this small; rerun the cell when it is quieter.") from why
 
 
 def fitted_handover(per_rank: Sequence[dict | Sequence[dict]]) -> tuple[HandOver, dict[int, float]]:
