@@ -43,8 +43,7 @@ from labkit.launch.errors import (
     NoReply,
     RankError,
     RankTimeout,
-    exception_line,
-    format_exception,
+    raised_failure,
     rank_list,
     still_running,
 )
@@ -132,46 +131,85 @@ class Pool:
 
     def __init__(self, world_size: int, choice: BackendChoice, server: ForkServer, store_path: str,
                  pg_timeout_seconds: float, start_timeout_seconds: float):
-        self.world_size = world_size
-        self.store_path = store_path  # the FileStore the ranks meet in; removed when the pool closes
-        self.choice = choice
-        self.closed = False
-        self.started = False
-        self.server = server
+        self._world_size = world_size
+        self._store_path = store_path  # the FileStore the ranks meet in; removed when the pool closes
+        self._choice = choice
+        self._closed = False
+        self._started = False
+        self._server = server
         self._selector = selectors.DefaultSelector()
         self._selector.register(server.fileno(), selectors.EVENT_READ, ("server", None))
         self._pg_timeout_seconds = pg_timeout_seconds
         self._start_timeout_seconds = start_timeout_seconds
-        self.ranks: list[RankHandle] = []
-        self.last_call_id = 0  # the id of the latest Call sent to the ranks (0: none yet)
+        self._ranks: list[RankHandle] = []
+        self._last_call_id = 0  # the id of the latest Call sent to the ranks (0: none yet)
+
+    # ---- read-only hooks: what the owner and tests may ask ---------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def closed(self) -> bool:
+        """True once the pool has stopped its ranks; a closed pool serves no further call."""
+        return self._closed
+
+    @property
+    def store_path(self) -> str:
+        """The FileStore the ranks meet in; removed when the pool closes."""
+        return self._store_path
+
+    @property
+    def last_call_id(self) -> int:
+        """The id of the latest Call sent to the ranks (0: none yet)."""
+        return self._last_call_id
+
+    def pids(self) -> list[int]:
+        """The ranks' process ids, in rank order (empty before the pool starts)."""
+        return [r.pid for r in self._ranks]
+
+    def controls(self) -> list[Connection]:
+        """Each rank's control socket, in rank order: where `StackRequest` and `Interrupt` go."""
+        return [r.control for r in self._ranks]
+
+    def why_unhealthy(self) -> str:
+        """Why this pool cannot serve the next call, in words for the student."""
+        if self._closed:
+            return "it was stopped after a call failed, timed out or was interrupted"
+        exits = self._server.exit_status
+        dead = [r for r in self._ranks if r.gone or r.pid in exits]
+        if not dead:
+            return "labkit's fork server ended, and its ranks with it"
+        return f"{rank_list(r.rank for r in dead)} died while idle ({describe_exit(exits.get(dead[0].pid))})"
 
     def _start(self, budget_seconds: float) -> None:
         """Start every rank and wait until all are in the group: at most `budget_seconds`, and no
         longer than until one rank fails. A failed start closes the pool."""
         deadline = time.monotonic() + budget_seconds
         try:
-            for rank in range(self.world_size):
-                spec = self.rank_spec(rank, self.store_path, self._pg_timeout_seconds)
-                self.ranks.append(self._start_rank(spec, max(0.0, deadline - time.monotonic())))
+            for rank in range(self._world_size):
+                spec = self.rank_spec(rank, self._store_path, self._pg_timeout_seconds)
+                self._ranks.append(self._start_rank(spec, max(0.0, deadline - time.monotonic())))
             self._wait_until_ready(deadline, budget_seconds)
         except BaseException:
             self.close()
             raise
-        self.started = True
+        self._started = True
 
     def rank_spec(self, rank: int, store_path: str, pg_timeout_seconds: float) -> RankSpec:
         """What rank `rank` of this pool is started with: its group, this process's directory and path,
         and the environment torchrun would give it."""
-        threads = threads_per_rank(self.world_size)
+        threads = threads_per_rank(self._world_size)
         env = {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.world_size), "OMP_NUM_THREADS": str(threads),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self._world_size),
+            "LOCAL_WORLD_SIZE": str(self._world_size), "OMP_NUM_THREADS": str(threads),
             "GLOO_SOCKET_IFNAME": "lo0" if sys.platform == "darwin" else "lo",
             "PYTHONUNBUFFERED": "1", "LABKIT_RANK_PROCESS": "1",
         }
         if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
             env["TORCH_FR_BUFFER_SIZE"] = str(BUFFER_SIZE)  # the hang report's Flight Recorder, on NCCL too
-        return RankSpec(rank=rank, world_size=self.world_size, backend=self.choice.backend, store_path=store_path,
+        return RankSpec(rank=rank, world_size=self._world_size, backend=self._choice.backend, store_path=store_path,
                         pg_timeout_seconds=pg_timeout_seconds, threads=threads, cwd=os.getcwd(),
                         sys_path=list(sys.path), env=env)
 
@@ -181,7 +219,7 @@ class Pool:
         pipes = {stream: os.pipe() for stream in STREAMS}
         theirs = [job_theirs.fileno(), control_theirs.fileno()] + [w for _, w in pipes.values()]
         try:
-            pid = self.server.fork(spec, theirs, timeout_seconds)
+            pid = self._server.fork(spec, theirs, timeout_seconds)
         except BaseException:
             for ours in (job_ours, control_ours):
                 ours.close()
@@ -205,21 +243,20 @@ class Pool:
         def failed(r: RankHandle) -> bool:
             return r.gone or isinstance(r.started, StartFailed)
 
-        self._pump(deadline, lambda: (all(r.started is not None or r.gone for r in self.ranks)
-                                      or any(map(failed, self.ranks))))
-        stacks = self._stacks([r for r in self.ranks if r.started is None and not r.gone])
-        when = "when another rank failed" if any(map(failed, self.ranks)) else f"after {budget_seconds:g} s"
-        failures = [self._start_failure(r, stacks.get(r.rank), when) for r in self.ranks]
+        self._pump(deadline, lambda: (all(r.started is not None or r.gone for r in self._ranks)
+                                      or any(map(failed, self._ranks))))
+        stacks = self._stacks([r for r in self._ranks if r.started is None and not r.gone])
+        when = "when another rank failed" if any(map(failed, self._ranks)) else f"after {budget_seconds:g} s"
+        failures = [self._start_failure(r, stacks.get(r.rank), when) for r in self._ranks]
         self._flush_output()
         if any(failures):
-            raise RankError(f"labkit could not start {self.world_size} ranks ({self.choice.reason}).",
-                            [f for f in failures if f is not None])
+            raise RankError(f"labkit could not start {self._world_size} ranks ({self._choice.reason}).",
+                            [f for f in failures if f is not None], pool_stopped=True)  # _start closes it
 
     def _start_failure(self, r: RankHandle, stack: Stack | None, when: str) -> Failure | None:
         """Why rank `r` is not ready (`when` says at which moment it was given up), or None if it is."""
         if isinstance(r.started, StartFailed):
-            error = r.started.error
-            return Failure(r.rank, Outcome.ERROR, exception_line(error.chain[-1]), format_exception(error))
+            return raised_failure(r.rank, Outcome.ERROR, r.started.error)
         if r.gone:
             return self._death(r)
         if r.started is None:
@@ -236,11 +273,11 @@ class Pool:
         After a failure or an interrupt that every rank survived, the ranks' operation counts and a
         tiny collective check that the group is still in step (not, say, one rank a collective ahead);
         if not, the pool is closed."""
-        if not self.started:
-            self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds, self.choice.backend,
-                                             self.world_size))
+        if not self._started:
+            self._start(start_budget_seconds(timeout_seconds, self._start_timeout_seconds, self._choice.backend,
+                                             self._world_size))
         call = Call(next(_call_ids), timeout_seconds, payload)
-        self.last_call_id = call.call_id
+        self._last_call_id = call.call_id
         try:
             self._send_and_wait(call)
         except KeyboardInterrupt:
@@ -270,13 +307,13 @@ class Pool:
         frame = protocol.encode(call)  # pickled once, sent to every rank
 
         def all_finished() -> bool:
-            return all(r.finished(call.call_id) for r in self.ranks)
+            return all(r.finished(call.call_id) for r in self._ranks)
 
         def some_failed() -> bool:
-            return any(r.failed(call.call_id) for r in self.ranks)
+            return any(r.failed(call.call_id) for r in self._ranks)
 
-        start_call([r.output for r in self.ranks])
-        for r in self.ranks:
+        start_call([r.output for r in self._ranks])
+        for r in self._ranks:
             try:
                 r.job.send_bytes(frame)
             except OSError:
@@ -288,18 +325,18 @@ class Pool:
     def _conclude(self, call: Call, check_health: bool) -> list:
         """The results in rank order, or the one exception that says what went wrong; whether the pool
         is kept is decided here."""
-        running = [r for r in self.ranks if not r.finished(call.call_id)]
+        running = [r for r in self._ranks if not r.finished(call.call_id)]
         # Ranks still running: where each is, and from every live rank, the collectives it has not seen complete
-        stacks = self._stacks([r for r in self.ranks if not r.gone] if running else [])
+        stacks = self._stacks([r for r in self._ranks if not r.gone] if running else [])
         self._flush_output()
         replies = self._take_replies(call.call_id)
         self._close_if_group_destroyed(replies)
-        failures = [self._death(r) for r in self.ranks if r.gone and r.rank not in replies]
+        failures = [self._death(r) for r in self._ranks if r.gone and r.rank not in replies]
         failures += [_failure_from_reply(rank, reply) for rank, reply in replies.items() if reply.outcome != Outcome.OK]
         failures += [Failure(r.rank, NoReply.STOPPED, *_still_running(stacks[r.rank])) for r in running]
         if not failures:
-            return [serialize.load_result(r, replies[r].body) for r in range(self.world_size)]
-        if not (running or any(r.gone for r in self.ranks) or self.closed) and check_health:
+            return [serialize.load_result(r, replies[r].body) for r in range(self._world_size)]
+        if not (running or any(r.gone for r in self._ranks) or self._closed) and check_health:
             self._keep_if_in_step(replies)
         else:
             self.close()
@@ -311,8 +348,8 @@ class Pool:
         """The exception a failed call raises: TypeError if every failure is an unpicklable result,
         RankTimeout if every failure is a rank still running, RankError otherwise; `notes` (which collective
         each group's ranks are in) go under its headline."""
-        restarted = "" if not self.closed else (
-            f" The {self.world_size}-rank pool was stopped; the next call starts a fresh one"
+        restarted = "" if not self._closed else (
+            f" The {self._world_size}-rank pool was stopped; the next call starts a fresh one"
             " (variables defined in %%ranks cells are gone)."
         )
         unpicklable = [f for f in failures if f.kind == Outcome.UNPICKLABLE]
@@ -321,17 +358,18 @@ class Pool:
                              f"sent back: {unpicklable[0].summary}. Return plain data (tensors, numbers, "
                              "lists, dicts) instead.")
         if running and len(running) == len(failures):
-            done = [r.rank for r in self.ranks if r.rank not in running]
+            done = [r.rank for r in self._ranks if r.rank not in running]
             finished = f" ({rank_list(done)} had returned)" if done else ""
             return RankTimeout(f"labkit.run timed out after {timeout_seconds:g} s: {rank_list(running)} "
-                               f"still running{finished}.{restarted}", failures, notes)
+                               f"still running{finished}.{restarted}", failures, notes, pool_stopped=self._closed)
         failed = sorted({f.rank for f in failures if f.kind != NoReply.STOPPED})
-        return RankError(f"{rank_list(failed)} of {self.world_size} failed.{restarted}", failures, notes)
+        return RankError(f"{rank_list(failed)} of {self._world_size} failed.{restarted}", failures, notes,
+                         pool_stopped=self._closed)
 
     def _take_replies(self, call_id: int) -> dict[int, Reply]:
         """Each rank's reply to `call_id`, by rank (those that replied); every rank's replies are cleared."""
-        replies = {r.rank: r.replies[call_id] for r in self.ranks if call_id in r.replies}
-        for r in self.ranks:
+        replies = {r.rank: r.replies[call_id] for r in self._ranks if call_id in r.replies}
+        for r in self._ranks:
             r.replies.clear()
         return replies
 
@@ -354,22 +392,22 @@ class Pool:
     def _stop_after_interrupt(self, call_id: int) -> None:
         """Ctrl-C: ask every rank still running to stop call `call_id`; keep the pool only if each
         rank answered that call and they stopped in step. Anything raised here closes the pool."""
-        for r in self.ranks:
+        for r in self._ranks:
             if not r.finished(call_id):
                 try:
                     protocol.send(r.control, Interrupt(call_id))
                 except OSError:
                     self._mark_gone(r)
-        self._pump(time.monotonic() + INTERRUPT_GRACE_SECONDS, lambda: all(r.finished(call_id) for r in self.ranks))
+        self._pump(time.monotonic() + INTERRUPT_GRACE_SECONDS, lambda: all(r.finished(call_id) for r in self._ranks))
         self._flush_output()
-        stuck = [r.rank for r in self.ranks if not r.finished(call_id)]
+        stuck = [r.rank for r in self._ranks if not r.finished(call_id)]
         replies = self._take_replies(call_id)
         self._close_if_group_destroyed(replies)
-        if stuck or any(r.gone for r in self.ranks):
+        if stuck or any(r.gone for r in self._ranks):
             self.close()
         else:
             self._keep_if_in_step(replies)
-        if self.closed:
+        if self._closed:
             why = f"{rank_list(stuck)} did not stop" if stuck else "the ranks stopped out of step"
             print(f"labkit: interrupted; {why}, so the pool was stopped "
                   "(the next call starts a fresh one).", file=sys.stderr)
@@ -380,10 +418,10 @@ class Pool:
         """A rank that called dist.destroy_process_group() cannot take part in the next call: close
         the pool and say so; the call's results still come back."""
         destroyed = [rank for rank, reply in replies.items() if reply.group_destroyed]
-        if destroyed and not self.closed:
+        if destroyed and not self._closed:
             self.close()
             print(f"labkit: {rank_list(destroyed)} destroyed the process group (dist.destroy_process_group()): "
-                  f"the {self.world_size}-rank pool was stopped, and the next call starts a fresh one (variables "
+                  f"the {self._world_size}-rank pool was stopped, and the next call starts a fresh one (variables "
                   "defined in %%ranks cells are gone). labkit's pool creates and destroys the group itself.",
                   file=sys.stderr)
 
@@ -393,14 +431,14 @@ class Pool:
 
         The all_reduce alone can be fooled: if rank 1 left an all_reduce unmatched, rank 0's probe
         completes against it. The counts cannot: they are read on each rank, with no collective."""
-        if len(replies) != self.world_size or not _same_steps([reply.steps for reply in replies.values()]):
+        if len(replies) != self._world_size or not _same_steps([reply.steps for reply in replies.values()]):
             self.close()
             return
         try:
             total = self.call(HEALTH_PROBE, HEALTH_CHECK_SECONDS, check_health=False)
         except RankError:
             total = None  # the probe call has closed the pool already
-        if total != [float(self.world_size)] * self.world_size:
+        if total != [float(self._world_size)] * self._world_size:
             self.close()
 
     # ---- moving bytes -----------------------------------------------------------------------------
@@ -414,17 +452,17 @@ class Pool:
             for key, _ in self._selector.select(min(remaining, 0.5)):
                 kind, r = key.data
                 if kind == "server":
-                    self.server.read_reports()
-                    if not self.server.alive:  # its socket would stay readable at end of file
+                    self._server.read_reports()
+                    if not self._server.alive:  # its socket would stay readable at end of file
                         self._selector.unregister(key.fd)
                 elif kind == "job":
                     self.receive(r)
                 else:
                     self._read_pipe(r, kind)
-            for r in self.ranks:
-                if not r.gone and r.pid in self.server.exit_status:
+            for r in self._ranks:
+                if not r.gone and r.pid in self._server.exit_status:
                     self._mark_gone(r)
-            release_held([r.output for r in self.ranks])
+            release_held([r.output for r in self._ranks])
 
     def receive(self, r: RankHandle) -> None:
         """Take one message from rank `r`'s job socket: its start report, or a reply."""
@@ -455,43 +493,43 @@ class Pool:
 
     def _death(self, r: RankHandle) -> Failure:
         """A dead rank, named with its signal or exit code and its last lines of stderr."""
-        self.server.wait_for_exit([r.pid], DEATH_DETAILS_SECONDS)
+        self._server.wait_for_exit([r.pid], DEATH_DETAILS_SECONDS)
         self._pump(time.monotonic() + DEATH_DETAILS_SECONDS, lambda: all(r.output.closed.values()))
-        how = describe_exit(self.server.exit_status.get(r.pid))
+        how = describe_exit(self._server.exit_status.get(r.pid))
         hint = " (SIGKILL from outside often means the machine ran out of memory)" if "SIGKILL" in how else ""
         return Failure(r.rank, NoReply.DIED, f"process {how}{hint}", time=r.gone_at,
                        stderr_tail=list(r.output.stderr_tail))
 
     def _flush_output(self) -> None:
-        for r in self.ranks:
+        for r in self._ranks:
             r.output.flush()
 
     def healthy(self) -> bool:
         """Open, and every rank still alive."""
-        if self.closed:
+        if self._closed:
             return False
-        self.server.read_reports()
-        return self.server.alive and not any(r.gone or r.pid in self.server.exit_status for r in self.ranks)
+        self._server.read_reports()
+        return self._server.alive and not any(r.gone or r.pid in self._server.exit_status for r in self._ranks)
 
     def close(self) -> None:
         """Stop every rank now and release every file descriptor. Idempotent."""
-        if self.closed:
+        if self._closed:
             return
-        self.closed = True
-        pids = [r.pid for r in self.ranks]
+        self._closed = True
+        pids = [r.pid for r in self._ranks]
         try:
-            if self.server.alive:  # otherwise its ranks have died with it
-                self.server.signal(pids, signal.SIGKILL)
-                self.server.wait_for_exit(pids, 3.0)
+            if self._server.alive:  # otherwise its ranks have died with it
+                self._server.signal(pids, signal.SIGKILL)
+                self._server.wait_for_exit(pids, 3.0)
         finally:  # even if Ctrl-C cut the wait short: a rank whose control socket closes ends itself
-            for r in self.ranks:
+            for r in self._ranks:
                 r.job.close()
                 r.control.close()
                 for fd in r.pipes.values():
                     os.close(fd)
             self._selector.close()
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.store_path)
+                os.unlink(self._store_path)
 
 
 def _still_running(stack: Stack | None) -> tuple[str, str]:
@@ -516,7 +554,6 @@ def _failure_from_reply(rank: int, reply: Reply) -> Failure:
     if reply.outcome == Outcome.UNPICKLABLE:
         return Failure(rank, Outcome.UNPICKLABLE, reply.body, time=reply.finished_at)
     if reply.outcome == Outcome.INTERRUPTED:
-        return Failure(rank, Outcome.INTERRUPTED, "interrupted", format_exception(reply.body), time=reply.finished_at)
+        return raised_failure(rank, Outcome.INTERRUPTED, reply.body, "interrupted", time=reply.finished_at)
     error = reply.body
-    return Failure(rank, Outcome.ERROR, exception_line(error.chain[-1]), format_exception(error),
-                   time=float("inf") if error.follow_on else reply.finished_at)
+    return raised_failure(rank, Outcome.ERROR, error, time=float("inf") if error.follow_on else reply.finished_at)

@@ -27,8 +27,7 @@ def rank_sum():
 
 def fresh_pool(world_size: int) -> None:
     """Close the warm gloo pool of `world_size` ranks, if any, so that the next call starts one."""
-    if (world_size, "gloo") in OWNER.pools:
-        OWNER.retire((world_size, "gloo"), "a test asked for a fresh pool")
+    labkit.shutdown(world_size=world_size)
 
 
 def spec_for_rank_1(monkeypatch, **changes) -> None:
@@ -151,7 +150,7 @@ def test_a_ranks_orphaned_grandchild_is_reaped():
     ranks = labkit.run(os.getpid, world_size=2)
     sleeps = labkit.run(orphan, world_size=2)
     # the fork server is the subreaper of its ranks' descendants: it reaps them, here as in a container without init
-    assert [psutil.Process(p).ppid() for p in sleeps] == [OWNER.server.process.pid] * 2
+    assert [psutil.Process(p).ppid() for p in sleeps] == [OWNER.fork_server.process.pid] * 2
     fresh_pool(2)
     assert alive_after(sleeps + ranks, 5) == []
 
