@@ -293,8 +293,9 @@ def slow_health_probe(folder: str) -> float:
 
 
 def test_ctrl_c_during_the_health_check_after_a_failure_is_not_swallowed(interrupter, monkeypatch):
-    from labkit.launch import pool, serialize
-    monkeypatch.setattr(pool, "HEALTH_PROBE", serialize.dumps((slow_health_probe, (interrupter.folder,), {})))
+    from labkit.launch import serialize
+    probe = serialize.dumps((slow_health_probe, (interrupter.folder,), {}))
+    monkeypatch.setattr("labkit.launch._lifecycle.HEALTH_PROBE", probe)  # the pool's health check after a failure
 
     def fail_everywhere():
         raise ValueError("every rank fails alike, so the pool's health is checked")
