@@ -58,10 +58,21 @@ def _portable_args(exc: BaseException) -> tuple[tuple[bytes | None, str], ...]:
 
 def _pickled(value) -> bytes | None:
     try:
-        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        data = pickle.dumps(_on_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:  # noqa: BLE001 - whatever fails to pickle travels as its repr
         return None
     return data if len(data) <= ARG_PICKLE_LIMIT_BYTES else None
+
+
+def _on_cpu(value):
+    """`value` with its CUDA tensors copied to the CPU, as a result is (worker.py): unpickling a CUDA tensor would
+    initialise CUDA in the owner, which must stay free of it."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.cpu() if t.is_cuda else t, value)
 
 
 def _short_repr(value) -> str:
