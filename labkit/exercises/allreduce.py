@@ -108,7 +108,7 @@ def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_
         return _hang_message(hang, ring, timeout_seconds)
     except labkit.RankError as error:
         no_reply = any(f.kind in (NoReply.STOPPED, NoReply.DIED) for f in error.failures)
-        if not ("pool was stopped" in error.headline or no_reply):
+        if not (error.pool_stopped or no_reply):
             try:
                 _stop_pool_if_unmatched(world_size, labkit.run(messages_of_last_attempt, world_size=world_size))
             except labkit.RankError:

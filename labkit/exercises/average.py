@@ -82,7 +82,7 @@ def _case_problem(fn, world_size: int, reference, timeout_seconds: float) -> str
         return _hang_message(hang, timeout_seconds)
     except labkit.RankError as error:
         sizes = None
-        if not ("pool was stopped" in error.headline or any(f.kind == NoReply.DIED for f in error.failures)):
+        if not (error.pool_stopped or any(f.kind == NoReply.DIED for f in error.failures)):
             try:
                 sizes = labkit.run(calls_of_last_average, world_size=world_size)
                 _stop_pool_if_out_of_step(world_size, sizes)
@@ -226,8 +226,9 @@ def _error_message(error: labkit.RankError, sizes: list[list[int]] | None) -> st
     if spelling is not None:
         return forbidden_message(first.rank, spelling, False, _why_forbidden)
     summary = first.summary.strip().removesuffix(".")
-    if summary.startswith(f"{OutOfStep.__module__}.OutOfStep: "):
-        return (f"{summary.split(': ', 1)[1]}: the ranks all-reduced the gradients in different orders. On real "
+    if first.raised(OutOfStep) and first.exception_args:
+        said = str(first.exception_args[0]).strip().removesuffix(".")
+        return (f"{said}: the ranks all-reduced the gradients in different orders. On real "
                 "ranks that sums unrelated tensors, or hangs, or aborts (gloo: 'Received data size doesn't match "
                 "expected size'). Every rank must all-reduce the same gradients in the same order, whatever the rank.")
     message = f"rank {first.rank} raised {summary}."

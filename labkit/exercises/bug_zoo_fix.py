@@ -252,7 +252,7 @@ def _case_problem(fn, world_size: int, timeout_seconds: float) -> str | None:
                 "A collective returns only when every rank of the group calls it: each broadcast and all_reduce "
                 "must be called on every rank, rank 0 included, in the same order.")
     except labkit.RankError as error:
-        if "pool was stopped" not in error.headline:
+        if not error.pool_stopped:
             stop_pool(world_size)  # a rank that raised may have left the others' collectives unmatched
         return _error_message(error)
     return _unwaited_problem(outcomes) or _values_problem(outcomes, _reference(world_size))

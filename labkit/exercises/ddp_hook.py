@@ -132,7 +132,7 @@ def _check_reference(ddp, alone) -> None:
 def _last_attempts(error: labkit.RankError, world_size: int) -> list[dict] | None:
     """Each rank's hooks and all_reduce sizes when the attempt raised; the pool is stopped if the ranks' all_reduces
     are out of step (the next case's would meet them). None when the pool was stopped already."""
-    if "pool was stopped" in error.headline or any(f.kind == NoReply.DIED for f in error.failures):
+    if error.pool_stopped or any(f.kind == NoReply.DIED for f in error.failures):
         return None
     try:
         last = labkit.run(last_hook_attempt, world_size=world_size)
@@ -380,8 +380,9 @@ def _error_message(error: labkit.RankError, last: list[dict] | None) -> str:
     if spelling is not None:
         return forbidden_message(first.rank, spelling, False, _why_forbidden)
     summary = first.summary.strip().removesuffix(".")
-    if summary.startswith(f"{OutOfStep.__module__}.OutOfStep: "):
-        return (f"{summary.split(': ', 1)[1]}: the ranks' buckets went out in different orders or sizes. On real "
+    if first.raised(OutOfStep) and first.exception_args:
+        said = str(first.exception_args[0]).strip().removesuffix(".")
+        return (f"{said}: the ranks' buckets went out in different orders or sizes. On real "
                 "ranks that sums unrelated gradients, or hangs, or aborts (gloo: 'Received data size doesn't "
                 "match expected size'). Every rank must fill its buckets in the order its gradients become ready, "
                 "whatever the rank.")

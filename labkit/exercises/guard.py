@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib
 import re
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from labkit.checks import whole
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._intercept import Interceptor, RefusedOperator
 from labkit.exercises.wait_watch import WaitWatch
-from labkit.launch.errors import NoReply
+from labkit.launch.errors import Failure, NoReply
 
 __all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "Posted", "RefusedOperator", "attempt",
            "first_failure", "forbidden_message", "forbidden_spelling", "messages_of_last_attempt", "rank_input",
@@ -96,30 +95,27 @@ class ForbiddenCall(RuntimeError):
 
 
 def stop_pool(world_size: int) -> None:
-    """Have labkit stop the pool of `world_size` ranks, whose collectives are out of step after a wrong answer (a
-    call left waiting): labkit.run stops a pool whose call outlasts its timeout (labkit/launch/pool.py)."""
-    try:
-        labkit.run(time.sleep, 60, world_size=world_size, timeout=0.1)
-    except labkit.RankTimeout:
-        pass
+    """Stop the pool of `world_size` ranks, whose collectives are out of step after a wrong answer (a call left
+    waiting), and only it (labkit.shutdown(world_size=...)): the next call starts a fresh one."""
+    labkit.shutdown(world_size=world_size)
 
 
-def forbidden_spelling(summary: str) -> str | None:
-    """What a rank called, from the one-line summary labkit gives of its ForbiddenCall; None for another error."""
-    prefix = f"{ForbiddenCall.__module__}.{ForbiddenCall.__qualname__}: "
-    if not summary.startswith(prefix):
+def forbidden_spelling(failure: Failure) -> str | None:
+    """What a rank called, from the ForbiddenCall it raised (its one argument: the spelling and _SWITCHED_OFF, as
+    `Guard.refuse` raises it); None for another error."""
+    if not failure.raised(ForbiddenCall) or not failure.exception_args:
         return None
-    return summary.removeprefix(prefix).removesuffix(_SWITCHED_OFF)
+    return str(failure.exception_args[0]).removesuffix(_SWITCHED_OFF)
 
 
 def first_failure(error: labkit.RankError):
     """The failure a grader reports: the earliest call the guard switched off, else the earliest rank's own
     error (a rank that merely stopped, only when nothing else failed). Returns (failure, what it called: the
     forbidden spelling, or None for an error of its own)."""
-    forbidden = [f for f in error.failures if forbidden_spelling(f.summary) is not None]
+    forbidden = [f for f in error.failures if forbidden_spelling(f) is not None]
     if forbidden:
         first = min(forbidden, key=lambda f: (f.time, f.rank))
-        return first, forbidden_spelling(first.summary)
+        return first, forbidden_spelling(first)
     first = min((f for f in error.failures if f.kind != NoReply.STOPPED), key=lambda f: (f.time, f.rank),
                 default=error.failures[0])
     return first, None

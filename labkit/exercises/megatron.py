@@ -92,7 +92,7 @@ def _case_problem(f, g, world_size: int, reference, timeout_seconds: float) -> s
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
         return _hang_message(hang, timeout_seconds)
     except labkit.RankError as error:
-        if not ("pool was stopped" in error.headline or any(x.kind == NoReply.DIED for x in error.failures)):
+        if not (error.pool_stopped or any(x.kind == NoReply.DIED for x in error.failures)):
             try:
                 _stop_pool_if_out_of_step(world_size, labkit.run(calls_of_last_attempt, world_size=world_size))
             except labkit.RankError:

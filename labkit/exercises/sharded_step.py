@@ -133,7 +133,7 @@ def _case_problem(fn, world_size: int, numel: int, dtype: torch.dtype, timeout_s
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
         return _hang_message(hang, world_size, timeout_seconds)
     except labkit.RankError as error:
-        if not ("pool was stopped" in error.headline or any(f.kind == NoReply.DIED for f in error.failures)):
+        if not (error.pool_stopped or any(f.kind == NoReply.DIED for f in error.failures)):
             try:
                 _stop_pool_if_out_of_step(world_size, labkit.run(calls_of_last_attempt, world_size=world_size))
             except labkit.RankError:

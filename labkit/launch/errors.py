@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import pickle
 import re
 import sys
 import traceback
@@ -22,11 +23,14 @@ from dataclasses import dataclass, field
 
 from labkit.launch.protocol import Chained, ExceptionDescription, ExceptionLink, Frame, Outcome, Stack, TextEnum
 
-__all__ = ["FOLLOW_ON_ATTRIBUTE", "CellSyntaxError", "Failure", "Interrupted", "NoReply", "RankError", "RankTimeout",
-           "cell_name", "describe_exception", "describe_stack", "exception_line", "format_exception",
-           "format_frames", "is_user_file", "rank_list", "still_running", "where"]
+__all__ = ["ARG_PICKLE_LIMIT_BYTES", "ARG_REPR_LIMIT", "FOLLOW_ON_ATTRIBUTE", "CellSyntaxError", "Failure",
+           "Interrupted", "NoReply", "RankError", "RankTimeout", "cell_name", "describe_exception", "describe_stack",
+           "exception_args", "exception_line", "format_exception", "format_frames", "is_user_file",
+           "qualified_name", "raised_failure", "rank_list", "still_running", "where"]
 
 FOLLOW_ON_ATTRIBUTE = "labkit_follow_on"
+ARG_PICKLE_LIMIT_BYTES = 1 << 16  # an exception carrying a big tensor sends its repr instead
+ARG_REPR_LIMIT = 500
 
 _LABKIT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LAUNCH_DIR = os.path.join(_LABKIT_DIR, "launch")
@@ -41,9 +45,65 @@ def describe_exception(exc: BaseException) -> ExceptionDescription:
         seen.add(id(exc))
         after, previous = _previous_in_chain(exc)
         links.append(ExceptionLink(type(exc).__qualname__, type(exc).__module__, _message(exc),
-                                   _below_launch(traceback.extract_tb(exc.__traceback__)), after))
+                                   _below_launch(traceback.extract_tb(exc.__traceback__)), after, _portable_args(exc)))
         exc = previous
     return ExceptionDescription(links[::-1], follow_on)  # oldest first, as Python prints them
+
+
+def _portable_args(exc: BaseException) -> tuple[tuple[bytes | None, str], ...]:
+    """Each of `exc.args` as (its pickle, or None where it does not pickle or is over ARG_PICKLE_LIMIT_BYTES; its
+    repr, at most ARG_REPR_LIMIT characters): what a grader reads to recognise an exception, without its prose."""
+    return tuple((_pickled(arg), _short_repr(arg)) for arg in getattr(exc, "args", ()))
+
+
+def _pickled(value) -> bytes | None:
+    try:
+        data = pickle.dumps(_on_cpu(value), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - whatever fails to pickle travels as its repr
+        return None
+    return data if len(data) <= ARG_PICKLE_LIMIT_BYTES else None
+
+
+def _on_cpu(value):
+    """`value` with its CUDA tensors copied to the CPU, as a result is (worker.py): unpickling a CUDA tensor would
+    initialise CUDA in the owner, which must stay free of it."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return value
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, lambda t: t.cpu() if t.is_cuda else t, value)
+
+
+def _short_repr(value) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__ must not hide the error itself
+        text = f"<{type(value).__name__} whose repr failed>"
+    return text if len(text) <= ARG_REPR_LIMIT else text[:ARG_REPR_LIMIT] + "..."
+
+
+def exception_args(link: ExceptionLink) -> tuple:
+    """The arguments `link`'s exception was raised with: each unpickled where it can be, else its repr (a str)."""
+    return tuple(_unpickled(data, text) for data, text in link.args)
+
+
+def _unpickled(data: bytes | None, text: str):
+    if data is None:
+        return text
+    try:
+        return pickle.loads(data)
+    except Exception:  # noqa: BLE001 - e.g. its class exists on the rank only
+        return text
+
+
+def qualified_name(cls: type) -> str:
+    """'builtins.ValueError', 'labkit.exercises.guard.ForbiddenCall': how `Failure.exception_type` names a class.
+
+    >>> qualified_name(ValueError)
+    'builtins.ValueError'
+    """
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _previous_in_chain(exc: BaseException) -> tuple[Chained | None, BaseException | None]:
@@ -213,7 +273,12 @@ class NoReply(TextEnum):
 @dataclass
 class Failure:
     """One rank's bad outcome. `kind`: what its reply said (Outcome.ERROR: it raised; INTERRUPTED;
-    UNPICKLABLE: its result), or why there was none (NoReply.DIED, NoReply.STOPPED)."""
+    UNPICKLABLE: its result), or why there was none (NoReply.DIED, NoReply.STOPPED).
+
+    Where the rank raised (ERROR, INTERRUPTED, a failed start): `exception_type`, the exception's class as
+    `qualified_name` writes it, and `exception_args`, the arguments it was raised with (each as far as it
+    pickles, else its repr), so that a grader recognises an exception by its type and data, not its text;
+    "" and () otherwise. `raised(cls)` asks for one class."""
 
     rank: int
     kind: Outcome | NoReply
@@ -221,16 +286,36 @@ class Failure:
     detail: str = ""
     time: float = float("inf")
     stderr_tail: list[str] = field(default_factory=list)
+    exception_type: str = ""
+    exception_args: tuple = ()
+
+    def raised(self, cls: type) -> bool:
+        """True if this rank raised an exception of class `cls` itself (not a subclass: only its name travels)."""
+        return self.exception_type == qualified_name(cls)
+
+
+def raised_failure(rank: int, kind: Outcome, error: ExceptionDescription, summary: str | None = None,
+                   time: float = float("inf")) -> Failure:
+    """Rank `rank`'s failure that raised `error`: its last line (or `summary`), its traceback, its type and args."""
+    last = error.chain[-1] if error.chain else None
+    return Failure(rank, kind, summary if summary is not None else exception_line(last) if last else "",
+                   format_exception(error), time=time,
+                   exception_type=f"{last.module}.{last.type_name}" if last else "",
+                   exception_args=exception_args(last) if last else ())
 
 
 class RankError(RuntimeError):
     """A call on N ranks failed. `failures` holds one `Failure` per rank that went wrong; `notes`, lines
-    shown under the headline (for a hang: which collective each group's ranks are in, labkit.launch.inflight)."""
+    shown under the headline (for a hang: which collective each group's ranks are in, labkit.launch.inflight);
+    `pool_stopped`, whether labkit stopped the call's ranks (the next call starts a fresh pool, and variables
+    of %%ranks cells are gone) or kept them, in step, for the next call."""
 
-    def __init__(self, headline: str, failures: list[Failure], notes: list[str] | None = None):
+    def __init__(self, headline: str, failures: list[Failure], notes: list[str] | None = None, *,
+                 pool_stopped: bool = False):
         self.failures = failures
         self.headline = headline
         self.notes = list(notes or [])
+        self.pool_stopped = pool_stopped
         super().__init__(self._render())
 
     def _render(self) -> str:

@@ -84,7 +84,7 @@ class RanksMagics(Magics):
         previous = self._pools.get(world_size)
         self._pools[world_size] = _PoolUsed(key, serial)
         if previous is not None and previous.serial != serial:
-            why = OWNER.ended.get(previous.serial, "it was replaced")
+            why = OWNER.why_ended(previous.serial) or "it was replaced"
             print(f"labkit: the {world_size}-rank pool was restarted ({why}): variables from earlier "
                   f"%%ranks {world_size} cells are gone.", file=sys.stderr, flush=True)  # before the ranks' lines
             self._names.pop(world_size, None)

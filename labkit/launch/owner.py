@@ -23,8 +23,8 @@ from collections import OrderedDict
 from labkit.checks import rank_count, timeout_seconds
 from labkit.launch import serialize
 from labkit.launch.backend import BackendChoice, choose_backend, usable_gpu_count
-from labkit.launch.errors import Interrupted, rank_list
-from labkit.launch.forkserver import ForkServer, describe_exit
+from labkit.launch.errors import Interrupted
+from labkit.launch.forkserver import ForkServer
 from labkit.launch.pool import Pool
 from labkit.tables import print_line
 
@@ -40,94 +40,117 @@ class Owner:
     """What this process holds for its ranks: the fork server, the warm pools, the store directory.
     There is one, OWNER; `run`, `shutdown` and %%ranks use it.
 
-    Each pool gets a serial number; when a pool goes, `ended[serial]` says why, so that %%ranks can
-    tell the student why the variables it held are gone."""
+    Each pool gets a serial number; when a pool goes, `why_ended(serial)` says why, so that %%ranks can
+    tell the student why the variables it held are gone. Its state is its own: the read-only hooks
+    (`kept_pool`, `store_directory`, `fork_server`, `serial`, `why_ended`, `gpu_count`) are what others read."""
 
     def __init__(self):
-        self.store_dir: str | None = None
-        self.server: ForkServer | None = None
-        self.pools: OrderedDict[tuple[int, str], Pool] = OrderedDict()
-        self.serials: dict[tuple[int, str], int] = {}  # the serial number of the pool now kept for a key
-        self.ended: dict[int, str] = {}  # why the pool with this serial number was stopped
-        self.announced: set[str] = set()
-        self.gpu_count: int | None = None
-        self.pools_started = 0
+        self._store_dir: str | None = None
+        self._server: ForkServer | None = None
+        self._pools: OrderedDict[tuple[int, str], Pool] = OrderedDict()
+        self._serials: dict[tuple[int, str], int] = {}  # the serial number of the pool now kept for a key
+        self._ended: dict[int, str] = {}  # why the pool with this serial number was stopped
+        self._announced: set[str] = set()
+        self._gpu_count: int | None = None
+        self._pools_started = 0
 
     def pool(self, world_size: int, backend: str) -> Pool:
         """A healthy pool for `world_size` ranks on `backend` ("auto", "gloo" or "nccl"), started if need be."""
-        return self.pools[self.pool_key(world_size, backend)]
+        return self._pools[self.pool_key(world_size, backend)]
 
     def pool_key(self, world_size: int, backend: str) -> tuple[int, str]:
         """The key of a healthy pool for `world_size` ranks on `backend`, started if need be."""
-        if self.gpu_count is None:
-            self.gpu_count = usable_gpu_count()
-        choice = choose_backend(backend, world_size, self.gpu_count)
+        choice = choose_backend(backend, world_size, self.gpu_count())
         key = (world_size, choice.backend)
-        pool = self.pools.get(key)
+        pool = self._pools.get(key)
         if pool is not None and pool.healthy():
-            self.pools.move_to_end(key)
+            self._pools.move_to_end(key)
             return key
         if pool is not None:
-            self.retire(key, _why_unhealthy(pool))
+            self._retire(key, pool.why_unhealthy())
         self._make_room(world_size)
         self.announce(world_size, choice)
-        self.pools[key] = self._start_pool(world_size, choice)
-        self.serials[key] = self.pools_started
+        self._pools[key] = self._start_pool(world_size, choice)
+        self._serials[key] = self._pools_started
         return key
 
     def _start_pool(self, world_size: int, choice: BackendChoice) -> Pool:
-        if self.server is None or not self.server.alive or self.server.process.poll() is not None:
-            if self.server is not None:
-                self.server.close()
-            self.server = ForkServer()  # start its `import torch` before ours below
-        if self.store_dir is None:
-            self.store_dir = tempfile.mkdtemp(prefix="labkit-")  # mode 0700, a fresh name
-        self.pools_started += 1
-        store_path = os.path.join(self.store_dir, secrets.token_hex(16))
-        return Pool(world_size, choice, self.server, store_path, PG_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS)
+        if self._server is None or not self._server.alive or self._server.process.poll() is not None:
+            if self._server is not None:
+                self._server.close()
+            self._server = ForkServer()  # start its `import torch` before ours below
+        if self._store_dir is None:
+            self._store_dir = tempfile.mkdtemp(prefix="labkit-")  # mode 0700, a fresh name
+        self._pools_started += 1
+        store_path = os.path.join(self._store_dir, secrets.token_hex(16))
+        return Pool(world_size, choice, self._server, store_path, PG_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS)
 
-    def retire(self, key: tuple[int, str], reason: str) -> None:
+    def _retire(self, key: tuple[int, str], reason: str) -> None:
         """Stop the pool kept for `key` and remember why."""
-        self.pools.pop(key).close()
-        self.ended[self.serials.pop(key)] = reason
+        self._pools.pop(key).close()
+        self._ended[self._serials.pop(key)] = reason
 
     def _make_room(self, world_size: int) -> None:
-        for key in [k for k, p in self.pools.items() if p.closed]:
-            self.retire(key, _why_unhealthy(self.pools[key]))
-        while self.pools and sum(p.world_size for p in self.pools.values()) + world_size > MAX_LIVE_RANKS:
-            self.retire(next(iter(self.pools)), f"it was stopped to make room for {world_size} ranks: labkit "
+        for key in [k for k, p in self._pools.items() if p.closed]:
+            self._retire(key, self._pools[key].why_unhealthy())
+        while self._pools and sum(p.world_size for p in self._pools.values()) + world_size > MAX_LIVE_RANKS:
+            self._retire(next(iter(self._pools)), f"it was stopped to make room for {world_size} ranks: labkit "
                                                  f"keeps at most {MAX_LIVE_RANKS} ranks running")
 
     def announce(self, world_size: int, choice: BackendChoice) -> None:
         """Say how `world_size` ranks will run: the backend, why, and each rank's device; once per reason."""
-        if choice.reason not in self.announced:
-            self.announced.add(choice.reason)
+        if choice.reason not in self._announced:
+            self._announced.add(choice.reason)
             print_line(f"labkit: {world_size} ranks, {choice.reason}; {_devices(world_size, choice.backend)}.")
 
     def serial(self, key: tuple[int, str]) -> int | None:
         """The serial number of the pool kept for `key`, None if none is kept."""
-        return self.serials.get(key)
+        return self._serials.get(key)
+
+    def why_ended(self, serial: int) -> str | None:
+        """Why the pool with serial number `serial` was stopped; None if it was not (or never existed)."""
+        return self._ended.get(serial)
+
+    def kept_pool(self, world_size: int, backend: str = "gloo") -> Pool | None:
+        """The pool kept for `world_size` ranks on `backend` ("gloo" or "nccl"), None if none is; starts nothing."""
+        return self._pools.get((world_size, backend))
+
+    def gpu_count(self) -> int:
+        """The usable GPUs, counted once (backend.usable_gpu_count) on first asking."""
+        if self._gpu_count is None:
+            self._gpu_count = usable_gpu_count()
+        return self._gpu_count
+
+    @property
+    def store_directory(self) -> str | None:
+        """The directory (mode 0700) of the pools' store files; None before the first pool and after shutdown."""
+        return self._store_dir
+
+    @property
+    def fork_server(self) -> ForkServer | None:
+        """The fork server the ranks are started from; None before the first start and after shutdown."""
+        return self._server
+
+    def prestart(self) -> None:
+        """Start the fork server now, if none runs."""
+        if self._server is None:
+            self._server = ForkServer()
+
+    def stop(self, world_size: int) -> None:
+        """Stop the pools of `world_size` ranks (any backend), now; other pools and the fork server stay."""
+        for key in [k for k in self._pools if k[0] == world_size]:
+            self._retire(key, f"labkit.shutdown(world_size={world_size}) stopped it")
 
     def shutdown(self) -> None:
-        for key in list(self.pools):
-            self.retire(key, "labkit.shutdown() stopped it")
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-        if self.store_dir is not None:
-            shutil.rmtree(self.store_dir, ignore_errors=True)
-            self.store_dir = None
-
-
-def _why_unhealthy(pool: Pool) -> str:
-    """Why a kept pool cannot serve the next call, in words for the student."""
-    if pool.closed:
-        return "it was stopped after a call failed, timed out or was interrupted"
-    exits = pool.server.exit_status
-    dead = [r for r in pool.ranks if r.gone or r.pid in exits]
-    if not dead:
-        return "labkit's fork server ended, and its ranks with it"
-    return f"{rank_list(r.rank for r in dead)} died while idle ({describe_exit(exits.get(dead[0].pid))})"
+        """Stop every pool and the fork server, and remove the store directory."""
+        for key in list(self._pools):
+            self._retire(key, "labkit.shutdown() stopped it")
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
 
 
 def _devices(world_size: int, backend: str) -> str:
@@ -178,15 +201,20 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
     raise Interrupted from None  # without the selector and pool frames it interrupted
 
 
-def shutdown() -> None:
-    """Stop every rank this process started, and the fork server. The next run starts afresh."""
-    OWNER.shutdown()
+def shutdown(world_size: int | None = None) -> None:
+    """Stop every rank this process started, and the fork server. The next run starts afresh.
+
+    With `world_size`, stop only the pools of that many ranks (say, ranks left out of step by a wrong
+    answer), now, and wait for their processes to end; other world sizes' pools and the fork server stay."""
+    if world_size is None:
+        OWNER.shutdown()
+    else:
+        OWNER.stop(rank_count(world_size))
 
 
 def prestart() -> None:
     """Start the fork server now (it imports torch in the background), so the first run is quicker."""
-    if OWNER.server is None:
-        OWNER.server = ForkServer()
+    OWNER.prestart()
 
 
 def _pickle_call(fn, args: tuple, kwargs: dict) -> bytes:

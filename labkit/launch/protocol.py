@@ -206,13 +206,17 @@ class Chained(TextEnum):
 
 
 class ExceptionLink(NamedTuple):
-    """One exception of a chain: its class, message and the frames it was raised through."""
+    """One exception of a chain: its class, message, arguments and the frames it was raised through.
+
+    Each argument travels pickled on its own, with its repr beside it: the owner unpickles what it can and
+    keeps the repr of the rest, so that an argument whose class the owner lacks cannot spoil the reply."""
 
     type_name: str  # the class's __qualname__
     module: str  # the class's __module__
     message: str
     frames: list[Frame]
     after: Chained | None  # how it follows the previous link; None for the first
+    args: tuple[tuple[bytes | None, str], ...] = ()  # each of exc.args: (pickled, or None if it does not pickle; repr)
 
 
 class ExceptionDescription(NamedTuple):

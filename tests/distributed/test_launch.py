@@ -258,9 +258,9 @@ def test_an_interrupt_for_an_earlier_call_does_not_stop_this_one():
     from labkit.launch import protocol
     from labkit.launch.owner import OWNER
     labkit.run(rank_sum, world_size=2, backend="gloo")
-    pool = OWNER.pools[(2, "gloo")]
-    earlier, ranks = pool.last_call_id, pool.ranks  # the id rank_sum ran as
-    timer = threading.Timer(0.5, lambda: [protocol.send(r.control, protocol.Interrupt(earlier)) for r in ranks])
+    pool = OWNER.kept_pool(2, "gloo")
+    earlier, controls = pool.last_call_id, pool.controls()  # the id rank_sum ran as
+    timer = threading.Timer(0.5, lambda: [protocol.send(c, protocol.Interrupt(earlier)) for c in controls])
     timer.start()
     try:
         assert labkit.run(lambda: time.sleep(1.5) or labkit.rank(), world_size=2, backend="gloo") == [0, 1]
@@ -293,8 +293,9 @@ def slow_health_probe(folder: str) -> float:
 
 
 def test_ctrl_c_during_the_health_check_after_a_failure_is_not_swallowed(interrupter, monkeypatch):
-    from labkit.launch import pool, serialize
-    monkeypatch.setattr(pool, "HEALTH_PROBE", serialize.dumps((slow_health_probe, (interrupter.folder,), {})))
+    from labkit.launch import serialize
+    probe = serialize.dumps((slow_health_probe, (interrupter.folder,), {}))
+    monkeypatch.setattr("labkit.launch._lifecycle.HEALTH_PROBE", probe)  # the pool's health check after a failure
 
     def fail_everywhere():
         raise ValueError("every rank fails alike, so the pool's health is checked")
@@ -320,8 +321,8 @@ def test_the_group_timeout_outlasts_the_call_timeout(timeout):
 def test_a_dead_fork_server_is_replaced():
     from labkit.launch.owner import OWNER
     labkit.run(rank_sum, world_size=2)
-    OWNER.server.process.kill()
-    OWNER.server.process.wait()
+    OWNER.fork_server.process.kill()
+    OWNER.fork_server.process.wait()
     assert labkit.run(rank_sum, world_size=2) == [1.0, 1.0]
 
 

@@ -69,7 +69,7 @@ def test_unknown_backend():
 
 
 def test_nccl_without_gpus_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(labkit.launch.owner.OWNER, "gpu_count", 0)
+    monkeypatch.setattr(labkit.launch.owner.OWNER, "gpu_count", lambda: 0)
     with pytest.raises(ValueError, match="needs one CUDA GPU per rank: 2 ranks, 0 CUDA GPUs found"):
         labkit.run(ok, world_size=2, backend="nccl")
 

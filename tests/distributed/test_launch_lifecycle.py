@@ -27,8 +27,7 @@ def rank_sum():
 
 def fresh_pool(world_size: int) -> None:
     """Close the warm gloo pool of `world_size` ranks, if any, so that the next call starts one."""
-    if (world_size, "gloo") in OWNER.pools:
-        OWNER.retire((world_size, "gloo"), "a test asked for a fresh pool")
+    labkit.shutdown(world_size=world_size)
 
 
 def spec_for_rank_1(monkeypatch, **changes) -> None:
@@ -59,7 +58,7 @@ def test_a_rank_that_fails_to_start_fails_the_start_at_once(monkeypatch):
 
 def test_a_start_that_hangs_ends_at_the_calls_timeout(monkeypatch, tmp_path):
     # rank 1 waits for its peers in a store of its own: every rank would wait for the group timeout (30 s)
-    monkeypatch.setattr(pool_module, "MIN_START_SECONDS", 2.0)
+    monkeypatch.setattr("labkit.launch._lifecycle.MIN_START_SECONDS", 2.0)  # the gloo floor
     spec_for_rank_1(monkeypatch, store_path=str(tmp_path / "a-store-nobody-else-uses"))
     fresh_pool(3)
     start = time.monotonic()
@@ -78,7 +77,7 @@ def test_a_start_that_hangs_ends_at_the_calls_timeout(monkeypatch, tmp_path):
 def test_the_start_budget_rule(call_timeout, start_timeout, expected):
     # the call's timeout, but never less than a cold start needs, nor more than LABKIT_START_TIMEOUT
     if expected == "the floor":
-        expected = pool_module.MIN_START_SECONDS
+        expected = pool_module.cold_start_seconds("gloo", 1)
     assert pool_module.start_budget_seconds(call_timeout, start_timeout) == expected
 
 
@@ -106,7 +105,7 @@ def test_an_nccl_pool_started_by_a_graders_10_s_call_gets_a_cold_gpu_boxs_start(
         pool.close()
         reads.close()
         writes.close()
-    assert budgets == [expected] == [2 * pool_module.MIN_START_SECONDS + 3.0 * world_size]
+    assert budgets == [expected] == [2 * pool_module.cold_start_seconds("gloo", 1) + 3.0 * world_size]
     assert pool_module.start_budget_seconds(10, 120, "gloo", world_size) == 10  # gloo's start: as before
 
 
@@ -151,7 +150,7 @@ def test_a_ranks_orphaned_grandchild_is_reaped():
     ranks = labkit.run(os.getpid, world_size=2)
     sleeps = labkit.run(orphan, world_size=2)
     # the fork server is the subreaper of its ranks' descendants: it reaps them, here as in a container without init
-    assert [psutil.Process(p).ppid() for p in sleeps] == [OWNER.server.process.pid] * 2
+    assert [psutil.Process(p).ppid() for p in sleeps] == [OWNER.fork_server.process.pid] * 2
     fresh_pool(2)
     assert alive_after(sleeps + ranks, 5) == []
 

@@ -9,7 +9,7 @@ import pytest
 
 import labkit
 from labkit.launch import output
-from labkit.launch.pool import Pool
+from labkit.launch._channels import Channels
 
 
 @pytest.fixture
@@ -81,8 +81,8 @@ def test_a_result_that_cannot_be_unpickled_here_names_its_rank():
 
 
 def test_a_timeout_while_a_result_is_sent_says_so(monkeypatch):
-    receive = Pool.receive
-    monkeypatch.setattr(Pool, "receive", lambda self, r: None if r.rank == 1 else receive(self, r))
+    receive = Channels.receive  # the pump's read of one reply: rank 1's is never read
+    monkeypatch.setattr(Channels, "receive", lambda self, r: None if r.rank == 1 else receive(self, r))
 
     def big_result():
         return b"x" * 8_000_000  # more than a socket buffer: rank 1 blocks until the owner reads

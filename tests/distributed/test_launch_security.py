@@ -19,7 +19,7 @@ NOBODY = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
 
 
 def store_files() -> list[str]:
-    return sorted(os.listdir(OWNER.store_dir))
+    return sorted(os.listdir(OWNER.store_directory))
 
 
 def test_the_owner_listens_on_no_port():
@@ -32,8 +32,8 @@ def test_store_directory_is_private_and_names_are_unguessable():
     labkit.shutdown()  # no pool kept from earlier tests
     labkit.run(os.getpid, world_size=2)
     labkit.run(os.getpid, world_size=3)
-    mode = os.stat(OWNER.store_dir).st_mode
-    assert stat.S_IMODE(mode) == 0o700 and os.stat(OWNER.store_dir).st_uid == os.getuid()
+    mode = os.stat(OWNER.store_directory).st_mode
+    assert stat.S_IMODE(mode) == 0o700 and os.stat(OWNER.store_directory).st_uid == os.getuid()
     names = store_files()
     assert len(names) == 2 and all(re.fullmatch(r"[0-9a-f]{32}", n) for n in names)
     assert str(os.getpid()) not in "".join(names)
@@ -43,7 +43,7 @@ def test_store_directory_is_private_and_names_are_unguessable():
                     reason="needs root and setpriv to act as a second user")
 def test_another_user_can_neither_read_nor_plant_keys():
     labkit.run(os.getpid, world_size=2)
-    directory = OWNER.store_dir
+    directory = OWNER.store_directory
     path = os.path.join(directory, store_files()[0])
     assert os.path.getsize(path) > 0  # the ranks' addresses are in there
     for command in (["ls", directory], ["cat", path], ["sh", "-c", f"echo planted >> {path}"],
@@ -55,10 +55,10 @@ def test_another_user_can_neither_read_nor_plant_keys():
 
 def test_a_closed_pool_removes_its_file_and_shutdown_the_directory():
     labkit.run(os.getpid, world_size=2)
-    pool = OWNER.pools[(2, "gloo")]
+    pool = OWNER.kept_pool(2, "gloo")
     pool.close()
     assert not os.path.exists(pool.store_path)
-    directory = OWNER.store_dir
+    directory = OWNER.store_directory
     labkit.shutdown()
     assert not os.path.exists(directory)
     assert labkit.run(labkit.rank, world_size=2) == [0, 1]

@@ -110,8 +110,8 @@ def test_each_world_size_keeps_its_own_variables_and_says_so_once(fresh, capsys)
 def test_a_rank_that_died_while_idle_is_announced_once(fresh, capsys):
     from labkit.launch.owner import OWNER
     assert run(fresh, "%%ranks 2\nkept = 1").success
-    pool = OWNER.pools[(2, "gloo")]
-    os.kill(pool.ranks[1].pid, signal.SIGKILL)
+    pool = OWNER.kept_pool(2, "gloo")
+    os.kill(pool.pids()[1], signal.SIGKILL)
     deadline = time.monotonic() + 10
     while pool.healthy() and time.monotonic() < deadline:
         time.sleep(0.05)

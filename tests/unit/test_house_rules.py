@@ -1,7 +1,8 @@
 """The package's house rules, checked on its source: every module declares its public API (a name it serves on first
 use through a module `__getattr__` counts, when imported under `if TYPE_CHECKING:`), nothing reaches into
-another module's private names, functions stay short, and no module is named like the standard library or like
-another module of the package."""
+another module's private names (but a private module, `_x.py` with `__all__ = []`, shares its names, `_names`
+too, within its package, as torchtitan's `_optimizer_reshard_runtime.py` does), functions stay short, and no
+module is named like the standard library or like another module of the package."""
 
 from __future__ import annotations
 
@@ -82,14 +83,43 @@ def labkit_names(module: ast.Module) -> set[str]:
     return bound
 
 
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_package(dotted: str) -> str | None:
+    """The package a private module belongs to ("labkit.launch" for labkit.launch._channels, and for a name
+    inside it), None if no part of `dotted` is private: a private module (`_x.py`, `__all__ = []`) shares its
+    names, `_names` too, with the modules of that package and of the packages below it, and with no one else."""
+    parts = dotted.split(".")
+    private = next((i for i, part in enumerate(parts) if is_private(part)), None)
+    return None if private is None else ".".join(parts[:private])
+
+
+def shared_within_package(importer: str, dotted: str) -> bool:
+    """True if module `importer` may use `dotted` (a module or a name in one): it lies in the package that
+    `dotted`'s private module belongs to."""
+    package = private_package(dotted)
+    return package is not None and importer.startswith(package + ".")
+
+
+def importer_name(path: Path) -> str:
+    """`path`'s module name, "" for a file outside the repository (which shares nothing)."""
+    try:
+        return module_name(path)
+    except ValueError:
+        return ""
+
+
 def private_imports(path: Path) -> list[str]:
-    """Private names of labkit's modules that `path` imports or reaches into (module._name, Class._name)."""
-    module, found = tree(path), []
+    """Private names of labkit's modules that `path` imports or reaches into (module._name, Class._name), except
+    those a private module shares within its own package (`shared_within_package`)."""
+    module, found, importer = tree(path), [], importer_name(path)
     bound = labkit_names(module)
     for node in ast.walk(module):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
             found += [f"{node.module}.{a.name} (line {node.lineno})" for a in node.names
-                      if a.name.startswith("_") and not a.name.startswith("__")]
+                      if is_private(a.name) and not shared_within_package(importer, f"{node.module}.{a.name}")]
         elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
             if isinstance(node.value, ast.Name) and node.value.id in bound:
                 found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
@@ -103,6 +133,36 @@ USERS = sorted(p for folder in ("tests", "benchmarks") for p in (PACKAGE.parent 
 def test_nothing_reaches_into_private_names(path):
     assert not private_imports(path), f"{path.relative_to(PACKAGE.parent)} uses private names of labkit's " \
                                       f"modules: {private_imports(path)}; make them public or test through the API"
+
+
+def private_module_users(path: Path) -> list[str]:
+    """The private modules of labkit that `path`, a module of labkit, imports from outside their package."""
+    importer, found = importer_name(path), []
+    for node in ast.walk(tree(path)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("labkit"):
+            used = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            used = [a.name for a in node.names if a.name.startswith("labkit")]
+        else:
+            continue
+        found += [f"{name} (line {node.lineno})" for name in used
+                  if private_package(name) is not None and not shared_within_package(importer, name)]
+    return found
+
+
+PRIVATE_MODULES = [p for p in SOURCES if is_private(p.stem)]
+
+
+@pytest.mark.parametrize("path", PRIVATE_MODULES, ids=module_name)
+def test_a_private_module_declares_no_api(path):
+    assert declared_all(tree(path)) == [], f"{module_name(path)} is private: its __all__ is [] (its package's " \
+                                           "public modules re-export what the package offers)"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=module_name)
+def test_private_modules_are_used_only_inside_their_package(path):
+    assert not private_module_users(path), f"{module_name(path)} imports private modules of another package: " \
+                                           f"{private_module_users(path)}; import what their package exports"
 
 
 def long_functions(path: Path) -> list[str]:
@@ -143,6 +203,15 @@ def test_the_rules_catch_what_they_are_for(tmp_path):
     assert private_imports(bad) == ["labkit.comm.transport._Batch (line 1)", "launch._owner (line 3)"]
     assert long_functions(bad) == ["f (41 lines, line 5)"]
     assert declared_all(tree(bad)) is None
+
+
+def test_a_private_module_shares_its_names_within_its_package_only():
+    inside, outside = PACKAGE / "launch" / "pool.py", PACKAGE / "exercises" / "guard.py"
+    assert shared_within_package(module_name(inside), "labkit.launch._channels._tag")
+    assert shared_within_package(module_name(inside), "labkit.launch._conclude")
+    assert not shared_within_package(module_name(outside), "labkit.launch._channels")
+    assert not shared_within_package(module_name(inside), "labkit.launch.errors._message")  # a public module's own
+    assert private_package("labkit.exercises._kit.record.Record") == "labkit.exercises"
 
 
 def test_lazy_names_count_only_where_a_module_getattr_serves_them(tmp_path):
