@@ -32,8 +32,7 @@ import torch.distributed as dist
 
 from labkit import groups
 
-__all__ = ["all_gather", "all_gather_by_broadcasts", "all_gather_single", "all_reduce", "broadcast", "counting",
-           "record_collective", "reduce_scatter", "reduce_scatter_by_all_reduce", "reduce_scatter_single"]
+__all__: list[str] = []  # private: labkit.parallel's modules call these; counters.py re-exports record_collective
 
 _open: list = []  # the counters open now, innermost last (counters.count_collectives, count_allreduces)
 
