@@ -35,6 +35,7 @@ import torch
 
 import labkit
 from labkit.checks import whole
+from labkit._refusals import ForbiddenCall
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._intercept import Interceptor, RefusedOperator
 from labkit.exercises.wait_watch import WaitWatch
@@ -73,7 +74,6 @@ _BACKEND_METHODS = (
 )
 _GROUP_MAKERS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group",
                  "merge_remote_group", "init_device_mesh", "init_process_group", "destroy_process_group")
-_SWITCHED_OFF = " is switched off while this exercise is graded"
 # What torch imports lazily and which, on import, looks up the c10d operators (torch.library.register_autograd
 # reads each one's .default) and keeps them (torch.fx.node.has_side_effect): imported before the guard goes on,
 # so that it keeps the operators themselves, not the guard's stand-ins.
@@ -90,10 +90,6 @@ def rank_input(rank: int, numel: int, device=None) -> torch.Tensor:
     return (rank + 1) * torch.arange(1.0, numel + 1, device=device)
 
 
-class ForbiddenCall(RuntimeError):
-    """Raised on a rank when graded code calls what the exercise asks it to build from send and recv."""
-
-
 def stop_pool(world_size: int) -> None:
     """Stop the pool of `world_size` ranks, whose collectives are out of step after a wrong answer (a call left
     waiting), and only it (labkit.shutdown(world_size=...)): the next call starts a fresh one."""
@@ -101,11 +97,11 @@ def stop_pool(world_size: int) -> None:
 
 
 def forbidden_spelling(failure: Failure) -> str | None:
-    """What a rank called, from the ForbiddenCall it raised (its one argument: the spelling and _SWITCHED_OFF, as
+    """What a rank called, from the ForbiddenCall it raised (its one argument: the spelling, as
     `Guard.refuse` raises it); None for another error."""
     if not failure.raised(ForbiddenCall) or not failure.exception_args:
         return None
-    return str(failure.exception_args[0]).removesuffix(_SWITCHED_OFF)
+    return str(failure.exception_args[0])
 
 
 def first_failure(error: labkit.RankError):
@@ -208,7 +204,7 @@ class Guard(Interceptor):
     def refuse(self, spelling: str):
         """Note that graded code called `spelling`, and raise ForbiddenCall (reported even if it is caught)."""
         self.forbidden.append(spelling)
-        raise ForbiddenCall(spelling + _SWITCHED_OFF)
+        raise ForbiddenCall(spelling)
 
     def _switch_off_collectives(self) -> None:
         from labkit.comm.torch_transport import TorchTransport
