@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 import labkit
-from labkit.checks import whole
 from labkit._refusals import ForbiddenCall
+from labkit.checks import whole
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._intercept import Interceptor, RefusedOperator
 from labkit.exercises.wait_watch import WaitWatch
