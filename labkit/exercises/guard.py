@@ -25,21 +25,24 @@ refuse to be called too), and refuses only to be called; and what a module impor
 from __future__ import annotations
 
 import importlib
-import re
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 import labkit
 from labkit._refusals import ForbiddenCall
 from labkit.checks import whole
+from labkit.exercises._kit import _store
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._intercept import Interceptor, RefusedOperator
+from labkit.exercises._kit._messages import (
+    first_failure,
+    forbidden_message,
+    forbidden_spelling,
+    where_ranks_waited,
+)
 from labkit.exercises.wait_watch import WaitWatch
-from labkit.launch.errors import Failure, NoReply
 
 __all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "Posted", "RefusedOperator", "attempt",
            "first_failure", "forbidden_message", "forbidden_spelling", "messages_of_last_attempt", "rank_input",
@@ -72,8 +75,6 @@ _BACKEND_METHODS = (
     "allgather_coalesced", "gather", "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall",
     "alltoall_base", "barrier", "monitored_barrier", "send", "recv", "recv_anysource",
 )
-_GROUP_MAKERS = ("new_group", "new_subgroups", "new_subgroups_by_enumeration", "split_group", "shrink_group",
-                 "merge_remote_group", "init_device_mesh", "init_process_group", "destroy_process_group")
 # What torch imports lazily and which, on import, looks up the c10d operators (torch.library.register_autograd
 # reads each one's .default) and keeps them (torch.fx.node.has_side_effect): imported before the guard goes on,
 # so that it keeps the operators themselves, not the guard's stand-ins.
@@ -94,60 +95,6 @@ def stop_pool(world_size: int) -> None:
     """Stop the pool of `world_size` ranks, whose collectives are out of step after a wrong answer (a call left
     waiting), and only it (labkit.shutdown(world_size=...)): the next call starts a fresh one."""
     labkit.shutdown(world_size=world_size)
-
-
-def forbidden_spelling(failure: Failure) -> str | None:
-    """What a rank called, from the ForbiddenCall it raised (its one argument: the spelling, as
-    `Guard.refuse` raises it); None for another error."""
-    if not failure.raised(ForbiddenCall) or not failure.exception_args:
-        return None
-    return str(failure.exception_args[0])
-
-
-def first_failure(error: labkit.RankError):
-    """The failure a grader reports: the earliest call the guard switched off, else the earliest rank's own
-    error (a rank that merely stopped, only when nothing else failed). Returns (failure, what it called: the
-    forbidden spelling, or None for an error of its own)."""
-    forbidden = [f for f in error.failures if forbidden_spelling(f) is not None]
-    if forbidden:
-        first = min(forbidden, key=lambda f: (f.time, f.rank))
-        return first, forbidden_spelling(first)
-    first = min((f for f in error.failures if f.kind != NoReply.STOPPED), key=lambda f: (f.time, f.rank),
-                default=error.failures[0])
-    return first, None
-
-
-def where_ranks_waited(hang: labkit.RankTimeout, ranks: int = 2) -> str:
-    """Where the first `ranks` ranks that were stopped mid-call were waiting, from labkit's hang report."""
-    waiting = sorted((f for f in hang.failures if f.kind == NoReply.STOPPED), key=lambda f: f.rank)[:ranks]
-    return "; ".join(f"rank {f.rank} {_outside_the_graders(f)}" for f in waiting)
-
-
-_GRADERS_DIR = str(Path(__file__).parent) + "/"
-_FRAME = re.compile(r'^  (?:File "(?P<file>[^"]*)"|\S.*?), line \d+, in (?P<function>\S+)$')  # format_frames' lines
-
-
-def _outside_the_graders(stopped) -> str:
-    """A stopped rank's summary ('was still running in broadcast, ...'), naming the innermost call outside
-    labkit.exercises: a guard's stand-in (the watched Work.wait) is not where the student's code waited."""
-    frames = [m for m in map(_FRAME.match, stopped.detail.splitlines()) if m]
-    ours = [(m["file"] or "").startswith(_GRADERS_DIR) for m in frames]
-    if not frames or not ours[-1] or all(ours):
-        return stopped.summary
-    outside = next(m["function"] for m, mine in zip(reversed(frames), reversed(ours), strict=True) if not mine)
-    return stopped.summary.replace(f"running in {frames[-1]['function']}", f"running in {outside}", 1)
-
-
-def forbidden_message(rank: int, spelling: str, caught: bool, why: Callable[[str, str], str]) -> str:
-    """Rank `rank` called `spelling`, which the guard switched off: say so, then why it is off in this exercise
-    and what to use instead, `why(spelling, name)` with `name` the function's own name (e.g. "all_reduce")."""
-    also = " (and caught the error; it still counts)" if caught else ""
-    name = spelling.split(" (")[0].replace("'s ", ".").rsplit(".", 1)[-1].split()[-1]
-    if name in _GROUP_MAKERS:
-        reason = "Work in the default process group, which every rank already shares: leave out group=."
-    else:
-        reason = why(spelling, name)
-    return f"rank {rank} called {spelling}{also}. {reason}"
 
 
 @dataclass
@@ -204,6 +151,7 @@ class Guard(Interceptor):
     def refuse(self, spelling: str):
         """Note that graded code called `spelling`, and raise ForbiddenCall (reported even if it is caught)."""
         self.forbidden.append(spelling)
+        _store.refused(spelling)
         raise ForbiddenCall(spelling)
 
     def _switch_off_collectives(self) -> None:

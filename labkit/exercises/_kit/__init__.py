@@ -1,9 +1,17 @@
-"""The graders' private kit: what every grader's guard shares, kept out of labkit.exercises' public API.
+"""The graders' private kit: what every grader shares, kept out of labkit.exercises' public API.
 
-`_intercept`: one interceptor that wraps or refuses methods (of torch.distributed, of a ProcessGroup, of a module)
-for a guard's time, every patch restored by one ExitStack. `_group_call`: one wrapper of ProcessGroup methods,
-whose callback sees the call's kind (a str enum), tensors and options, read one way. The graders import these
-modules by their full names; nothing here is part of labkit's API (each module's `__all__` is empty).
+    _intercept   one interceptor that wraps or refuses methods (of torch.distributed, a ProcessGroup, a module)
+                 for a guard's time, every patch restored by one ExitStack
+    _group_call  one wrapper of ProcessGroup methods, whose callback sees the call's kind (a str enum), tensors
+                 and options, read one way
+    _record      one record of a call (`Call`) and the `Recorder` that makes them and keeps their handles
+    _store       on a rank: the last attempt's calls and refusals, kept as they happen
+    _messages    the sentences every grader shares (refused, hang, unwaited, not a function) and reading a
+                 RankError (which failure, which forbidden call)
+    _runner      one grading loop driven by an exercise's `Spec`, with one rule after a RankError
+
+Ready-made helpers refuse to run while graded from a leaf below every kernel, labkit._refusals. The graders import
+these modules by their full names; nothing here is part of labkit's API (each module's `__all__` is empty).
 """
 
 __all__: list[str] = []
