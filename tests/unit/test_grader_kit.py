@@ -111,3 +111,23 @@ def test_a_wrapped_process_group_method_hands_each_call_to_the_callback_until_th
     with Wrapped():
         assert dist.ProcessGroup.allreduce("a group", [torch.ones(1)], dist.ReduceOp.MAX) == "work"
     assert seen == [(Kind.ALLREDUCE, "MAX")] and vars(dist.ProcessGroup)["allreduce"] is original
+
+
+def test_the_outermost_ready_made_frame_is_what_the_student_called():
+    from pathlib import Path
+
+    from labkit.exercises._kit._stack import outermost_caller
+
+    here = Path(__file__)
+
+    def spelled(path: Path, name: str) -> str | None:
+        return f"the course's {name}" if path == here and ".ready_made" in name else None
+
+    def ready_made_inner():
+        return outermost_caller(spelled)
+
+    def ready_made_outer():
+        return ready_made_inner()
+
+    assert ready_made_outer().endswith("ready_made_outer")
+    assert outermost_caller(spelled) is None
