@@ -31,9 +31,12 @@
                 counted, everything else switched off
     step_values, step_nbytes  what is wrong with a wrong step: its values (`reference_step`), its traffic
 
+`where_ranks_waited(hang)` says where the ranks of a RankTimeout waited, outside the graders (notebook 15).
+
 The widgets that show the quiz, the flashcards and the stack map are in `labkit.widgets`.
 """
 
+from labkit.exercises._kit._messages import where_ranks_waited
 from labkit.exercises.accumulation import check_no_sync_accumulation
 from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, check_ring_allreduce
 from labkit.exercises.atomic_save import check_atomic_save
@@ -65,4 +68,4 @@ __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCa
            "check_fixed_training", "check_megatron_f_g", "check_mesh_coordinates", "check_naive_allreduce",
            "check_no_sync_accumulation", "check_ring_allreduce", "check_sharded_step", "check_stack_map",
            "load_distractor_families", "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank",
-           "show_progress", "step_inputs"]
+           "show_progress", "step_inputs", "where_ranks_waited"]
