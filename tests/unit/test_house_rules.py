@@ -98,9 +98,10 @@ def private_package(dotted: str) -> str | None:
 
 def shared_within_package(importer: str, dotted: str) -> bool:
     """True if module `importer` may use `dotted` (a module or a name in one): it lies in the package that
-    `dotted`'s private module belongs to."""
+    `dotted`'s private module belongs to, or is that package's `__init__`, which re-exports selectively (as
+    torchtitan's packages do)."""
     package = private_package(dotted)
-    return package is not None and importer.startswith(package + ".")
+    return package is not None and (importer == package or importer.startswith(package + "."))
 
 
 def importer_name(path: Path) -> str:
