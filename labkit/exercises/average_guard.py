@@ -1,19 +1,23 @@
-"""On a rank, while check_average_gradients grades notebook 01's exercise: the training run, the guard, and what
+"""On a rank, while check_average_gradients grades notebook 01's exercise: the training runs, the guard, and what
 the student's function left behind.
 
-Each rank builds the same small model (`labkit.models.mlp`, seeded the same everywhere), takes its own equal
-shard of one batch (`average_batch`) and trains a few SGD steps, calling the student's `fn(model)` between
-backward() and step(). While `fn` runs, an `AverageGuard` is on: every all_reduce is recorded where the process
-group receives it (ProcessGroup.allreduce: what it reduced, with which op, and whether the student's code waited
-for it, through its handle or its future: `WaitWatch`), everything else that communicates raises
-`ForbiddenCall`, and so do the ready-made averages: torch's DistributedDataParallel and labkit.parallel's
-average_gradients and BucketedDDP (found on the call stack, so an import made before the grader ran is caught
-too).
+Each case of a grading draws what a right solution must not depend on (`draw_case`): the model's sizes, the
+batch's values, the lr and the number of SGD steps. Each rank builds the same small model (`labkit.models.mlp`,
+float64, seeded the same everywhere), takes its own equal shard of one batch (`average_batch`) and trains, calling
+the student's `fn(model)` between backward() and step(); then it does the same with a second model (another seed),
+so a function that keeps something from an earlier call (a global, a class attribute) shows. While `fn` runs, an
+`AverageGuard` is on: every all_reduce is recorded where the process group receives it (the kit's `Call`: what it
+reduced, its values going in, with which op, and whether the student's code waited for it, through its handle or
+its future: `WaitWatch`), everything else that communicates raises `ForbiddenCall`, and so do the ready-made
+averages: torch's DistributedDataParallel, and labkit.parallel's average_gradients and BucketedDDP, which refuse
+themselves wherever they run (`READY_MADE`: in a thread or a forked subprocess too) and are also found on the call
+stack.
 """
 
 from __future__ import annotations
 
-import sys
+import random
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,81 +26,109 @@ import torch.nn.functional as F
 
 import labkit
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._record import Call, Recorder
+from labkit.exercises._kit._runner import Case
+from labkit.exercises._kit._stack import outermost_caller
 from labkit.exercises.guard import Guard
 from labkit.exercises.wait_watch import FUTURE_POLLS, WaitWatch, watch_waits
 from labkit.models import mlp
 
-__all__ = ["BATCH", "FUTURE_POLLS", "LR", "STEPS", "AverageGuard", "AverageOutcome", "OutOfStep", "Reduction",
-           "attempt_average", "average_batch", "average_model", "calls_of_last_average", "ready_made_caller",
-           "reference_run", "sgd_step", "WaitWatch", "watch_waits"]
+__all__ = ["BATCH", "FUTURE_POLLS", "LR", "READY_MADE", "STEPS", "AverageGuard", "AverageOutcome", "OutOfStep",
+           "attempt_average", "average_batch", "average_model", "draw_case", "ready_made_caller", "reference_run",
+           "sgd_step", "WaitWatch", "watch_waits"]
 
-BATCH, STEPS, LR = 24, 3, 0.1  # 24 rows: 2, 3 and 4 ranks all get equal shards
+BATCH, STEPS, LR = 24, 3, 0.1  # 24 rows: 2, 3 and 4 ranks all get equal shards; STEPS and LR: the notebook's
+MODELS = 2  # models trained one after the other in each case, the same sizes, other values
+NOTEBOOK_SIZES = (6, 8)  # the notebook's model (features, hidden): never drawn, so sizes written in by hand show
+READY_MADE = ("labkit.parallel's average_gradients", "labkit.parallel's BucketedDDP")
 _KEY = 10 ** 9  # _check_in_step's key: (gradient's index + 1) x _KEY + numel, exact in float64
-_READY_MADE = Path(labkit.__file__).parent / "parallel" / "data.py"  # average_gradients, BucketedDDP
+_READY_MADE_FILE = Path(labkit.__file__).parent / "parallel" / "data.py"  # average_gradients, BucketedDDP
 
 
-def average_model(device=None) -> torch.nn.Module:
-    """The graded model: 6 features, one hidden layer of 8, 3 classes, float64 (so float error stays far below
-    any mistake), seeded: the same on every rank."""
-    return mlp(features=6, hidden=8, classes=3, layers=1, seed=0, dtype=torch.float64).to(device)
+def draw_case(world_size: int, rng: random.Random) -> Case:
+    """One case on `world_size` ranks with what a right solution must not depend on drawn afresh, small enough that
+    a run stays short: features 3-9 and hidden 4-10 (never a model as large as the notebook's 6-8-3, so a size
+    written in by hand never fits), the batch's and the models' seeds, lr in [0.05, 0.5], 2-4 SGD steps."""
+    notebook_numel = _numel(*NOTEBOOK_SIZES)
+    while True:
+        features, hidden = rng.randint(3, 9), rng.randint(4, 10)
+        if _numel(features, hidden) != notebook_numel:
+            break
+    seeds = rng.sample(range(1, 10 ** 6), MODELS)
+    return Case(world_size, {"features": features, "hidden": hidden, "seeds": tuple(seeds),
+                             "batch_seed": rng.randrange(10 ** 6), "lr": round(rng.uniform(0.05, 0.5), 3),
+                             "steps": rng.randint(2, 4)})
 
 
-def average_batch(device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def _numel(features: int, hidden: int, classes: int = 3) -> int:
+    """The number of parameters of average_model(features, hidden)."""
+    return features * hidden + hidden + hidden * classes + classes
+
+
+def average_model(device=None, features: int = 6, hidden: int = 8, seed: int = 0) -> torch.nn.Module:
+    """The graded model: `features` features, one hidden layer of `hidden`, 3 classes, float64 (so float error
+    stays far below any mistake), seeded: the same on every rank."""
+    return mlp(features=features, hidden=hidden, classes=3, layers=1, seed=seed, dtype=torch.float64).to(device)
+
+
+def average_batch(device=None, features: int = 6, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole batch (x, y), the same on every rank; rank r of N trains on rows [r B/N, (r + 1) B/N)."""
-    generator = torch.Generator().manual_seed(7)
-    x = torch.randn(BATCH, 6, generator=generator, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(BATCH, features, generator=generator, dtype=torch.float64)
     return x.to(device), torch.randint(0, 3, (BATCH,), generator=generator).to(device)
 
 
-def reference_run() -> tuple[list[list[list[float]]], list[list[float]]]:
-    """One process trained on the whole batch: each step's gradients, and the parameters at the end."""
-    model, (x, y) = average_model(), average_batch()
-    grads = []
-    for _ in range(STEPS):
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        grads.append([p.grad.flatten().tolist() for p in model.parameters()])
-        sgd_step(model)
-    return grads, [p.detach().flatten().tolist() for p in model.parameters()]
+def _case_model(case: Case, seed: int, device=None) -> torch.nn.Module:
+    return average_model(device, case["features"], case["hidden"], seed)
 
 
-def sgd_step(model: torch.nn.Module) -> None:
-    """p -= LR x p.grad for every parameter: torch.optim.SGD's step without momentum, written out because building
+def _case_batch(case: Case, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    return average_batch(device, case["features"], case["batch_seed"])
+
+
+def reference_run(case: Case) -> tuple[list[list[list[float]]], list[list[list[float]]]]:
+    """One process trained on the whole batch, each of the case's models in turn: every step's gradients (models
+    one after the other), and each model's parameters at the end."""
+    (x, y), grads, finals = _case_batch(case), [], []
+    for seed in case["seeds"]:
+        model = _case_model(case, seed)
+        for _ in range(case["steps"]):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            grads.append(_grads(model))
+            sgd_step(model, case["lr"])
+        finals.append(_weights(model))
+    return grads, finals
+
+
+def sgd_step(model: torch.nn.Module, lr: float = LR) -> None:
+    """p -= lr x p.grad for every parameter: torch.optim.SGD's step without momentum, written out because building
     a torch optimizer imports torch._dynamo, seconds of CPU in every rank."""
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is not None:
-                p -= LR * p.grad
-
-
-@dataclass
-class Reduction:
-    """One all_reduce the student's function made: on what (`target`: "grad" when its memory is a gradient's,
-    "data" when a parameter's own values, else "buffer"), how many elements, which op, and whether its work
-    handle was waited (an all_reduce without async_op waits itself) and whether its future was taken
-    (handle.get_future())."""
-
-    target: str
-    numel: int
-    op: str
-    waited: bool = False
-    future: bool = False
-    called_by: str | None = None  # the ready-made average on the call stack, if any
+                p -= lr * p.grad
 
 
 class AverageGuard(Guard):
-    """While the student's fn(model) runs on a rank: all_reduce recorded, its work handles watched, everything
-    else that communicates refused, and the ready-made averages (DDP, labkit.parallel's) refused."""
+    """While the student's fn(model) runs on a rank: all_reduce recorded (the kit's `Call`, with the values that
+    went in), its work handles watched, everything else that communicates refused, and the ready-made averages (DDP,
+    labkit.parallel's) refused."""
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        self.calls: list[Reduction] = []
-        self._works: list[tuple[object, Reduction]] = []
+        self.recorder = Recorder()
         self._memory = {"grad": _pointers(p.grad for p in model.parameters()),
-                        "data": _pointers(p for p in model.parameters())}
+                        "data": _pointers(p for p in model.parameters()),
+                        "earlier": _pointers(p.grad for m in list(_graded) if m is not model for p in m.parameters())}
         named = list(model.named_parameters())
         self._names = [name for name, _ in named]
         self._index = {p.grad.untyped_storage().data_ptr(): i for i, (_, p) in enumerate(named) if p.grad is not None}
+
+    @property
+    def calls(self) -> list[Call]:
+        """The all_reduces the student's code made, in order."""
+        return self.recorder.calls
 
     def install(self) -> None:
         """All_reduce recorded and watched; everything else, and DDP, refused."""
@@ -104,33 +136,25 @@ class AverageGuard(Guard):
         self.switch_off(torch.nn.parallel.DistributedDataParallel, "__init__",
                         "torch.nn.parallel.DistributedDataParallel")
         self._record_allreduce()
-        watch_waits(self._works, self)
+        self.recorder.watch_waits(self)
 
     def refuse(self, spelling: str):
         """As Guard.refuse, naming labkit.parallel's ready-made average when that is what made the call."""
         ready_made = ready_made_caller()
         return super().refuse(f"labkit.parallel's {ready_made}" if ready_made else spelling)
 
-    def unwaited(self) -> list[Reduction]:
+    def unwaited(self) -> list[Call]:
         """The all_reduces whose handle nobody waited for; they are waited for now, so the ranks stay in step."""
-        left = [(work, call) for work, call in self._works if not call.waited]
-        for work, _ in left:
-            _original_wait(work)
-        return [call for _, call in left]
+        return self.recorder.unwaited()
 
     def _record_allreduce(self) -> None:
         def recorded(made: GroupCall):
             ready_made = ready_made_caller()
             if ready_made:
                 self.refuse(f"labkit.parallel's {ready_made}")
-            tensor = made.tensor
-            call = Reduction(self._target(tensor), tensor.numel(), made.reduce_op,
-                             waited=not made.asynchronous)  # a blocking all_reduce waits itself
-            self.calls.append(call)
-            self._check_in_step(made.original, made.group, tensor)
-            work = made.proceed()
-            self._works.append((work, call))
-            return work
+            call = self.recorder.record(made, keep_values=True, target=self._target(made.tensor))
+            self._check_in_step(made.original, made.group, made.tensor)
+            return self.recorder.launched(made.proceed(), call)
 
         wrap_group_method(self, Kind.ALLREDUCE, recorded)
 
@@ -178,66 +202,60 @@ def _pointers(tensors) -> set[int]:
 
 def ready_made_caller() -> str | None:
     """The ready-made average on the call stack (average_gradients, BucketedDDP.__init__, ...), or None."""
-    frame, found = sys._getframe(1), None
-    while frame is not None:
-        if Path(frame.f_code.co_filename) == _READY_MADE:
-            found = frame.f_code.co_qualname  # the outermost one: what the student called
-        frame = frame.f_back
-    return found
+    return outermost_caller(lambda file, name: name if file == _READY_MADE_FILE else None)
 
 
 @dataclass
 class AverageOutcome:
-    """What one rank's training left behind: per step, its own gradients before fn and what fn left in .grad;
-    the parameters at the end; every all_reduce fn made, those never waited for, and what it called that is
-    switched off."""
+    """What one rank's training left behind, per call of fn (the models one after the other, each step in
+    order): its own gradients before fn and what fn left in .grad; each model's parameters at the end; every
+    all_reduce fn made (the kit's `Call`, with the values that went in and `facts["call"]`, the index of the
+    call of fn that made it), and those never waited for."""
 
     local: list[list[list[float]]] = field(default_factory=list)
     averaged: list[list[list[float]]] = field(default_factory=list)
-    final: list[list[float]] = field(default_factory=list)
-    calls: list[Reduction] = field(default_factory=list)
-    unwaited: list[Reduction] = field(default_factory=list)
-    forbidden: list[str] = field(default_factory=list)
+    final: list[list[list[float]]] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
+    unwaited: list[Call] = field(default_factory=list)
 
 
-_last_calls: list[Reduction] = []  # on a rank: the all_reduces of the last graded step
+_graded: weakref.WeakSet = weakref.WeakSet()  # on a rank: every model given to fn still alive (kept by fn, say)
 
 
-def attempt_average(fn) -> AverageOutcome:
-    """On a rank: train STEPS SGD steps on this rank's shard, calling fn(model) under the guard after each
-    backward; what happened, for the grader."""
-    model, (x, y) = average_model(labkit.device()), average_batch(labkit.device())
+def attempt_average(fn, case: Case) -> AverageOutcome:
+    """On a rank: for each of the case's models in turn, its SGD steps on this rank's shard, calling fn(model)
+    under the guard after each backward; what happened, for the grader."""
+    x, y = _case_batch(case, labkit.device())
     rows = slice(labkit.rank() * BATCH // labkit.world_size(), (labkit.rank() + 1) * BATCH // labkit.world_size())
     outcome = AverageOutcome()
-    for _ in range(STEPS):
-        model.zero_grad()
-        F.cross_entropy(model(x[rows]), y[rows]).backward()
-        outcome.local.append(_grads(model))
-        _graded_call(fn, model, outcome)
-        outcome.averaged.append(_grads(model))
-        sgd_step(model)
-    outcome.final = [p.detach().flatten().tolist() for p in model.parameters()]
+    for seed in case["seeds"]:
+        model = _case_model(case, seed, labkit.device())
+        for _ in range(case["steps"]):
+            model.zero_grad()
+            F.cross_entropy(model(x[rows]), y[rows]).backward()
+            outcome.local.append(_grads(model))
+            _graded_call(fn, model, outcome)
+            outcome.averaged.append(_grads(model))
+            sgd_step(model, case["lr"])
+        outcome.final.append(_weights(model))
     return outcome
 
 
 def _graded_call(fn, model: torch.nn.Module, outcome: AverageOutcome) -> None:
     """fn(model) under an AverageGuard; its all_reduces (and those left unwaited, then waited) into outcome."""
+    _graded.add(model)
     guard = AverageGuard(model)
-    try:
-        with guard:
-            fn(model)
-    finally:
-        _last_calls.clear()
-        _last_calls.extend(outcome.calls + guard.calls)
+    with guard:
+        fn(model)
+    for call in guard.calls:
+        call.facts["call"] = len(outcome.averaged)
     outcome.calls.extend(guard.calls)
     outcome.unwaited.extend(guard.unwaited())
-    outcome.forbidden.extend(guard.forbidden)
 
 
 def _grads(model: torch.nn.Module) -> list[list[float]]:
     return [p.grad.flatten().tolist() if p.grad is not None else [] for p in model.parameters()]
 
 
-def calls_of_last_average() -> list[int]:
-    """On a rank: the sizes of the all_reduces of the last graded run, when it raised instead of returning them."""
-    return [call.numel for call in _last_calls]
+def _weights(model: torch.nn.Module) -> list[list[float]]:
+    return [p.detach().flatten().tolist() for p in model.parameters()]

@@ -8,6 +8,7 @@ futures.
 """
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -250,11 +251,14 @@ def torch_ddp(model):
     (max_op, "all-reduced with ReduceOp.MAX"),
     (avg_then_divide, "divided by N twice (by 9 = 3^2). ReduceOp.AVG, if you used it, already divides"),
     (async_without_wait, "async_op=True and never called wait()"),
-    (wait_last_only, "started 9 all_reduce(s) with async_op=True and never called wait()"),
-    (wait_last_future_only, "never waited for them, though it waited for 3 other(s): one future's wait() promises"),
-    (future_never_waited, "took the futures (handle.get_future()) of 12 all_reduce(s) with async_op=True in 3 SGD "
-                          "steps and never waited for them. get_future() and then() do not wait"),
-    (future_then_never_waited, "of 12 all_reduce(s) with async_op=True in 3 SGD steps and never waited for them."),
+    (wait_last_only, re.compile(r"started \d+ all_reduce\(s\) with async_op=True and never called wait\(\)")),
+    (wait_last_future_only, re.compile(r"never waited for them, though it waited for \d+ other\(s\): one future's "
+                                       r"wait\(\) promises")),
+    (future_never_waited, re.compile(r"took the futures \(handle.get_future\(\)\) of \d+ all_reduce\(s\) with "
+                                     r"async_op=True in \d+ calls of your function \(2 models, \d SGD steps each\) "
+                                     r"and never waited for them. get_future\(\) and then\(\) do not wait")),
+    (future_then_never_waited, re.compile(r"of \d+ all_reduce\(s\) with async_op=True in \d+ calls of your "
+                                          r"function .* and never waited for them.")),
     (future_polled_until_done, "A loop on the future's done(), or reading its value(), is no wait either: on GPUs "
                                "done() is True as soon as the all_reduce is queued"),
     (future_value_read, "and never waited for them"),
@@ -265,8 +269,14 @@ def torch_ddp(model):
 ])
 def test_wrong_solutions_are_rejected_naming_the_mistake(fn, named):
     verdict = check_average_gradients(fn)
-    assert not verdict and named in verdict.message, verdict
-    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank), "), verdict
+    assert not verdict and _says(verdict.message, named), verdict
+    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict
+
+
+def _says(message: str, named) -> bool:
+    """Whether the verdict names the mistake: a phrase it contains, or a pattern it matches (where a number in it
+    depends on what the grading drew)."""
+    return bool(named.search(message)) if isinstance(named, re.Pattern) else named in message
 
 
 def test_the_guard_goes_away_after_a_refused_call():
