@@ -118,9 +118,10 @@ class AverageGuard(Guard):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.recorder = Recorder()
+        mine = {id(p) for p in model.parameters()}
         self._memory = {"grad": _pointers(p.grad for p in model.parameters()),
                         "data": _pointers(p for p in model.parameters()),
-                        "earlier": _pointers(p.grad for m in list(_graded) if m is not model for p in m.parameters())}
+                        "earlier": _pointers(p.grad for key, p in list(_graded.items()) if key not in mine)}
         named = list(model.named_parameters())
         self._names = [name for name, _ in named]
         self._index = {p.grad.untyped_storage().data_ptr(): i for i, (_, p) in enumerate(named) if p.grad is not None}
@@ -219,7 +220,9 @@ class AverageOutcome:
     unwaited: list[Call] = field(default_factory=list)
 
 
-_graded: weakref.WeakSet = weakref.WeakSet()  # on a rank: every model given to fn still alive (kept by fn, say)
+# On a rank, by id: the parameters of every model given to fn, while alive (kept by fn, say): an all_reduce of
+# their gradients during a later call is of something kept from an earlier one
+_graded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def attempt_average(fn, case: Case) -> AverageOutcome:
@@ -243,7 +246,7 @@ def attempt_average(fn, case: Case) -> AverageOutcome:
 
 def _graded_call(fn, model: torch.nn.Module, outcome: AverageOutcome) -> None:
     """fn(model) under an AverageGuard; its all_reduces (and those left unwaited, then waited) into outcome."""
-    _graded.add(model)
+    _graded.update((id(p), p) for p in model.parameters())
     guard = AverageGuard(model)
     with guard:
         fn(model)
