@@ -44,6 +44,7 @@ from labkit.exercises.average_guard import (
     attempt_average,
     average_model,
     draw_case,
+    made_of_gradients,
     reference_run,
 )
 from labkit.exercises.progress import graded
@@ -142,11 +143,11 @@ def _contents_problem(outcomes, case: Case) -> str | None:
     for rank, outcome in enumerate(outcomes):
         for call in outcome.calls:
             index = call.facts["call"]
-            if _made_of(call.values, outcome.local[index], n):
+            if made_of_gradients(call.values, outcome.local[index], n):
                 continue
             where = _where(index, case)
             earlier = [grads for i in range(index) for grads in (outcome.local[i], outcome.averaged[i])]
-            if any(_made_of(call.values, grads, n) for grads in earlier):
+            if any(made_of_gradients(call.values, grads, n) for grads in earlier):
                 return (f"{where} rank {rank} all-reduced gradients of an earlier call of your function, not this "
                         "call's: something was kept from an earlier call (the parameters or their gradients on a "
                         "global, a default argument or a class attribute). Work on the model you are given, each "
@@ -158,29 +159,6 @@ def _contents_problem(outcomes, case: Case) -> str | None:
                     "is not the gradients averaged by it. All-reduce the gradients themselves (or a flat copy of "
                     "them) and take the average from what comes back.")
     return None
-
-
-def _made_of(values: list[float], grads: list[list[float]], world_size: int) -> bool:
-    """Whether `values` are some of `grads` one after the other (each once), all as they are or all divided by
-    `world_size` (a division before the sum is right too)."""
-    return any(_segments(values, grads, scale) for scale in (1.0, 1.0 / world_size))
-
-
-def _segments(values: list[float], grads: list[list[float]], scale: float) -> bool:
-    """Whether `values` split into whole gradients of `grads` x scale, each used at most once."""
-    position, unused = 0, list(range(len(grads)))
-    while position < len(values):
-        match = next((i for i in unused if grads[i] and _same(values[position:position + len(grads[i])],
-                                                               [scale * x for x in grads[i]])), None)
-        if match is None:
-            return False
-        position += len(grads[match])
-        unused.remove(match)
-    return bool(values)
-
-
-def _same(got: list[float], want: list[float]) -> bool:
-    return len(got) == len(want) and all(abs(a - b) <= TOLERANCE for a, b in zip(got, want, strict=True))
 
 
 def _where(index: int, case: Case) -> str:

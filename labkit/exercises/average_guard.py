@@ -34,13 +34,14 @@ from labkit.exercises.wait_watch import FUTURE_POLLS, WaitWatch, watch_waits
 from labkit.models import mlp
 
 __all__ = ["BATCH", "FUTURE_POLLS", "LR", "READY_MADE", "STEPS", "AverageGuard", "AverageOutcome", "OutOfStep",
-           "attempt_average", "average_batch", "average_model", "draw_case", "ready_made_caller", "reference_run",
-           "sgd_step", "WaitWatch", "watch_waits"]
+           "attempt_average", "average_batch", "average_model", "draw_case", "made_of_gradients", "ready_made_caller",
+           "reference_run", "sgd_step", "WaitWatch", "watch_waits"]
 
 BATCH, STEPS, LR = 24, 3, 0.1  # 24 rows: 2, 3 and 4 ranks all get equal shards; STEPS and LR: the notebook's
 MODELS = 2  # models trained one after the other in each case, the same sizes, other values
 NOTEBOOK_SIZES = (6, 8)  # the notebook's model (features, hidden): never drawn, so sizes written in by hand show
 READY_MADE = ("labkit.parallel's average_gradients", "labkit.parallel's BucketedDDP")
+VALUES_TOLERANCE = 1e-9  # float64: values carried as they are, or divided by N, are within 1e-15
 _KEY = 10 ** 9  # _check_in_step's key: (gradient's index + 1) x _KEY + numel, exact in float64
 _READY_MADE_FILE = Path(labkit.__file__).parent / "parallel" / "data.py"  # average_gradients, BucketedDDP
 
@@ -63,6 +64,30 @@ def draw_case(world_size: int, rng: random.Random) -> Case:
 def _numel(features: int, hidden: int, classes: int = 3) -> int:
     """The number of parameters of average_model(features, hidden)."""
     return features * hidden + hidden + hidden * classes + classes
+
+
+def made_of_gradients(values: list[float], grads: list[list[float]], world_size: int) -> bool:
+    """Whether `values` (what went into an all_reduce) are some of `grads` (this rank's gradients of this call)
+    one after the other, each once, all as they are or all divided by `world_size` (a division before the sum is
+    right too): what checks that an all_reduce carried the gradients, not only that one was made."""
+    return any(_segments(values, grads, scale) for scale in (1.0, 1.0 / world_size))
+
+
+def _segments(values: list[float], grads: list[list[float]], scale: float) -> bool:
+    """Whether `values` split into whole gradients of `grads` x scale, each used at most once."""
+    position, unused = 0, list(range(len(grads)))
+    while position < len(values):
+        match = next((i for i in unused if grads[i] and _same(values[position:position + len(grads[i])],
+                                                               [scale * x for x in grads[i]])), None)
+        if match is None:
+            return False
+        position += len(grads[match])
+        unused.remove(match)
+    return bool(values)
+
+
+def _same(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and all(abs(a - b) <= VALUES_TOLERANCE for a, b in zip(got, want, strict=True))
 
 
 def average_model(device=None, features: int = 6, hidden: int = 8, seed: int = 0) -> torch.nn.Module:

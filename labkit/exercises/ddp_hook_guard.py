@@ -15,6 +15,8 @@ dist.barrier(), ...); a handle used again in a later step; and which hooks attac
 
 from __future__ import annotations
 
+import random
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -22,25 +24,55 @@ import torch.nn.functional as F
 
 import labkit
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._runner import Case
 from labkit.exercises.average_guard import BATCH, AverageGuard, average_batch, sgd_step
 from labkit.models import mlp
 
-__all__ = ["BUCKET_NBYTES", "EXACT_BUCKET_NBYTES", "STEPS", "HookGuard", "HookOutcome", "Launch", "attempt_hook",
-           "ddp_reference", "hook_model", "last_hook_attempt", "one_process_run"]
+__all__ = ["BUCKET_NBYTES", "EXACT_BUCKET_NBYTES", "MODELS", "NOTEBOOK_SIZES", "STEPS", "HookGuard", "HookOutcome",
+           "Launch", "attempt_hook", "ddp_reference", "hook_model", "hook_sizes", "last_hooks", "one_process_run"]
 
-STEPS = 2  # the second step shows a finish() that does not start afresh: it uses the first step's handles
-# The gradients become ready as 3, 24, 8, 64, 8, 64, 8, 48 float64 numbers (the model's 227, last layer first).
-BUCKET_NBYTES = 480  # 60 numbers: buckets of 99, 72 and a last partial 56, which only finish() can send
+STEPS = 2  # the notebook's; a grading draws 2-4 (the second step shows a finish() that uses the first's handles)
+MODELS = 2  # models trained one after the other in each case (attach called on each): the same sizes, other values
+NOTEBOOK_SIZES = (6, 8)  # the notebook's model (features, hidden): never drawn, so sizes written in by hand show
+# The notebook's model's gradients become ready as 3, 24, 8, 64, 8, 64, 8, 48 float64 numbers (227, last layer first).
+BUCKET_NBYTES = 480  # the notebook's: 60 numbers, buckets of 99, 72 and a last partial 56, which only finish() sends
 # 27 numbers: the first two gradients fill a bucket exactly (3 + 24), then buckets of 72, 72 and 56. A bucket that
 # counts only its newest gradient makes 99, 72, 56 instead; one full only above the limit (>) makes 35, 64, 72, 56.
 EXACT_BUCKET_NBYTES = 216
 _MiB = 2 ** 20  # torch DDP's bucket_cap_mb counts MiB
 
 
-def hook_model(device=None) -> torch.nn.Module:
-    """The graded model: 6 features, three hidden layers of 8, 3 classes (8 parameter tensors, 227 numbers),
+def hook_model(device=None, features: int = 6, hidden: int = 8, seed: int = 0) -> torch.nn.Module:
+    """The graded model: `features` features, three hidden layers of `hidden`, 3 classes (8 parameter tensors),
     float64 so that float error stays far below any mistake, seeded: the same on every rank."""
-    return mlp(features=6, hidden=8, classes=3, layers=3, seed=0, dtype=torch.float64).to(device)
+    return mlp(features=features, hidden=hidden, classes=3, layers=3, seed=seed, dtype=torch.float64).to(device)
+
+
+def hook_sizes(features: int = 6, hidden: int = 8) -> list[tuple[str, int]]:
+    """(name, numel) of each parameter of hook_model(features, hidden), in the model's order."""
+    return [(name, p.numel()) for name, p in hook_model(None, features, hidden).named_parameters()]
+
+
+def draw_sizes(rng: random.Random) -> tuple[int, int]:
+    """The model's (features, hidden), drawn: features 3-9, hidden 4-10, never the notebook's sizes."""
+    while True:
+        sizes = rng.randint(3, 9), rng.randint(4, 10)
+        if sizes != NOTEBOOK_SIZES:
+            return sizes
+
+
+def draw_values(rng: random.Random) -> dict:
+    """What else a case draws: the batch's and the models' seeds, the lr, 2-4 SGD steps."""
+    return {"seeds": tuple(rng.sample(range(1, 10 ** 6), MODELS)), "batch_seed": rng.randrange(10 ** 6),
+            "lr": round(rng.uniform(0.05, 0.5), 3), "steps": rng.randint(2, 4)}
+
+
+def _case_model(case: Case, seed: int, device=None) -> torch.nn.Module:
+    return hook_model(device, case["features"], case["hidden"], seed)
+
+
+def _case_batch(case: Case, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    return average_batch(device, case["features"], case["batch_seed"])
 
 
 def _shard() -> slice:
@@ -56,30 +88,36 @@ def _weights(model: torch.nn.Module) -> list[list[float]]:
     return [p.detach().flatten().tolist() for p in model.parameters()]
 
 
-def one_process_run() -> tuple[list[list[list[float]]], list[list[float]]]:
-    """One process trained on the whole batch: each step's gradients, and the parameters at the end."""
-    model, (x, y) = hook_model(), average_batch()
-    grads = []
-    for _ in range(STEPS):
-        model.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        grads.append(_grads(model))
-        sgd_step(model)
-    return grads, _weights(model)
+def one_process_run(case: Case) -> tuple[list[list[list[float]]], list[list[list[float]]]]:
+    """One process trained on the whole batch, each of the case's models in turn: every step's gradients (the
+    models one after the other), and each model's parameters at the end."""
+    (x, y), grads, finals = _case_batch(case), [], []
+    for seed in case["seeds"]:
+        model = _case_model(case, seed)
+        for _ in range(case["steps"]):
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            grads.append(_grads(model))
+            sgd_step(model, case["lr"])
+        finals.append(_weights(model))
+    return grads, finals
 
 
-def ddp_reference(bucket_nbytes: int = BUCKET_NBYTES) -> tuple[list[list[list[float]]], list[list[float]]]:
-    """On a rank: the same training under torch's DistributedDataParallel (buckets of at most bucket_nbytes):
-    each step's averaged gradients, and the parameters at the end. No guard: it is the grader's own run."""
-    model = torch.nn.parallel.DistributedDataParallel(hook_model(labkit.device()), bucket_cap_mb=bucket_nbytes / _MiB)
-    x, y = average_batch(labkit.device())
-    grads = []
-    for _ in range(STEPS):
-        model.zero_grad()
-        F.cross_entropy(model(x[_shard()]), y[_shard()]).backward()
-        grads.append(_grads(model.module))
-        sgd_step(model.module)
-    return grads, _weights(model.module)
+def ddp_reference(case: Case) -> tuple[list[list[list[float]]], list[list[list[float]]]]:
+    """On a rank: the same training under torch's DistributedDataParallel (buckets of at most the case's
+    bucket_nbytes), each model in turn: every step's averaged gradients, and each model's parameters at the end.
+    No guard: it is the grader's own run."""
+    (x, y), grads, finals = _case_batch(case, labkit.device()), [], []
+    for seed in case["seeds"]:
+        model = torch.nn.parallel.DistributedDataParallel(_case_model(case, seed, labkit.device()),
+                                                          bucket_cap_mb=case["bucket_nbytes"] / _MiB)
+        for _ in range(case["steps"]):
+            model.zero_grad()
+            F.cross_entropy(model(x[_shard()]), y[_shard()]).backward()
+            grads.append(_grads(model.module))
+            sgd_step(model.module, case["lr"])
+        finals.append(_weights(model.module))
+    return grads, finals
 
 
 # What a rank may do with a handle only once the backward has returned: wait for it or ask after it (a loop on
@@ -108,12 +146,13 @@ class HookGuard(AverageGuard):
     ran, handles of a step used in a later one, and which hooks went on the parameters. The grader's loop sets
     `in_backward` around loss.backward(), `step` before each step, and appends to `order` as gradients get ready."""
 
-    def __init__(self, model: torch.nn.Module, order: list[list[int]]):
+    def __init__(self, model: torch.nn.Module, order: list[list[int]], first_step: int = 0, hooks: dict | None = None):
         super().__init__(model)
-        self.step, self.in_backward = 0, False
+        self.step, self.in_backward = first_step, False
         self.launches: list[Launch] = []
         self.early: list[tuple[int, str]] = []  # (step, the call) that waited while the backward ran
-        self.hooks = {"register_post_accumulate_grad_hook": 0, "register_hook": 0}  # calls on the parameters
+        self.hooks = hooks if hooks is not None else {"register_post_accumulate_grad_hook": 0, "register_hook": 0}
+        # ^ the calls on the parameters, counted into the attempt's own dict (read back after a RankError)
         self._handles: list[tuple[object, Launch]] = []
         self._parameters = {id(p) for p in model.parameters()}
         self._order = order
@@ -192,57 +231,77 @@ class HookGuard(AverageGuard):
 
 @dataclass
 class HookOutcome:
-    """What one rank's training with the student's hooks left behind: per step, the order in which the gradients
-    became ready (parameter indices), the rank's own gradients and what finish() left in .grad; the parameters at
-    the end; every all_reduce started (`launches`) and how many were never waited; the hooks attach registered,
-    what it called that is switched off, and what it returned when that was not a function."""
+    """What one rank's training with the student's hooks left behind, per step (the models one after the other):
+    the order in which the gradients became ready (parameter indices), the rank's own gradients and what finish()
+    left in .grad; each model's parameters at the end; every all_reduce started (`launches`) and the values that
+    went into each (`reduced`), how many were never waited; the hooks attach registered, and what it returned when
+    that was not a function; the first step whose finish() changed the gradients of an earlier model."""
 
     order: list[list[int]] = field(default_factory=list)
     local: list[list[list[float]]] = field(default_factory=list)
     averaged: list[list[list[float]]] = field(default_factory=list)
-    final: list[list[float]] = field(default_factory=list)
+    final: list[list[list[float]]] = field(default_factory=list)
     launches: list[Launch] = field(default_factory=list)
+    reduced: list[list[float]] = field(default_factory=list)
     early: list[tuple[int, str]] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     unwaited: int = 0
     hooks: dict = field(default_factory=dict)
-    forbidden: list[str] = field(default_factory=list)
     returned: str | None = None
+    touched_earlier: int | None = None
 
 
-_last: dict = {}  # on a rank: the hooks and all_reduce sizes of the last attempt, for a run that raised
+# On a rank, by id: the parameters of every model graded here, while alive (kept by the student's code, say): a
+# finish() that changes their gradients later works on something kept from an earlier attach.
+_graded: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_last = HookOutcome()  # on a rank: the last attempt's outcome, as far as it got (its hooks, after a RankError)
 
 
-def attempt_hook(attach, bucket_nbytes: int = BUCKET_NBYTES) -> HookOutcome:
-    """On a rank: finish = attach(model, bucket_nbytes), then STEPS SGD steps on this rank's shard, each
-    zero_grad, forward, backward (the student's hooks fire), finish(), step; under a HookGuard throughout."""
-    model, twin = hook_model(labkit.device()), hook_model(labkit.device())
-    outcome = HookOutcome()
-    for index, p in enumerate(model.parameters()):  # before the student's, so it sees each gradient first
-        p.register_post_accumulate_grad_hook(lambda _, index=index: outcome.order[-1].append(index))
-    guard = HookGuard(model, outcome.order)
-    try:
-        with guard:
-            finish = attach(model, bucket_nbytes)
-            if callable(finish):
-                _train(model, twin, finish, guard, outcome)
-            else:
-                outcome.returned = "None" if finish is None else f"a {type(finish).__name__}"
-            outcome.unwaited = len(guard.unwaited())
-    finally:
-        _last.clear()
-        _last.update(hooks=dict(guard.hooks), numels=[launch.numel for launch in guard.launches])
-    outcome.final, outcome.launches, outcome.early = _weights(model), guard.launches, guard.early
-    outcome.hooks = guard.hooks
-    outcome.ops, outcome.forbidden = [call.op for call in guard.calls], guard.forbidden
+def last_hooks() -> dict:
+    """On a rank: the hooks the last attempt's attach registered on the parameters, when it raised."""
+    return dict(_last.hooks)
+
+
+def attempt_hook(attach, case: Case) -> HookOutcome:
+    """On a rank: for each of the case's models in turn, finish = attach(model, bucket_nbytes), then the case's
+    SGD steps on this rank's shard, each zero_grad, forward, backward (the student's hooks fire), finish(), step;
+    under a HookGuard throughout."""
+    global _last
+    outcome = _last = HookOutcome(hooks={"register_post_accumulate_grad_hook": 0, "register_hook": 0})
+    for seed in case["seeds"]:
+        if outcome.returned is not None:
+            break
+        _attempt_model(attach, case, _case_model(case, seed, labkit.device()), outcome)
     return outcome
 
 
-def _train(model, twin, finish, guard: HookGuard, outcome: HookOutcome) -> None:
-    """The grader's loop, with the backward marked on the guard; the rank's own gradient from an unhooked twin."""
-    x, y = average_batch(labkit.device())
-    mine = _shard()
-    for step in range(STEPS):
+def _attempt_model(attach, case: Case, model: torch.nn.Module, outcome: HookOutcome) -> None:
+    """One model: attach, then its steps, under a HookGuard; what happened, added to outcome."""
+    earlier = [p for key, p in list(_graded.items()) if key not in {id(q) for q in model.parameters()}]
+    _graded.update((id(p), p) for p in model.parameters())
+    for index, p in enumerate(model.parameters()):  # before the student's, so it sees each gradient first
+        p.register_post_accumulate_grad_hook(lambda _, index=index: outcome.order[-1].append(index))
+    guard = HookGuard(model, outcome.order, first_step=len(outcome.order), hooks=outcome.hooks)
+    with guard:
+        finish = attach(model, case["bucket_nbytes"])
+        if callable(finish):
+            _train(model, case, finish, guard, outcome, earlier)
+        else:
+            outcome.returned = "None" if finish is None else f"a {type(finish).__name__}"
+        outcome.unwaited += len(guard.unwaited())
+    outcome.final.append(_weights(model))
+    outcome.launches += guard.launches
+    outcome.reduced += [call.values for call in guard.calls]
+    outcome.early += guard.early
+    outcome.ops += [call.op for call in guard.calls]
+
+
+def _train(model, case: Case, finish, guard: HookGuard, outcome: HookOutcome, earlier: list) -> None:
+    """The grader's loop, with the backward marked on the guard; the rank's own gradient from an unhooked twin;
+    after each finish(), whether the gradients of an earlier model changed."""
+    x, y = _case_batch(case, labkit.device())
+    mine, twin = _shard(), _case_model(case, 0, labkit.device())
+    for _ in range(case["steps"]):
         twin.load_state_dict(model.state_dict())
         twin.zero_grad()
         F.cross_entropy(twin(x[mine]), y[mine]).backward()
@@ -250,17 +309,24 @@ def _train(model, twin, finish, guard: HookGuard, outcome: HookOutcome) -> None:
         model.zero_grad()
         loss = F.cross_entropy(model(x[mine]), y[mine])
         outcome.order.append([])
-        guard.step, guard.in_backward = step, True
+        guard.step, guard.in_backward = len(outcome.order) - 1, True
         try:
             loss.backward()
         finally:
             guard.in_backward = False
+        before = _fingerprint(earlier)
         finish()
+        if outcome.touched_earlier is None and not _unchanged(before, _fingerprint(earlier)):
+            outcome.touched_earlier = guard.step
         outcome.averaged.append(_grads(model))
-        sgd_step(model)
+        sgd_step(model, case["lr"])
 
 
-def last_hook_attempt() -> dict:
-    """On a rank: the hooks attach registered and the sizes of the all_reduces of the last attempt, when it raised
-    instead of returning them: {"hooks": {...}, "numels": [...]}."""
-    return dict(_last)
+def _fingerprint(parameters: list) -> list:
+    """The gradients of `parameters` as they are now (None for none), to see whether a finish() changed them."""
+    return [None if p.grad is None else p.grad.detach().clone() for p in parameters]
+
+
+def _unchanged(before: list, after: list) -> bool:
+    return all((a is None and b is None) or (a is not None and b is not None and a.shape == b.shape
+                                             and torch.equal(a, b)) for a, b in zip(before, after, strict=True))

@@ -8,6 +8,7 @@ events (which gradients were ready when each bucket left), never by a timing.
 """
 
 import importlib
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import labkit
 from labkit.exercises.ddp_hook import check_bucketed_ddp_hook, expected_buckets
 from labkit.exercises.verdict import Verdict
 
+DRAWS = 2  # gradings of a row that must be refused on every draw: each draws its cases afresh
 HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
 
 
@@ -500,18 +502,18 @@ def strictly_more(model, bucket_nbytes):
 
 
 @pytest.mark.parametrize(("attach", "named"), [
-    (newest_gradient_only, "[99, 72, 56] elements, not the buckets: the bucket is full when the gradients IN it "
-                           "reach bucket_nbytes, not when one gradient does"),
-    (strictly_more, "[35, 64, 72, 56] elements, not the buckets: a bucket that reaches exactly bucket_nbytes is "
-                    "full"),
+    (newest_gradient_only, "elements, not the buckets: the bucket is full when the gradients IN it reach "
+                           "bucket_nbytes, not when one gradient does"),
+    (strictly_more, "elements, not the buckets: a bucket that reaches exactly bucket_nbytes is full"),
 ])
 def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
-    """Rules that 480 bytes cannot tell from the right one: the second case's 216 bytes (27 numbers) can."""
-    verdict = check_bucketed_ddp_hook(attach, record=False)
-    assert not verdict and named in verdict.message, verdict
-    assert verdict.message.startswith("On 2 ranks (a batch of 24 rows, 12 per rank), "), verdict
-    assert "With bucket_nbytes = 216 bytes (27 float64 numbers)" in verdict.message, verdict
-    assert "the buckets hold [27, 72, 72, 56] elements" in verdict.message, verdict
+    """Rules that the first case's limit may not tell from the right one: the second case's, which the first two
+    gradients fill exactly, always can (draw_cases); on every draw the rule is named, with the right buckets."""
+    for _ in range(DRAWS):
+        verdict = check_bucketed_ddp_hook(attach, record=False)
+        assert not verdict and named in verdict.message, verdict
+        assert re.search(r"With bucket_nbytes = \d+ bytes \(\d+ float64 numbers\) and the gradients ready in the "
+                         r"order .*, the buckets hold \[[\d, ]+\] elements", verdict.message), verdict
 
 
 @pytest.mark.parametrize(("attach", "named"), [
@@ -524,14 +526,15 @@ def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
     (wait_all_in_hook, "still running (handle.get_future().wait() inside the hook at step 1"),
     (spin_in_hook, "still running (handle.is_completed() inside the hook at step 1: asking whether it is done"),
     (barrier_in_hook, "still running (dist.barrier() inside the hook at step 1: gloo's barrier first waits"),
-    (finish_never_forgets, "at step 2 rank 0 called handle.wait() again on 3 handle(s) of step 1: the list of "
-                           "buckets in flight was never emptied"),
-    (every_bucket_at_the_last_gradient, "started bucket 1 (99 numbers) only once every gradient was ready, though "
-                                        "it was full once 4 were"),
+    (finish_never_forgets, re.compile(r"at step 2 rank 0 called handle.wait\(\) again on \d+ handle\(s\) of "
+                                      r"step 1: the list of buckets in flight was never emptied")),
+    (every_bucket_at_the_last_gradient, re.compile(r"started bucket 1 \(\d+ numbers\) only once every gradient was "
+                                                   r"ready, though it was full once \d+ were")),
     (never_waits, "never called wait() on the handle"),
-    (last_bucket_never_sent, "The last bucket, not full when the backward ended (56 numbers), was never sent"),
+    (last_bucket_never_sent, re.compile(r"The last bucket, not full when the backward ended \(\d+ numbers\), was "
+                                        r"never sent")),
     (no_copy_back, "gradients are still its own, not the average: the averaged buckets never reached p.grad"),
-    (four_bytes_a_number, "not the buckets. With bucket_nbytes = 480 bytes (60 float64 numbers)"),
+    (four_bytes_a_number, re.compile(r"not the buckets.*With bucket_nbytes = \d+ bytes \(\d+ float64 numbers\)")),
     (rank_dependent_buckets, "the ranks' buckets went out in different orders or sizes"),
     (torch_ddp, "called torch.nn.parallel.DistributedDataParallel"),
     (labkit_bucketed, "called labkit.parallel's BucketedDDP"),
@@ -539,8 +542,14 @@ def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
 ])
 def test_wrong_solutions_are_rejected_naming_the_mistake(attach, named):
     verdict = check_bucketed_ddp_hook(attach, record=False)
-    assert not verdict and named in verdict.message, verdict
-    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank), "), verdict
+    assert not verdict and _says(verdict.message, named), verdict
+    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict
+
+
+def _says(message: str, named) -> bool:
+    """Whether the verdict names the mistake: a phrase it contains, or a pattern it matches (where a number in it
+    depends on what the grading drew)."""
+    return bool(named.search(message)) if isinstance(named, re.Pattern) else named in message
 
 
 def test_the_guard_goes_away_after_a_graded_run():
