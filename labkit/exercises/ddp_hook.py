@@ -125,8 +125,8 @@ def _shows_mistakes(ready: list[int], limit: int, named, exact: bool) -> bool:
     """Whether, with these sizes and this limit, the right buckets (either rule) differ from those of every
     mistake (one all_reduce per parameter, 4 bytes a number, the notebook's 480 bytes written in, buckets fixed in
     the parameters' order on some ranks); those of the two mistaken rules (`_MISTAKEN_RULES`) are not one per
-    parameter, send a bucket before the backward ends, and differ from the right ones where the limit is exact; and, where it is not, a last bucket is
-    left for finish() and the first is full before the last gradient."""
+    parameter, send a bucket before the backward ends, and differ from the right ones where the limit is exact;
+    and, where it is not, a last bucket is left for finish() and the first is full before the last gradient."""
     numels = _numels_of(named)
 
     def at_least(bucket):
