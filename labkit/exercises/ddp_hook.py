@@ -53,6 +53,7 @@ from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.average_guard import BATCH, READY_MADE, OutOfStep, made_of_gradients
 from labkit.exercises.ddp_hook_guard import (
     BUCKET_NBYTES,
+    EARLIER_HOOKS,
     MODELS,
     attempt_hook,
     ddp_reference,
@@ -247,6 +248,9 @@ def _rank_calls_problem(rank: int, outcome, case: Case) -> str | None:
     if outcome.returned is not None:
         return (f"attach returned {outcome.returned}, not a function: end attach with `return finish`, the "
                 "function (no arguments) that the training loop calls after each backward().")
+    if outcome.hooks.get(EARLIER_HOOKS):
+        return (f"rank {rank}'s attach registered hooks on the parameters of a model from an earlier attach, not "
+                f"on the model it was given: {_KEPT}")
     if outcome.hooks.get("register_hook") and not outcome.hooks.get("register_post_accumulate_grad_hook"):
         return f"on rank {rank}: {_WRONG_HOOK}"
     if not outcome.launches:
@@ -274,8 +278,9 @@ def _overlap_problem(rank: int, outcome, case: Case) -> str | None:
         if first is None or not first.in_backward:
             hooked = outcome.hooks.get("register_post_accumulate_grad_hook")
             why = "" if hooked else " (attach registered no hook on the parameters)"
+            later = (f" The first model's steps overlapped, so {_KEPT}" if step >= case["steps"] else "")
             return (f"{_where(step, case)} rank {rank}'s first all_reduce started after loss.backward() returned"
-                    f"{why}: nothing overlapped the backward.")
+                    f"{why}: nothing overlapped the backward.{later}")
     again = [launch for launch in outcome.launches if launch.again]
     if again:
         (step, call), first = again[0].again, again[0].step

@@ -28,8 +28,9 @@ from labkit.exercises._kit._runner import Case
 from labkit.exercises.average_guard import BATCH, AverageGuard, average_batch, sgd_step
 from labkit.models import mlp
 
-__all__ = ["BUCKET_NBYTES", "EXACT_BUCKET_NBYTES", "MODELS", "NOTEBOOK_SIZES", "STEPS", "HookGuard", "HookOutcome",
-           "Launch", "attempt_hook", "ddp_reference", "hook_model", "hook_sizes", "last_hooks", "one_process_run"]
+__all__ = ["BUCKET_NBYTES", "EARLIER_HOOKS", "EXACT_BUCKET_NBYTES", "MODELS", "NOTEBOOK_SIZES", "STEPS", "HookGuard",
+           "HookOutcome", "Launch", "attempt_hook", "ddp_reference", "draw_sizes", "draw_values", "hook_model",
+           "hook_sizes", "last_hooks", "one_process_run"]
 
 STEPS = 2  # the notebook's; a grading draws 2-4 (the second step shows a finish() that uses the first's handles)
 MODELS = 2  # models trained one after the other in each case (attach called on each): the same sizes, other values
@@ -39,6 +40,8 @@ BUCKET_NBYTES = 480  # the notebook's: 60 numbers, buckets of 99, 72 and a last 
 # 27 numbers: the first two gradients fill a bucket exactly (3 + 24), then buckets of 72, 72 and 56. A bucket that
 # counts only its newest gradient makes 99, 72, 56 instead; one full only above the limit (>) makes 35, 64, 72, 56.
 EXACT_BUCKET_NBYTES = 216
+_HOOKS = ("register_post_accumulate_grad_hook", "register_hook")  # torch.Tensor's, counted on the parameters
+EARLIER_HOOKS = "on an earlier model's parameters"  # HookGuard.hooks' count of hooks put there
 _MiB = 2 ** 20  # torch DDP's bucket_cap_mb counts MiB
 
 
@@ -168,7 +171,7 @@ class HookGuard(AverageGuard):
         for name in _FUTURE_WAITING:
             self._watch(torch._C.Future, name, self._future_used)
         wrap_group_method(self, Kind.BARRIER, self._barrier_used)
-        for name in self.hooks:
+        for name in _HOOKS:
             self._count_hooks(name)
 
     def unwaited(self) -> list:
@@ -218,11 +221,14 @@ class HookGuard(AverageGuard):
             self.early.append((self.step, f"handle.get_future().{name}()"))
 
     def _count_hooks(self, name: str) -> None:
-        """Count torch.Tensor.<name> calls on the model's parameters (the grader registered its own before)."""
+        """Count torch.Tensor.<name> calls on the model's parameters (the grader registered its own before), and
+        those on the parameters of an earlier model (`EARLIER_HOOKS`: kept from an earlier attach)."""
         def make(below):
             def counted(tensor, *args, **kwargs):
                 if id(tensor) in self._parameters:
                     self.hooks[name] += 1
+                elif _graded.get(id(tensor)) is tensor:
+                    self.hooks[EARLIER_HOOKS] = self.hooks.get(EARLIER_HOOKS, 0) + 1
                 return below(tensor, *args, **kwargs)
             return counted
 
