@@ -65,7 +65,7 @@ except ImportError:  # Windows: no setrlimit(2) and no SIGKILL; the grader says 
     resource = None
 
 __all__ = ["CAN_KILL", "FORMS", "OVERTAKE_SECONDS", "TARGET", "Layout", "RefusedSave", "Report", "Watch", "arm",
-           "first_run", "nbytes_of", "saved_state", "second_run", "state_problem"]
+           "first_run", "nbytes_of", "saved_state", "second_run", "state_problem", "watching"]
 
 TARGET = "model.pt"  # the checkpoint's name in each of the grader's directories
 CAN_KILL = resource is not None and hasattr(signal, "SIGXFSZ")  # Linux, macOS, WSL
@@ -256,6 +256,11 @@ def _hook_once() -> None:
     if not _hooked:
         sys.addaudithook(_audit)
         _hooked = True
+
+
+def watching() -> bool:
+    """Whether a watch is on in this process (its hooks, which stay once added, do nothing while none is)."""
+    return _active is not None
 
 
 def _set_active(watch: Watch | None) -> None:

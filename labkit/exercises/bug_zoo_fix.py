@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,8 +43,8 @@ from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._messages import first_failure, unwaited_message, where_ranks_waited
 from labkit.exercises._kit._record import Call, Recorder
 from labkit.exercises._kit._runner import Case, Spec, grade
+from labkit.exercises._kit._stack import outermost_caller
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.average_guard import ready_made_caller
 from labkit.exercises.guard import Guard
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
@@ -61,6 +62,12 @@ TOLERANCE = 1e-9  # float64: a right fix is within 1e-15; every mistake is off b
 PARAMETER_AVERAGE = "dist.all_reduce on the parameters themselves after training began"
 DATA_GATHERED = "dist.all_reduce of this rank's shard of the data (x)"
 _READY_MADE = ("labkit.parallel's broadcast_parameters", "labkit.parallel's average_gradients")
+_DATA_PARALLEL = Path(labkit.__file__).parent / "parallel" / "data.py"  # broadcast_parameters, average_gradients
+
+
+def _ready_made(file: Path, name: str) -> str | None:
+    """How the student spells a frame of labkit.parallel's data parallelism, for the kit's outermost_caller."""
+    return f"labkit.parallel's {name}" if file == _DATA_PARALLEL else None
 
 
 def draw_cases() -> list[Case]:
@@ -119,9 +126,9 @@ class FixGuard(Guard):
     """While the student's training runs on a rank: dist.broadcast and dist.all_reduce allowed and recorded (the
     kit's Recorder), every other collective refused (gathering the data or the parameters is not data
     parallelism), and so are torch's DDP, labkit.parallel's broadcast_parameters and average_gradients (found on
-    the call stack), an all_reduce of the rank's data, and an all_reduce of the parameters' values once the first
-    forward has run (parameter averaging, not gradient averaging): what a collective carries is checked, not only
-    that it was made."""
+    the call stack, by the kit's outermost_caller), an all_reduce of the rank's data, and an all_reduce of the
+    parameters' values once the first forward has run (parameter averaging, not gradient averaging): what a
+    collective carries is checked, not only that it was made."""
 
     def __init__(self, model: torch.nn.Module, shard: torch.Tensor, outcome: FixOutcome):
         super().__init__()
@@ -141,13 +148,12 @@ class FixGuard(Guard):
     def refuse(self, spelling: str):
         """Refuse `spelling`, named as the ready-made fix that called it when there is one (broadcast_parameters
         checks the replicas' shapes with all_gather_object before it broadcasts)."""
-        ready_made = ready_made_caller()
-        super().refuse(f"labkit.parallel's {ready_made}" if ready_made else spelling)
+        super().refuse(outermost_caller(_ready_made) or spelling)
 
     def _watched(self, made: GroupCall):
         """An allreduce or broadcast: the ready-made fixes, the data gathered and parameter averaging refused,
         else recorded (what it was made on, in `target`) and made."""
-        if ready_made_caller():
+        if outermost_caller(_ready_made):
             self.refuse(str(made.kind))
         if made.kind == Kind.ALLREDUCE and self._holds_data(made.tensors):
             self.refuse(DATA_GATHERED)

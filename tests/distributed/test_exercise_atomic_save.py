@@ -569,7 +569,7 @@ def _rank_state():
     from labkit.exercises import atomic_watch
 
     return ([f.__module__ for f in (os.replace, os.rename, os.fsync, fsync, open, torch.save)], tempfile.tempdir,
-            resource.getrlimit(resource.RLIMIT_FSIZE), os.getcwd(), sys.getprofile(), atomic_watch._active)
+            resource.getrlimit(resource.RLIMIT_FSIZE), os.getcwd(), sys.getprofile(), atomic_watch.watching())
 
 
 def test_the_rank_is_left_as_it_was_and_nothing_outside_a_temporary_directory_is_touched():
