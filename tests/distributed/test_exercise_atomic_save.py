@@ -614,3 +614,30 @@ def test_the_draw_decides_nothing(monkeypatch, first, save, phrase):
     monkeypatch.setattr(Layout, "draw", staticmethod(lambda: _forced(first, smallest=first == "relative")))
     verdict = check_atomic_save(save, record=False)
     assert bool(verdict) == (phrase is None) and (phrase is None or phrase in verdict.message), verdict
+
+
+def _watch_then_write(directory):
+    """On a rank: a watch on directory/model.pt whose `with` raises, then the same writes with no watch on. What the
+    watch recorded, during and after, and whether everything it changed is back."""
+    from labkit.exercises.atomic_watch import Report, Watch, watching
+
+    report, target = Report(directory), Path(directory) / "model.pt"
+    record = report.phase("probe")
+    before = (os.fsync, sys.getprofile(), os.getcwd(), tempfile.tempdir)
+    try:
+        with Watch(target, directory, directory, report, record):
+            open(target, "wb").close()
+            raise KeyError("the save's own error")
+    except KeyError:
+        pass
+    during = [event["kind"] for event in record["events"]]
+    open(target, "wb").close()
+    os.replace(target, Path(directory) / "other.pt")
+    after = [event["kind"] for event in record["events"]]
+    return during, after, watching(), (os.fsync, sys.getprofile(), os.getcwd(), tempfile.tempdir) == before
+
+
+def test_a_watch_is_undone_when_its_with_raises_and_its_hooks_stay_inert_afterwards(tmp_path):
+    [(during, after, watching, restored)] = labkit.run(_watch_then_write, str(tmp_path), world_size=1)
+    assert during == after == ["write"]  # the write under the watch seen; none after it, though the hook stays
+    assert not watching and restored
