@@ -18,12 +18,12 @@ in float64 within 1e-9, with one process's: where the first step goes wrong, the
 averaged, gradients piling up without zero_grad, some parameters only). The exercise is gradient averaging with
 dist.broadcast and dist.all_reduce: every other collective is switched off (gathering the data to train on the
 whole batch everywhere is not data parallel), and so is what an allowed collective carries when it is not what
-the exercise is about: an all_reduce of the rank's data (the whole batch gathered by summing zero-padded
-shards) and an all_reduce of the parameters themselves once training has begun (parameter averaging, which plain
-SGD cannot tell from gradient averaging but Adam can). torch's DistributedDataParallel and labkit.parallel's
-broadcast_parameters and average_gradients do the fix for you and are switched off too. A broadcast or
-all_reduce started with async_op=True must be waited for (its handle or its future): one never waited for is
-named first.
+the exercise is about: a broadcast or an all_reduce of the rank's data (the whole batch gathered shard by shard,
+or by summing zero-padded shards) and an all_reduce of the parameters themselves once training has begun
+(parameter averaging, which plain SGD cannot tell from gradient averaging but Adam can). torch's
+DistributedDataParallel and labkit.parallel's broadcast_parameters and average_gradients do the fix for you and
+are switched off too. A broadcast or all_reduce started with async_op=True must be waited for (its handle or its
+future): one never waited for is named first.
 
 Written on the graders' kit (labkit.exercises._kit): a `Spec` driven by the kit's runner, calls recorded as the
 kit's `Call`, the kit's messages.
@@ -60,7 +60,7 @@ _STEPS, _LRS = (2, 3, 4, 5), (0.06, 0.07, 0.08, 0.09, 0.11, 0.12, 0.13, 0.14)
 _ROWS, _FEATURES, _HIDDEN = range(3, 7), range(4, 8), range(6, 11)
 TOLERANCE = 1e-9  # float64: a right fix is within 1e-15; every mistake is off by far more
 PARAMETER_AVERAGE = "dist.all_reduce on the parameters themselves after training began"
-DATA_GATHERED = "dist.all_reduce of this rank's shard of the data (x)"
+DATA_GATHERED = "of this rank's shard of the data (x)"  # after "dist.all_reduce " or "dist.broadcast "
 _READY_MADE = ("labkit.parallel's broadcast_parameters", "labkit.parallel's average_gradients")
 _DATA_PARALLEL = Path(labkit.__file__).parent / "parallel" / "data.py"  # broadcast_parameters, average_gradients
 
@@ -126,7 +126,7 @@ class FixGuard(Guard):
     """While the student's training runs on a rank: dist.broadcast and dist.all_reduce allowed and recorded (the
     kit's Recorder), every other collective refused (gathering the data or the parameters is not data
     parallelism), and so are torch's DDP, labkit.parallel's broadcast_parameters and average_gradients (found on
-    the call stack, by the kit's outermost_caller), an all_reduce of the rank's data, and an all_reduce of the
+    the call stack, by the kit's outermost_caller), a collective of the rank's data, and an all_reduce of the
     parameters' values once the first forward has run (parameter averaging, not gradient averaging): what a
     collective carries is checked, not only that it was made."""
 
@@ -155,8 +155,8 @@ class FixGuard(Guard):
         else recorded (what it was made on, in `target`) and made."""
         if outermost_caller(_ready_made):
             self.refuse(str(made.kind))
-        if made.kind == Kind.ALLREDUCE and self._holds_data(made.tensors):
-            self.refuse(DATA_GATHERED)
+        if self._holds_data(made.tensors):
+            self.refuse(f"dist.{'all_reduce' if made.kind == Kind.ALLREDUCE else made.kind} {DATA_GATHERED}")
         if made.kind == Kind.ALLREDUCE and self._outcome.forwards and self._holds_parameters(made.tensors):
             self.refuse(PARAMETER_AVERAGE)
         call = self.recorder.record(made, target=self._describe(made.kind, made.tensors))
@@ -186,8 +186,8 @@ class FixGuard(Guard):
         return False
 
     def _holds_data(self, tensors) -> bool:
-        """Whether an all_reduce's tensor holds this rank's shard of x, its values in a row anywhere in it (a
-        zero-padded copy of the whole batch, summed into every rank's)."""
+        """Whether a collective's tensor holds this rank's shard of x, its values in a row anywhere in it (the
+        shard broadcast, or a zero-padded copy of the whole batch summed into every rank's)."""
         shard = self._shard
         for tensor in tensors:
             flat = tensor.detach().reshape(-1).to(shard.dtype)
@@ -263,10 +263,10 @@ def _why_forbidden(spelling: str, name: str) -> str:
         return ("That averages the replicas' parameters after local steps (parameter averaging), not their "
                 "gradients (p.data, or a copy of their values, all-reduced). With plain SGD the two happen to agree; "
                 "with a nonlinear optimizer such as Adam they do not.")
-    if spelling == DATA_GATHERED:
-        return ("Summing zero-padded shards gives every rank the whole batch: each rank then trains on all of it, "
-                "one process's run N times over, not data parallelism, where each rank trains on its own shard and "
-                "the ranks exchange gradients, not data.")
+    if spelling.endswith(DATA_GATHERED):
+        return ("Sent to every rank (broadcast, or summed as zero-padded shards), the shards make the whole batch "
+                "everywhere: each rank then trains on all of it, one process's run N times over, not data "
+                "parallelism, where each rank trains on its own shard and the ranks exchange gradients, not data.")
     if "labkit.parallel" in spelling or "DistributedDataParallel" in spelling:
         return "It does the fix for you and is switched off here. This exercise allows dist.broadcast and " \
                "dist.all_reduce."

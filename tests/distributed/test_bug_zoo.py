@@ -371,6 +371,23 @@ def whole_batch_through_all_reduce(model, x, y, steps, lr):
         sgd(model, lr)
 
 
+def whole_batch_through_broadcasts(model, x, y, steps, lr):
+    """The whole batch gathered with the other allowed collective: each rank broadcasts its shard in turn."""
+    shards = []
+    for source in range(dist.get_world_size()):
+        xs, ys = x.clone(), y.clone()
+        dist.broadcast(xs, src=source)
+        dist.broadcast(ys, src=source)
+        shards.append((xs, ys))
+    xs, ys = torch.cat([s for s, _ in shards]), torch.cat([t for _, t in shards])
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(xs), ys).backward()
+        sgd(model, lr)
+
+
 def divide_by_two(model, x, y, steps, lr):
     """A hard-coded 2, right on 2 ranks only."""
     for p in model.parameters():
@@ -420,6 +437,8 @@ WRONG = [
     (parameter_averaging, "parameter averaging"),
     (whole_batch_everywhere, "called torch.distributed.all_gather"),
     (whole_batch_through_all_reduce, "called dist.all_reduce of this rank's shard of the data",
+     "not data parallelism"),
+    (whole_batch_through_broadcasts, "called dist.broadcast of this rank's shard of the data",
      "not data parallelism"),
     (hard_coded_steps, "forward passes with a backward for steps="),
     (hard_coded_lr, "as if it stepped with lr = 0.1,"),
