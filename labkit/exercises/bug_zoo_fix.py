@@ -50,14 +50,15 @@ from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.models import mlp
 
-__all__ = ["FIX_WORLD_SIZES", "FixGuard", "FixOutcome", "attempt_fix", "check_fixed_training", "draw_cases",
+__all__ = ["DRAWN", "FIX_WORLD_SIZES", "FixGuard", "FixOutcome", "attempt_fix", "check_fixed_training", "draw_cases",
            "fix_model"]
 
 FIX_WORLD_SIZES = (3, 2)  # three first: N, N - 1 and rank + 1 differ there
-# Drawn per case. No lr here is a ratio of another that is N or 1/N (or k/N) on 2 or 3 ranks, so a hard-coded lr
-# is told as such, not as a divisor; the old constants (steps 3, lr 0.1) are one draw among others.
-_STEPS, _LRS = (2, 3, 4, 5), (0.06, 0.07, 0.08, 0.09, 0.11, 0.12, 0.13, 0.14)
-_ROWS, _FEATURES, _HIDDEN = range(3, 7), range(4, 8), range(6, 11)
+# Drawn per case (the two cases' steps and lr differ). No lr is 0.1, the old constant, nor one that a hard-coded 0.1
+# would look like a divisor of the sum by (10 N lr is no integer for N = 2, 3): such a fix is told it stepped with
+# another lr. The old 3 steps is one draw among others: the other case's steps differ.
+DRAWN = {"steps": (2, 3, 4, 5), "lr": (0.06, 0.07, 0.08, 0.09, 0.11, 0.12, 0.13, 0.14),
+         "rows": tuple(range(3, 7)), "features": tuple(range(4, 8)), "hidden": tuple(range(6, 11))}
 TOLERANCE = 1e-9  # float64: a right fix is within 1e-15; every mistake is off by far more
 PARAMETER_AVERAGE = "dist.all_reduce on the parameters themselves after training began"
 DATA_GATHERED = "of this rank's shard of the data (x)"  # after "dist.all_reduce " or "dist.broadcast "
@@ -73,9 +74,9 @@ def _ready_made(file: Path, name: str) -> str | None:
 def draw_cases() -> list[Case]:
     """One case per world size, each with its own steps and lr (the two cases' differ), rows per rank and model
     sizes, drawn afresh at each grading."""
-    steps, lrs = random.sample(_STEPS, 2), random.sample(_LRS, 2)
-    return [Case(world_size, {"steps": steps[i], "lr": lrs[i], "rows": random.choice(_ROWS),
-                              "features": random.choice(_FEATURES), "hidden": random.choice(_HIDDEN)})
+    steps, lrs = random.sample(DRAWN["steps"], 2), random.sample(DRAWN["lr"], 2)
+    return [Case(world_size, {"steps": steps[i], "lr": lrs[i],
+                              **{name: random.choice(DRAWN[name]) for name in ("rows", "features", "hidden")}})
             for i, world_size in enumerate(FIX_WORLD_SIZES)]
 
 

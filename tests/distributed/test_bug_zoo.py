@@ -493,3 +493,18 @@ def test_a_fix_that_hard_codes_the_old_constants_fails_even_when_one_case_draws_
     monkeypatch.setattr(bug_zoo_fix, "SPEC", dataclasses.replace(bug_zoo_fix.SPEC, cases=lambda: cases))
     verdict = check_fixed_training(fix, record=False, timeout_seconds=20)
     assert not verdict and verdict.message.startswith("On 2 ranks"), verdict
+
+
+@pytest.mark.parametrize("smallest", [True, False], ids=["smallest", "largest"])
+def test_a_right_fix_passes_at_both_ends_of_the_draw(monkeypatch, smallest):
+    """The bounds of every drawn value: the fewest steps, rows and units, and the most."""
+    from labkit.exercises import bug_zoo_fix
+    from labkit.exercises._kit._runner import Case
+
+    ends = {name: sorted(values, reverse=not smallest) for name, values in bug_zoo_fix.DRAWN.items()}
+    cases = [Case(world_size, {"steps": ends["steps"][i], "lr": ends["lr"][i],  # the two cases' differ
+                               **{name: ends[name][0] for name in ("rows", "features", "hidden")}})
+             for i, world_size in enumerate((3, 2))]
+    monkeypatch.setattr(bug_zoo_fix, "SPEC", dataclasses.replace(bug_zoo_fix.SPEC, cases=lambda: cases))
+    verdict = check_fixed_training(one_bucket_and_a_logged_loss, record=False, timeout_seconds=20)
+    assert verdict, verdict
