@@ -45,7 +45,7 @@ On a rank (the first half of this file): the training runs (torch's DDP and the 
 and what they left behind.
 
 Each rank builds the same small model (`hook_model`, seeded the same everywhere), takes its own equal shard of one
-batch (`labkit.exercises.average_guard.average_batch`) and trains a few SGD steps. `ddp_reference` does it with
+batch (`labkit.exercises.average.average_batch`) and trains a few SGD steps. `ddp_reference` does it with
 torch's DistributedDataParallel; `attempt_hook` with the student's `attach(model, bucket_nbytes)`, which registers
 hooks and returns `finish`, called after each backward(). While the student's code runs (attach, every backward,
 every finish), a `HookGuard` is on: an `AverageGuard` (every all_reduce recorded where the process group receives
@@ -70,7 +70,7 @@ from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._messages import first_failure, hang_message
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.average_guard import (
+from labkit.exercises.average import (
     BATCH,
     READY_MADE,
     AverageGuard,

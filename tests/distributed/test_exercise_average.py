@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import labkit
 from labkit.exercises import Verdict, check_average_gradients
-from labkit.exercises.average_guard import draw_case
+from labkit.exercises.average import draw_case
 from labkit.parallel import BucketedDDP, all_reduce_sum, average_gradients
 
 HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
@@ -37,7 +37,7 @@ def warm_pools():
     """Start the pools of 2, 3 and 4 ranks and import the grader's rank side in them, so that no case's timeout
     is spent starting processes on a loaded machine."""
     for world_size in (2, 3, 4):
-        labkit.run(importlib.import_module, "labkit.exercises.average_guard", world_size=world_size)
+        labkit.run(importlib.import_module, "labkit.exercises.average", world_size=world_size)
 
 
 def n():
