@@ -68,12 +68,17 @@ CELL_OUTPUTS = """() => window.jupyterapp.shell.currentWidget.content.widgets
   .map(c => ({tags: c.model.getMetadata('tags') || [], outputs: c.model.outputs.toJSON()}))"""
 
 
+def open_notebook(page: Page, lab_url: str, name: str, workspace: str) -> None:
+    """Open `name` in a fresh workspace (one notebook) and wait until its kernel is idle."""
+    page.goto(f"{lab_url}/lab/workspaces/{workspace}/tree/{name}?reset")
+    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started", timeout=60_000)
+    page.wait_for_function(f"() => ({NOTEBOOK_STATE})()?.kernel === 'idle'", timeout=120_000)
+
+
 def run_all(page: Page, lab_url: str, name: str) -> list[dict]:
     """Open `name`, run every cell, wait until all have run (or one failed: JupyterLab stops there) and the
     kernel is idle; the cells' tags and outputs."""
-    page.goto(f"{lab_url}/lab/workspaces/{Path(name).stem}/tree/{name}?reset")  # a fresh workspace: one notebook
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started", timeout=60_000)
-    page.wait_for_function(f"() => ({NOTEBOOK_STATE})()?.kernel === 'idle'", timeout=120_000)
+    open_notebook(page, lab_url, name, Path(name).stem)
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
     page.wait_for_function(
         f"""() => {{ const s = ({NOTEBOOK_STATE})();
@@ -168,9 +173,7 @@ def check_reopened(page: Page, lab_url: str, name: str) -> None:
     page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
     page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=30_000)
     shut_down_kernels_now(lab_url)
-    page.goto(f"{lab_url}/lab/workspaces/{Path(name).stem}-reopened/tree/{name}?reset")
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started", timeout=60_000)
-    page.wait_for_function(f"() => ({NOTEBOOK_STATE})()?.kernel === 'idle'", timeout=120_000)
+    open_notebook(page, lab_url, name, f"{Path(name).stem}-reopened")
     wait_until(page, WIDGETS_RESOLVED, timeout_ms=10_000)  # the widget manager gives up on the old models
     wait_for_layout(page)
     children = page.evaluate(REOPENED)
