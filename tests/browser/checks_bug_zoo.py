@@ -6,6 +6,7 @@ no feedback is double-spaced (every card had a scrollbar, 4 px too wide, and wra
 from pathlib import Path
 
 from playwright.sync_api import Page
+from settle import wait_for_layout
 from widget_checks import check_widget_text
 
 from labkit.exercises.bug_zoo import ANSWERS, CAUSES, DISTRACTORS
@@ -40,7 +41,7 @@ def check(page: Page, cells: list[dict]) -> None:
         assert f"{i + 1} of {len(ANSWERS)} runs diagnosed right" in score.inner_text(), score.inner_text()
     check_widget_text(page, "the bug zoo's cards, every one answered")
     page.set_viewport_size({"width": 1280, "height": 1800})
-    page.wait_for_timeout(800)
+    wait_for_layout(page)
     cards.first.scroll_into_view_if_needed()
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
     page.locator(".jp-OutputArea-output").filter(has=cards.first).screenshot(path=str(SCREENSHOT))

@@ -7,6 +7,7 @@ layout."""
 from pathlib import Path
 
 from playwright.sync_api import Page
+from settle import wait_for_layout
 from widget_checks import check_toolbar_clear_of_titles
 
 NOTEBOOK = "14_3d_layouts.ipynb"
@@ -47,13 +48,13 @@ def check(page: Page, cells: list[dict]) -> None:
     for where, command in (("file browser open", "activateById('filebrowser')"),
                            ("file browser collapsed", "collapseLeft()")):
         page.evaluate(f"() => window.jupyterapp.shell.{command}")
-        page.wait_for_timeout(1500)
+        wait_for_layout(page)
         explorer.scroll_into_view_if_needed()
         check_layout(explorer.evaluate(MEASURE), where)
         check_toolbar_clear_of_titles(page, explorer, f"the layout explorer, {where}")
         if where == "file browser open":  # the whole explorer in one picture: a window as tall as it
             page.set_viewport_size({"width": 1280, "height": 2400})
-            page.wait_for_timeout(1000)
+            wait_for_layout(page)
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             explorer.screenshot(path=str(SCREENSHOT))
             page.set_viewport_size({"width": 1280, "height": 900})

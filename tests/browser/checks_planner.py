@@ -12,6 +12,7 @@ and read a typed "70B" as 1e7 parameters, leaving an empty chart. ipywidgets' ow
 from pathlib import Path
 
 from playwright.sync_api import Page
+from settle import wait_for_layout
 from widget_checks import check_toolbar_clear_of_titles, type_into
 
 NOTEBOOK = "08_worked_example_7b.ipynb"
@@ -68,13 +69,13 @@ def check(page: Page, cells: list[dict]) -> None:
     for layout, command in (("file browser open", "activateById('filebrowser')"),
                             ("file browser collapsed", "collapseLeft()")):
         page.evaluate(f"() => window.jupyterapp.shell.{command}")
-        page.wait_for_timeout(1500)
+        wait_for_layout(page)
         planner.scroll_into_view_if_needed()
         check_layout(planner.evaluate(MEASURE), layout)
         check_toolbar_clear_of_titles(page, planner, f"the planner, {layout}")
         if layout == "file browser open":  # the whole planner in one picture: a window as tall as it
             page.set_viewport_size({"width": 1280, "height": 2400})
-            page.wait_for_timeout(1000)
+            wait_for_layout(page)
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             planner.screenshot(path=str(SCREENSHOT))
             page.set_viewport_size({"width": 1280, "height": 900})

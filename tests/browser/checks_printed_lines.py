@@ -7,6 +7,7 @@ fits: at most labkit.tables.LINE_CHARS (100) characters, where 107 fit.
 print torch's and gloo's own long lines too, which labkit does not write.)"""
 
 from playwright.sync_api import Page
+from settle import wait_for_layout
 
 from labkit.tables import LINE_CHARS
 
@@ -27,7 +28,7 @@ WRAPPED_LINES = WRAPPED_LINES.replace("PRINTED", PRINTED)
 def check(page: Page, cells: list[dict]) -> None:
     page.set_viewport_size({"width": 1280, "height": 900})
     page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")
-    page.wait_for_timeout(1500)
+    wait_for_layout(page)
     wrapped = page.evaluate(WRAPPED_LINES)
     assert not wrapped, (f"{len(wrapped)} printed lines wrap, mid-word, at 1280 px with the file browser open; "
                          f"print at most {LINE_CHARS} characters a line:\n" + "\n".join(wrapped))

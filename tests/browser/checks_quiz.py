@@ -10,6 +10,7 @@ monitored_barrier demo, once in the same notebook, is checked by checks_barrier.
 """
 
 from playwright.sync_api import Page
+from settle import wait_for_layout
 from widget_checks import check_widget_text
 
 from labkit.exercises import load_questions
@@ -48,7 +49,7 @@ def check(page: Page, cells: list[dict]) -> None:
         command = ("window.jupyterapp.shell.activateById('filebrowser')" if sidebar == "open"
                    else "window.jupyterapp.shell.collapseLeft()")
         page.evaluate(f"() => {command}")
-        page.wait_for_timeout(1500)
+        wait_for_layout(page)
         check_options(page.evaluate(OPTION_ROWS), expected, f"{width} px, file browser {sidebar}")
     page.set_viewport_size({"width": 1280, "height": 900})
     answer_every_question(page)

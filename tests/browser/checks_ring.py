@@ -3,6 +3,7 @@ by the Play/Pause buttons, and every rank's "sent" label lies inside the figure,
 apart from the others, both before the first hop and after the last (the longest labels)."""
 
 from playwright.sync_api import Page
+from settle import wait_for_layout, wait_until_changed
 
 NOTEBOOK = "03_ring_allreduce.ipynb"
 
@@ -24,6 +25,10 @@ BOXES = """figure => {
     sent: [...figure.querySelectorAll('.textpoint text')].filter(e => e.textContent.startsWith('sent')).map(box),
   };
 }"""
+
+# The slider's "hop N" label: which frame of the ring the figure shows.
+HOP_LABEL = """figure => [...figure.querySelectorAll('.slider-label')].map(e => e.textContent)
+  .find(text => text.startsWith('hop ')) ?? ''"""
 
 
 def overlap(a: dict, b: dict) -> bool:
@@ -55,11 +60,11 @@ def check(page: Page, cells: list[dict]) -> None:
     assert figures.count() == 2, "notebook 03 shows two ring animations (real ranks, 8 simulated ranks)"
     for layout, show in (("file browser closed", "collapseLeft"), ("file browser open", "expandLeft")):
         page.evaluate(f"() => window.jupyterapp.shell.{show}()")
-        page.wait_for_timeout(1500)  # plotly redraws at the new width
+        wait_for_layout(page)  # plotly redraws at the new width
         for i in range(figures.count()):
             check_first_and_last_hop(page, figures.nth(i), f"{layout}, animation {i}")
     page.evaluate("() => window.jupyterapp.shell.collapseLeft()")
-    page.wait_for_timeout(1500)
+    wait_for_layout(page)
 
 
 def check_first_and_last_hop(page: Page, figure, where: str) -> None:
@@ -68,9 +73,11 @@ def check_first_and_last_hop(page: Page, figure, where: str) -> None:
     rail = figure.locator(".slider-rail-touch-rect")
     box = rail.bounding_box()
     rail.click(position={"x": box["width"] - 2, "y": box["height"] / 2})  # to the last hop
-    page.wait_for_timeout(1000)
+    wait_until_changed(page, figure, HOP_LABEL, "hop 0", timeout_ms=5_000)
+    wait_for_layout(page)  # the frame's labels drawn
     boxes = figure.evaluate(BOXES)
     assert boxes["hop"] and boxes["hop"][0]["text"] != "hop 0", f"{where}: the slider did not move"
     check_labels(boxes, f"{where}, at {boxes['hop'][0]['text']}")
     rail.click(position={"x": 2, "y": box["height"] / 2})  # back to hop 0, where Play starts from
-    page.wait_for_timeout(1000)
+    wait_until_changed(page, figure, HOP_LABEL, boxes["hop"][0]["text"], timeout_ms=5_000)
+    wait_for_layout(page)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page
+from settle import wait_for_layout, wait_until, wait_until_changed
 from widget_checks import check_widget_text
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots"
@@ -57,22 +58,32 @@ REOPENED = """() => [...document.querySelectorAll('.jp-OutputArea-child')].map(c
   text: child.innerText.slice(0, 80),
   cell: (child.closest('.jp-Cell')?.querySelector('.cm-content')?.innerText ?? '').slice(0, 80)}))"""
 
+# Reopened, every widget output has stopped saying "Loading widget...": the widget manager has fetched the fresh
+# kernel's widgets and shown an error for each model that kernel lacks (jupyterlab_widgets' renderer).
+WIDGETS_RESOLVED = """() => ![...document.querySelectorAll('.jp-OutputArea-output')]
+  .some(e => e.textContent.trim() === 'Loading widget...')"""
+
 CELL_OUTPUTS = """() => window.jupyterapp.shell.currentWidget.content.widgets
   .filter(c => c.model.type === 'code')
   .map(c => ({tags: c.model.getMetadata('tags') || [], outputs: c.model.outputs.toJSON()}))"""
 
 
+def open_notebook(page: Page, lab_url: str, name: str, workspace: str) -> None:
+    """Open `name` in a fresh workspace (one notebook) and wait until its kernel is idle."""
+    page.goto(f"{lab_url}/lab/workspaces/{workspace}/tree/{name}?reset")
+    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started", timeout=60_000)
+    page.wait_for_function(f"() => ({NOTEBOOK_STATE})()?.kernel === 'idle'", timeout=120_000)
+
+
 def run_all(page: Page, lab_url: str, name: str) -> list[dict]:
     """Open `name`, run every cell, wait until all have run (or one failed: JupyterLab stops there) and the
     kernel is idle; the cells' tags and outputs."""
-    page.goto(f"{lab_url}/lab/workspaces/{Path(name).stem}/tree/{name}?reset")  # a fresh workspace: one notebook
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started", timeout=60_000)
-    page.wait_for_function(f"() => ({NOTEBOOK_STATE})()?.kernel === 'idle'", timeout=120_000)
+    open_notebook(page, lab_url, name, Path(name).stem)
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
     page.wait_for_function(
         f"""() => {{ const s = ({NOTEBOOK_STATE})();
                   return s && s.kernel === 'idle' && s.running === 0 && (s.executed === s.total || s.failed); }}""",
-        timeout=RUN_SECONDS * 1000, polling=500)
+        timeout=RUN_SECONDS * 1000, polling=200)
     return page.evaluate(CELL_OUTPUTS)
 
 
@@ -123,7 +134,7 @@ def check_widgets(page: Page) -> None:
     wide plus its margins sticks out by 4 px), no wrapped widget text is double-spaced (ipywidgets' HTML inherits
     a 28 px line height), no earlier-session note shows while its widget is drawn."""
     page.evaluate("() => window.jupyterapp.shell.activateById('filebrowser')")
-    page.wait_for_timeout(1000)
+    wait_for_layout(page)
     check_widget_text(page, "after Run All, 1280 px, file browser open")
     notes = [c["text"] for c in page.evaluate(REOPENED) if c["note"]]
     assert not notes, f"the earlier-session note shows while its widget is drawn: {notes[:2]}"
@@ -162,10 +173,9 @@ def check_reopened(page: Page, lab_url: str, name: str) -> None:
     page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
     page.wait_for_function("() => !window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=30_000)
     shut_down_kernels_now(lab_url)
-    page.goto(f"{lab_url}/lab/workspaces/{Path(name).stem}-reopened/tree/{name}?reset")
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.started", timeout=60_000)
-    page.wait_for_function(f"() => ({NOTEBOOK_STATE})()?.kernel === 'idle'", timeout=120_000)
-    page.wait_for_timeout(3000)  # the widget manager gives up on the old models
+    open_notebook(page, lab_url, name, f"{Path(name).stem}-reopened")
+    wait_until(page, WIDGETS_RESOLVED, timeout_ms=10_000)  # the widget manager gives up on the old models
+    wait_for_layout(page)
     children = page.evaluate(REOPENED)
     notes = page.locator(".labkit-stale-note")
     if notes.count():  # what a student sees the next day: the first widget's note, above its error
@@ -206,13 +216,16 @@ def save_screenshot(page: Page, path: Path) -> None:
     height = page.evaluate(f"() => Math.max(...[...{scrollers}].map(e => e.scrollHeight))")
     page.set_viewport_size({"width": 1280, "height": min(int(height) + 250, 30_000)})
     page.evaluate(f"() => {scrollers}.forEach(e => e.scrollTop = 0)")
-    page.wait_for_timeout(1500)
+    wait_for_layout(page)
     page.screenshot(path=str(path))
+
+
+FRAME_STATE = "element => element.textContent"  # what a figure shows: every text drawn (title, slider, labels)
 
 
 def frame_state(figure) -> str:
     """What a figure shows now: every text drawn in it (title, slider position, cell labels)."""
-    return figure.evaluate("element => element.textContent")
+    return figure.evaluate(FRAME_STATE)
 
 
 def play_every_animation(page: Page) -> None:
@@ -225,8 +238,8 @@ def play_every_animation(page: Page) -> None:
         figure.scroll_into_view_if_needed()
         before = frame_state(figure)
         figure.locator(".updatemenu-button", has_text="Play").click()
-        page.wait_for_timeout(2500)
-        assert frame_state(figure) != before, f"pressing Play did not change figure {i}"
+        after = wait_until_changed(page, figure, FRAME_STATE, before, timeout_ms=5_000)
+        assert after != before, f"pressing Play did not change figure {i}"
 
 
 def move_every_slider(page: Page) -> None:
@@ -242,5 +255,5 @@ def move_every_slider(page: Page) -> None:
         handle.first.focus()
         handle.first.press("ArrowRight")
         handle.first.press("ArrowRight")
-        page.wait_for_timeout(1500)
-        assert plot.first.inner_html() != before, f"moving the slider in output {i} did not change its figure"
+        after = wait_until_changed(page, plot.first, "e => e.innerHTML", before, timeout_ms=5_000)
+        assert after != before, f"moving the slider in output {i} did not change its figure"
