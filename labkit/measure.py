@@ -39,6 +39,7 @@ import torch.distributed as dist
 import labkit
 from labkit.checks import whole
 from labkit.groups import group_is_up
+from labkit.tables import wrapped
 
 __all__ = ["PeakTrainingState", "Stopwatch", "allreduce_seconds_by_size", "allreduce_sweep", "median_seconds",
            "peak_training_state", "seconds_per_call", "seconds_taking_turns", "slowest_rank_median", "synchronize",
@@ -337,8 +338,8 @@ def timing_check(holds: bool, claim: str, measured: str) -> bool:
     False
     """
     if holds:
-        print(f"✅ {claim}: {measured}.")
-    else:
-        print(f"⚠️ {claim}: not in this run ({measured}). A busy machine can push one run's timing off; rerunning "
-              "the cell is fine.")
+        print(wrapped(f"✅ {claim}: {measured}."))
+    else:  # a long claim and measurement make a line longer than JupyterLab shows unbroken (notebook 08's did)
+        print(wrapped(f"⚠️ {claim}: not in this run ({measured}). A busy machine can push one run's timing off; "
+                      "rerunning the cell is fine."))
     return bool(holds)

@@ -211,3 +211,15 @@ def test_storage_counts_once_freed_storage_not_at_all_and_grads_of_what_the_opti
                                                       "total": 140}
     flat.untyped_storage().resize_(0)
     assert training_state_nbytes(model, optimizer)["weights"] == 0
+
+
+def test_a_timing_check_that_fails_prints_lines_a_notebook_shows_unbroken(capsys):
+    """Notebook 08's claim and measurement made a 186-character line when the timing did not hold (issue 27's
+    browser run); every printed line stays within labkit.tables.LINE_CHARS."""
+    from labkit.measure import timing_check
+    from labkit.tables import LINE_CHARS
+
+    claim = "the handover of a micro-batch's activations takes about what its bytes over the bandwidth predict"
+    assert timing_check(False, claim, "41.0 ms measured against 12.0 ms predicted from 3.1 MB at 0.26 GB/s") is False
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > 1 and max(map(len, lines)) <= LINE_CHARS, lines
