@@ -1,31 +1,35 @@
 """The grader of notebook 05's "your turn": Megatron's f and g, two autograd functions, run on real ranks.
 
 `check_megatron_f_g(f, g)` takes two torch.autograd.Function subclasses, each with forward(ctx, x) and
-backward(ctx, grad), and plugs them into Megatron's MLP block on 2 and 3 ranks (Shoeybi et al. 2019,
-"Megatron-LM", section 3 and figure 3): X enters through f, each rank computes GeLU(X A_r^T + b1_r) B_r^T with
-its shard of A (split by output features, a column-parallel linear) and of B (split by input features, a
-row-parallel linear), and the partial sums leave through g (labkit.exercises.megatron_guard). Megatron's
-conjugate operators are
+backward(ctx, grad), and plugs them into Megatron's MLP block (Shoeybi et al. 2019, "Megatron-LM", section 3 and
+figure 3): X enters through f, each rank computes GeLU(X A_r^T + b1_r) B_r^T with its shard of A (split by output
+features, a column-parallel linear) and of B (split by input features, a row-parallel linear), and the partial
+sums leave through g (labkit.exercises.megatron_guard). Megatron's conjugate operators are
 
     f: forward the identity (every rank already has the whole X);   backward an all_reduce (SUM) of dX
     g: forward an all_reduce (SUM) of the partial sums;             backward the identity
 
-A solution passes only if, on 2 and 3 ranks, on every rank:
+What a right f and g must not depend on is drawn afresh for each grading (`draw_cases`): two cases on two
+different world sizes of 2, 3 and 4 ranks, one in float32 and one in float64, with different token counts, any
+widths and hidden sizes (split evenly or not); each case calls the block CALLS times on other inputs, so that an
+operator that keeps a result between calls shows. A solution passes only if, in both cases, on every rank:
 
 - it communicated through dist.all_reduce (SUM) only: exactly one in the forward, in g, and one in the backward,
-  in f, each waited for before its operator returned (async_op=True needs handle.wait(), a loop on
-  handle.is_completed(), or its future's wait(): handle.get_future() alone does not wait, nor does a loop on
-  its done()); labkit.parallel's
-  own f and g and torch.distributed.nn.functional's autograd collectives do the exercise for you and are
-  switched off;
+  in f, in every call, each waited for before its operator returned (async_op=True needs handle.wait(), a loop
+  on handle.is_completed(), or its future's wait(): handle.get_future() alone does not wait, nor does a loop on
+  its done()); labkit.parallel's own f and g (which refuse to run while graded, in any thread: labkit._refusals)
+  and torch.distributed.nn.functional's autograd collectives do the exercise for you and are switched off;
+- each all_reduce summed what its operator received (g: its partial sum; f: its gradient), not a buffer filled
+  later or another tensor, and the operator returned the sum, not its own input;
 - neither operator changed its input in place without telling autograd (torch.autograd.Function's rule: an
-  input modified in forward must be passed to ctx.mark_dirty);
+  input modified in forward must be passed to ctx.mark_dirty), nor returned another dtype, shape or device;
 - the output and the gradients of X, of this rank's shards of A, b1 and B, and of b2 equal one process's whole
-  MLP (float64, within 1e-9).
+  MLP in float64 (within TOLERANCES: 1e-9 in float64, 1e-4 in float32).
 """
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import torch
@@ -35,18 +39,33 @@ from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.average_guard import FUTURE_POLLS
 from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
-from labkit.exercises.megatron_guard import HIDDEN, attempt_megatron, calls_of_last_attempt, reference_mlp
+from labkit.exercises.megatron_guard import Sizes, attempt_megatron, calls_of_last_attempt, full_mlp, reference_mlp
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
 
-__all__ = ["MEGATRON_CASES", "TOLERANCE", "check_megatron_f_g"]
+__all__ = ["CALLS", "TOLERANCES", "WORLD_SIZES", "check_megatron_f_g", "draw_cases"]
 
-MEGATRON_CASES = (2, 3)  # tensor-parallel degrees: 12 hidden features, 6 or 4 per rank
-TOLERANCE = 1e-9  # float64: a right block is within 1e-15 of one process; every mistake is off by far more
+WORLD_SIZES = (2, 3, 4)  # tensor-parallel degrees a grading draws two of
+CALLS = 2  # calls of the block per case, on other inputs each: an operator that keeps a result across calls shows
+TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4}  # a right block is within 1e-15 (float64) or 1e-6
+# (float32) of one process in float64; every mistake is off by far more
 _NAMES = {"output": "the output Z", "x": "X's gradient", "A": "the gradient of its shard of A",
           "b1": "the gradient of its shard of b1", "B": "the gradient of its shard of B", "b2": "b2's gradient"}
 _EXPECTED = Counter({("g", "forward"): 1, ("f", "backward"): 1})
+_SIZE_ERRORS = ("size of tensor", "shape '[", "broadcast shape")  # in torch's errors for mismatched sizes
+
+
+def draw_cases(rng: random.Random | None = None) -> list[tuple[int, Sizes]]:
+    """Two cases, drawn afresh for each grading, so that a solution that depends on what it should not fails one
+    of them: two different world sizes, one case in float32 and one in float64, different token counts, any
+    widths, hidden sizes that split evenly or not, and CALLS seeds each."""
+    rng = rng or random.Random()
+    world_sizes, dtypes = rng.sample(WORLD_SIZES, 2), rng.sample([torch.float32, torch.float64], 2)
+    batches = rng.sample(range(2, 9), 2)
+    return [(n, Sizes(batch, rng.randint(3, 8), n * rng.randint(2, 3) + rng.randrange(n), dtype,
+                      tuple(rng.sample(range(1, 10**6), CALLS))))
+            for n, dtype, batch in zip(world_sizes, dtypes, batches, strict=True)]
 
 
 @graded("megatron_f_g")
@@ -65,30 +84,42 @@ def check_megatron_f_g(f, g, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Ver
         ...     def backward(ctx, grad):
         ...         return grad
         >>> check_megatron_f_g(Identity, Identity)
-        Not yet. On 2 ranks (...), rank 0: your g's forward made no all_reduce: ...
+        Not yet. On ... ranks (...), rank 0: your g's forward made no all_reduce: ...
     """
     timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
     for name, operator in (("f", f), ("g", g)):
         if not (isinstance(operator, type) and issubclass(operator, torch.autograd.Function)):
             return Verdict(False, f"pass your two classes themselves, check_megatron_f_g(F, G); your {name} is "
                                   f"{operator!r}, not a subclass of torch.autograd.Function.")
-    reference = reference_mlp()
-    for world_size in MEGATRON_CASES:
-        problem = _case_problem(f, g, world_size, reference, timeout_seconds)
+    cases = draw_cases()
+    for world_size, sizes in cases:
+        problem = _case_problem(f, g, world_size, sizes, timeout_seconds)
         if problem:
-            return Verdict(False, f"On {world_size} ranks (the MLP's {HIDDEN} hidden features split "
-                                  f"{HIDDEN // world_size} per rank), {problem}")
-    return Verdict(True, "on 2 and 3 ranks the block's output and the gradients of X, of every rank's shards of A, "
-                         "b1 and B, and of b2 equal one process's whole MLP (float64), with one all_reduce in the "
-                         "forward (your g) and one in the backward (your f). That is Megatron's MLP block: "
-                         "f and g are each other's transpose, and the block communicates once each way.")
+            return Verdict(False, f"{_described(world_size, sizes)}, {problem}")
+    said = " and ".join(f"{n} ranks ({_dtype(s.dtype)})" for n, s in cases)
+    return Verdict(True, f"on {said}, {CALLS} calls each on other inputs, the block's output and the gradients of "
+                         "X, of every rank's shards of A, b1 and B, and of b2 equal one process's whole MLP, with "
+                         "one all_reduce in the forward (your g) and one in the backward (your f), each of what "
+                         "its operator received. That is Megatron's MLP block: f and g are each other's "
+                         "transpose, and the block communicates once each way.")
 
 
-def _case_problem(f, g, world_size: int, reference, timeout_seconds: float) -> str | None:
+def _described(world_size: int, sizes: Sizes) -> str:
+    """How a case starts its verdict: the ranks, the hidden features' split, the dtype and the sizes."""
+    split = "+".join(str(len(p)) for p in torch.arange(sizes.hidden).tensor_split(world_size))
+    return (f"On {world_size} ranks (the MLP's {sizes.hidden} hidden features split {split}; {_dtype(sizes.dtype)}, "
+            f"{sizes.batch} tokens of {sizes.width} features)")
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _case_problem(f, g, world_size: int, sizes: Sizes, timeout_seconds: float) -> str | None:
     """What is wrong with f and g on `world_size` ranks, or None. A run that left all_reduces unmatched stops
     the pool, or the next case's collectives would meet them."""
     try:
-        outcomes = labkit.run(attempt_megatron, f, g, world_size=world_size, timeout=timeout_seconds)
+        outcomes = labkit.run(attempt_megatron, f, g, sizes, world_size=world_size, timeout=timeout_seconds)
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
         return _hang_message(hang, timeout_seconds)
     except labkit.RankError as error:
@@ -99,7 +130,8 @@ def _case_problem(f, g, world_size: int, reference, timeout_seconds: float) -> s
                 pass  # then labkit has stopped the pool itself
         return _error_message(error)
     _stop_pool_if_out_of_step(world_size, [o.calls for o in outcomes])
-    return _calls_problem(outcomes, world_size) or _values_problem(outcomes, reference)
+    return (_calls_problem(outcomes, world_size) or _contents_problem(outcomes)
+            or _values_problem(outcomes, sizes))
 
 
 def _stop_pool_if_out_of_step(world_size: int, calls: list[list]) -> None:
@@ -119,10 +151,67 @@ def _calls_problem(outcomes, world_size: int) -> str | None:
         late = next((c for c in outcome.calls if c.returned_before_wait), None)
         if late:
             return _late_message(rank, late)
-        counts = Counter((c.operator, c.direction) for c in outcome.calls)
-        if counts != _EXPECTED:
+        if outcome.unlike:
+            return _unlike_message(rank, *outcome.unlike)
+        for call in range(CALLS):
+            counts = Counter((c.operator, c.direction) for c in outcome.calls if c.round == call)
+            if counts == _EXPECTED:
+                continue
+            dropped = next((key for key in _EXPECTED if call and not counts[key]), None)
+            if dropped and Counter((c.operator, c.direction) for c in outcome.calls if c.round == 0) == _EXPECTED:
+                return f"rank {rank}: {_dropped_message(*dropped, call)}"
             return f"rank {rank}: {_counts_message(counts, world_size)}"
     return None
+
+
+def _dropped_message(operator: str, direction: str, call: int) -> str:
+    """An operator that all-reduced in the block's first call and not in a later one: a result kept."""
+    return (f"your {operator}'s {direction} made no all_reduce in call {call + 1} of the block, where call 1 made "
+            "one: it kept a result from an earlier call (on the class, on ctx, or in a global) and returned it "
+            "again, though the inputs were other ones. Each call must sum its own input: keep nothing between "
+            "calls.")
+
+
+def _unlike_message(rank: int, name: str, differs: str) -> str:
+    """An operator's forward returned a tensor of another dtype, shape or device than its input."""
+    return (f"rank {rank}: your {name}'s forward returned {differs}: a buffer made with a fixed dtype or fixed "
+            "sizes (torch.zeros(5, 6, dtype=torch.float64), say)? f and g change no dtype, shape or device: make "
+            "buffers like the tensor they hold (x.clone(), torch.empty_like(x), torch.zeros_like(x)), so that the "
+            "block works for every model, in every precision.")
+
+
+def _contents_problem(outcomes) -> str | None:
+    """Whether each operator's one all_reduce summed what that operator received, and whether it returned the
+    sum and not its own input: an all_reduce made is not yet an all_reduce of the right tensor."""
+    for rank, outcome in enumerate(outcomes):
+        for call in outcome.calls:
+            where = f"{call.operator} {call.direction}"
+            seen = outcome.seen[call.round].get(where, {})
+            received, returned = seen.get("received"), seen.get("returned")
+            if received is None:
+                continue
+            said = f"rank {rank}: your {call.operator}'s {call.direction} all-reduced"
+            if not _close(call.sent, received):
+                if not any(call.sent):
+                    return (f"{said} a tensor of zeros, not the {_input(call)} it received: was the buffer "
+                            "filled after the all_reduce? Sum what the operator received (a copy of it filled "
+                            "first, or the tensor itself).")
+                return (f"{said} something other than the {_input(call)} it received: the all_reduce was made, "
+                        "but of another tensor, so what the ranks summed is not the block's.")
+            if returned is not None and _close(returned, received) and not _close(call.result, received):
+                return (f"{said} a copy of the {_input(call)} it received, but returned the {_input(call)} "
+                        "itself, not the sum: return the tensor the all_reduce summed.")
+    return None
+
+
+def _input(call) -> str:
+    """What an operator receives, in words."""
+    return "partial sum" if call.direction == "forward" else "gradient"
+
+
+def _close(got, want) -> bool:
+    """Two flat float lists equal to float32's precision (what this compares was copied, not computed)."""
+    return len(got) == len(want) and all(abs(a - b) <= 1e-6 * (1 + abs(b)) for a, b in zip(got, want, strict=True))
 
 
 def _late_message(rank: int, late) -> str:
@@ -172,24 +261,60 @@ def _missing_message(g_forward: int, f_backward: int) -> str:
             "exactly one each, a second one sums what is already the same on every rank.")
 
 
-def _values_problem(outcomes, reference) -> str | None:
-    """The output and every gradient against one process's whole MLP, rank by rank."""
-    world_size = len(outcomes)
-    for rank, outcome in enumerate(outcomes):
-        part = torch.arange(HIDDEN).tensor_split(world_size)[rank]
-        wanted = {"output": reference["output"], "x": reference["x"], "A": reference["A"][part],
-                  "b1": reference["b1"][part], "B": reference["B"][:, part], "b2": reference["b2"]}
-        missing = next((name for name in ("B", "x") if outcome.values[name] is None), None)
-        if missing:
-            return _no_gradient_message(rank, missing)
-        for name, want in wanted.items():
-            got = torch.tensor(outcome.values[name], dtype=torch.float64)
-            if name == "output":  # b2 is added after g: compare what g returned
-                got, want = got - reference["b2"], want - reference["b2"]
-            gap = (got - want).abs().max().item()
-            if gap > TOLERANCE:
-                return _value_message(rank, name, got, want, gap, world_size)
+def _values_problem(outcomes, sizes: Sizes) -> str | None:
+    """The output and every gradient against one process's whole MLP, call by call, rank by rank."""
+    references = [reference_mlp(sizes, seed) for seed in sizes.seeds]
+    biases = [full_mlp(sizes, seed, dtype=torch.float64)["b2"] for seed in sizes.seeds]
+    references = [{**r, "output": r["output"] - b2} for r, b2 in zip(references, biases, strict=True)]  # b2 is
+    # added after g: compare what g returned
+    for call, reference in enumerate(references):
+        for rank, outcome in enumerate(outcomes):
+            previous = _as_returned(outcome.values[call - 1], biases[call - 1]) if call else None
+            problem = _rank_values_problem(rank, outcome.values[call], reference, biases[call], sizes,
+                                           len(outcomes), previous)
+            if problem:
+                return f"in call {call + 1} of {CALLS} of the block (other inputs each time), {problem}" \
+                    if call else problem
     return None
+
+
+def _as_returned(values: dict, b2: torch.Tensor) -> dict:
+    """A rank's values of one call as tensors, the output without that call's b2 (what g returned)."""
+    tensors = {name: None if v is None else torch.tensor(v, dtype=torch.float64) for name, v in values.items()}
+    tensors["output"] = tensors["output"].reshape(-1, len(b2)) - b2
+    return tensors
+
+
+def _rank_values_problem(rank: int, values: dict, reference: dict, b2: torch.Tensor, sizes: Sizes,
+                         world_size: int, previous: dict | None) -> str | None:
+    """One rank's output and gradients in one call against one process's (`previous`: what this rank had in the
+    call before, `_as_returned`)."""
+    part = torch.arange(sizes.hidden).tensor_split(world_size)[rank]
+    shares = {"output": lambda t: t, "x": lambda t: t, "A": lambda t: t[part],
+              "b1": lambda t: t[part], "B": lambda t: t[:, part], "b2": lambda t: t}
+    missing = next((name for name in ("B", "x") if values[name] is None), None)
+    if missing:
+        return _no_gradient_message(rank, missing)
+    tolerance = TOLERANCES[sizes.dtype]
+    for name, share in shares.items():
+        want = share(reference[name])
+        got = torch.tensor(values[name], dtype=torch.float64).reshape(want.shape)
+        got = got - b2 if name == "output" else got
+        gap = (got - want).abs().max().item()
+        if gap <= tolerance:
+            continue
+        kept = None if previous is None or previous[name] is None else previous[name].reshape(got.shape)
+        if kept is not None and (got - kept).abs().max().item() <= tolerance:
+            return _kept_message(rank, name)
+        return _value_message(rank, name, got, want, gap, world_size, sizes.dtype)
+    return None
+
+
+def _kept_message(rank: int, name: str) -> str:
+    """`name` in a later call of the block equals the call before's: a result kept across calls."""
+    return (f"rank {rank}: {_NAMES[name]} is the previous call's, computed from other inputs: your f or g kept a "
+            "result from an earlier call (on the class, on ctx's class, or in a global) and returned it again. "
+            "Each call must compute from its own input: keep nothing between calls.")
 
 
 def _no_gradient_message(rank: int, name: str) -> str:
@@ -203,16 +328,21 @@ def _no_gradient_message(rank: int, name: str) -> str:
 
 
 def _value_message(rank: int, name: str, got: torch.Tensor, want: torch.Tensor, gap: float,
-                   world_size: int) -> str:
-    """How `name` (the output, or a gradient) differs from one process's: by a factor of N, or otherwise."""
+                   world_size: int, dtype: torch.dtype) -> str:
+    """How `name` (the output, or a gradient) differs from one process's: by a factor of N, by float32's
+    precision in a float64 case, or otherwise."""
     scale = (got * want).sum().item() / (want * want).sum().item()
-    exact = (got - scale * want).abs().max().item() <= TOLERANCE * world_size
+    exact = (got - scale * want).abs().max().item() <= TOLERANCES[dtype] * world_size
     what = f"rank {rank}: {_NAMES[name]}"
     if exact and abs(scale * world_size - 1) < 1e-6:
         return (f"{what} is the right one divided by N = {world_size}: an average over the ranks, not their "
                 "sum. f and g add (dist.all_reduce with ReduceOp.SUM); nothing is divided by N.")
     if exact and abs(scale - world_size) < 1e-6:
         return f"{what} is N = {world_size} times the right one: something already whole was summed over the ranks."
+    if dtype == torch.float64 and gap <= TOLERANCES[torch.float32] * (1 + want.abs().max().item()):
+        return (f"{what} differs from one process's whole MLP by {gap:.3g}, float32's precision, in a float64 "
+                "case: a buffer in float32 (torch.zeros's default dtype) held it on the way? Make buffers like the "
+                "tensor they hold (torch.zeros_like(grad), grad.clone()), so that nothing is rounded.")
     return f"{what} differs from one process's whole MLP by {gap:.3g}, by no factor of N."
 
 
@@ -239,6 +369,10 @@ def _error_message(error: labkit.RankError) -> str:
     if spelling is not None:
         return forbidden_message(first.rank, spelling, False, _why_forbidden)
     message = f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
+    if first.raised(RuntimeError) and any(word in first.summary for word in _SIZE_ERRORS):
+        message += (" The grader draws new sizes for each case: a buffer of "
+                    "fixed sizes (torch.zeros(5, 6))? Make buffers like the tensor they hold (torch.zeros_like(x), "
+                    "x.clone()).")
     if "your turn" in first.summary:
         message += (" Part of your f or g is still the stub (raise NotImplementedError): write both forward "
                     "and backward of both.")
