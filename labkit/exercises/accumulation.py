@@ -15,12 +15,13 @@ k shows). `ddp_model` is a small float64 model in torch's DistributedDataParalle
 
 A solution passes only if, in both cases, on every rank: each call ran one forward per micro-batch, all but the
 last inside no_sync(), each followed by its backward before the next forward (so that one micro-batch's
-activations are alive at a time: the memory accumulation saves), and DDP all-reduced its one bucket once, with
-no collective of the solution's own (an all_reduce is counted; a broadcast, a barrier or a send is switched off:
-DDP's constructor broadcast the parameters, and its all_reduce keeps the replicas equal); no gradient was changed
-between micro-batches but by a backward (a clip_grad_norm_ there clips a partial, unsynchronised sum; clipping
-belongs after the last backward, and this exercise's step is the large batch's, unclipped); optimizer.step() ran
-once, with the gradient of
+activations are alive at a time: the memory accumulation saves, measured by what autograd still holds at each
+forward; a forward under torch.no_grad(), an accuracy logged, is no micro-batch), and DDP all-reduced its one
+bucket once, with no collective of the solution's own (an all_reduce is counted; a broadcast, a barrier or a send
+is switched off: DDP's constructor broadcast the parameters, and its all_reduce keeps the replicas equal); no
+gradient was changed between micro-batches but by a backward (a clip_grad_norm_ there clips a partial,
+unsynchronised sum; clipping belongs after the last backward, and this exercise's step is the large batch's,
+unclipped); optimizer.step() ran once, with the gradient of
 the whole large batch (every rank's micro-batches) of one process (float64, within 1e-9); and the parameters
 after every step equal one process trained on the large batch, the same on every rank. The watching, on each
 rank, is in `labkit.exercises.accumulation_guard`.
@@ -196,7 +197,22 @@ def _calls_problem(records, microbatches: int) -> str | None:
                         "forward and one backward per micro-batch.")
             if any(call.backward_lags):
                 return _order_message(rank, call.backward_lags)
+            if any(call.still_alive):
+                return _alive_message(rank, call.still_alive)
     return None
+
+
+def _alive_message(rank: int, still_alive: list[list[int]]) -> str:
+    """The message for graphs kept after their backward: at some forward, earlier micro-batches' saved activations
+    were still in memory (measured: autograd had not freed them)."""
+    forward = next(i for i, held in enumerate(still_alive) if held)
+    most = max(len(held) for held in still_alive) + 1
+    earlier = ", ".join(map(str, still_alive[forward]))
+    return (f"on rank {rank}, when micro-batch {forward + 1}'s forward began, the activations that autograd saved "
+            f"for micro-batch(es) {earlier} were still in memory, after their backward: up to {most} micro-batches' "
+            "activations were alive at once. A backward(retain_graph=True) keeps its graph for as long as its loss "
+            "is referenced (kept in a list, say); without retain_graph, backward frees each micro-batch's graph, "
+            "and the memory of one micro-batch at a time is what accumulation is for.")
 
 
 def _order_message(rank: int, lags: list) -> str:

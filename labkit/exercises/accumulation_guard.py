@@ -9,12 +9,16 @@ guard of labkit.exercises.guard): DDP's constructor has broadcast the parameters
 the last backward is the step's one communication, so a broadcast, a barrier or a message of the student's own
 only adds a round trip. Everything else is watched where DDP and the optimizer report it:
 
-- each forward of the DDP model, and whether it ran with DDP's gradient synchronisation off (inside
+- each forward of the DDP model with gradients on (one under torch.no_grad(), an accuracy logged, is no
+  micro-batch), and whether it ran with DDP's gradient synchronisation off (inside
   `no_sync()`): DDP decides at the forward whether that backward will all-reduce (torch's
   DistributedDataParallel.no_sync documentation), so the forward is what counts;
 - when each forward's backward reached its output (a tensor hook, Tensor.register_hook), counted in forwards
   run since: accumulation saves memory only if each micro-batch's backward runs before the next forward, so
   that one micro-batch's activations are alive at a time;
+- and that memory itself, measured: every tensor autograd saves for backward is packed, through
+  torch.autograd.graph.saved_tensors_hooks, into a holder counted under its micro-batch until autograd frees it
+  (`SavedActivations`), so a backward(retain_graph=True) whose losses are kept alive shows at the next forward;
 - each bucket DDP all-reduces, through a communication hook (`DistributedDataParallel.register_comm_hook`) that
   counts it and then does what DDP does by default (`default_hooks.allreduce_hook`: divide by N, all_reduce);
 - every all_reduce the process group receives (ProcessGroup.allreduce), so that one made by hand shows, and
@@ -34,6 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -44,9 +50,9 @@ from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises.guard import Guard
 from labkit.models import mlp
 
-__all__ = ["CLASSES", "FEATURES", "INPUT_SCALE", "LR", "ROWS_PER_STEP", "STEPS", "AccumulationGuard", "StepRecord",
-           "Watch", "accumulation_model", "attempt_accumulation", "flat_grads", "rank_microbatches", "step_batch",
-           "warm_up"]
+__all__ = ["CLASSES", "FEATURES", "INPUT_SCALE", "LR", "ROWS_PER_STEP", "STEPS", "AccumulationGuard",
+           "SavedActivations", "StepRecord", "Watch", "accumulation_model", "attempt_accumulation", "flat_grads",
+           "rank_microbatches", "step_batch", "warm_up"]
 
 FEATURES, HIDDEN, CLASSES = 4, 8, 3
 ROWS_PER_STEP = 24  # the large batch of one optimizer step, shared by the ranks and cut into micro-batches
@@ -83,7 +89,9 @@ class StepRecord:
     and how many later forwards ran before its backward reached it; forwards of the inner module; the buckets DDP
     all-reduced; what each all_reduce made by hand held; the calls the guard refused; after which micro-batches
     (1-based) a gradient changed before the next forward, by anything but a backward or a zeroing; the flat
-    gradient at each optimizer.step(); whether no_sync() was entered at all; the parameters after the call."""
+    gradient at each optimizer.step(); whether no_sync() was entered at all; the parameters after the call; the
+    forwards run without gradients; and, measured, which earlier micro-batches' saved activations were alive at
+    each forward."""
 
     no_sync_forwards: list[bool] = field(default_factory=list)
     backward_lags: list[int | None] = field(default_factory=list)  # None: no backward reached that forward
@@ -95,6 +103,9 @@ class StepRecord:
     step_grads: list[list[float]] = field(default_factory=list)
     entered_no_sync: bool = False
     params: list[float] = field(default_factory=list)
+    evaluations: int = 0  # forwards under torch.no_grad() (an accuracy logged, say): no micro-batch, no graph
+    still_alive: list[list[int]] = field(default_factory=list)  # per forward: the earlier micro-batches (1-based)
+    # whose saved activations were still alive when it started
 
 
 class Watch:
@@ -102,6 +113,7 @@ class Watch:
 
     def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer):
         self.current = StepRecord()
+        self.saved = SavedActivations(self)
         self.ddp = ddp
         self.in_sync = False  # True while DDP's own all_reduce runs (in the communication hook)
         self.accumulated: dict[int, torch.Tensor] = {}  # parameter index -> its .grad after its last accumulation
@@ -119,8 +131,14 @@ class Watch:
     def _forward(self, module, args) -> None:
         """Note whether this forward runs inside no_sync(), and whether .grad changed since the previous
         micro-batch's backward, when that one ran inside no_sync() before this forward (DDP's own write of the
-        all-reduced gradient comes after the accumulation, so only a backward inside no_sync() is compared)."""
+        all-reduced gradient comes after the accumulation, so only a backward inside no_sync() is compared), and
+        which earlier micro-batches' activations are still alive. A forward under torch.no_grad() (an accuracy
+        logged) is no micro-batch: it builds no graph and DDP does not synchronise for it."""
         record = self.current
+        if not torch.is_grad_enabled():
+            record.evaluations += 1
+            return
+        record.still_alive.append(self.saved.alive_before(len(record.no_sync_forwards)))
         if record.no_sync_forwards and record.no_sync_forwards[-1] and record.backward_lags[-1] == 0 \
                 and self._changed_since_backward():
             record.touched.append(len(record.no_sync_forwards))
@@ -141,13 +159,16 @@ class Watch:
     def _forward_done(self, module, args, output) -> None:
         """Hook the forward's output, so that the record notes how many forwards had run when its backward
         reached it."""
+        if not torch.is_grad_enabled():
+            return
         record, index = self.current, len(self.current.no_sync_forwards) - 1
         record.backward_lags.append(None)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(functools.partial(_backward_reached, record, index))
 
     def _module_forward(self, module, args) -> None:
-        self.current.module_forwards += 1
+        if torch.is_grad_enabled():
+            self.current.module_forwards += 1
 
     def _sync(self, state, bucket):
         """DDP's default reduction (divide by N, all_reduce), counted."""
@@ -166,6 +187,56 @@ class Watch:
         self.current.entered_no_sync = True
         with self._no_sync():
             yield
+
+
+class SavedActivations:
+    """What autograd saves for backward, per micro-batch, measured while it is alive: while the student's step
+    runs, torch.autograd.graph.saved_tensors_hooks packs every saved tensor into a small holder, counted under
+    the micro-batch whose forward is running; autograd drops the holder when it frees that graph (after a
+    backward without retain_graph=True, or when the last reference to the loss goes), and a finalizer counts it
+    out. Deterministic: CPython frees by reference counts (a collection is run before a graph is said alive,
+    for graphs held in a cycle)."""
+
+    def __init__(self, watch: Watch):
+        self.watch = watch
+        self.alive: dict[tuple[int, int], int] = {}  # (id of the step's record, micro-batch index) -> holders
+
+    def hooks(self):
+        """The context under which the student's step runs."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        holder = _Saved(tensor)
+        key = (id(self.watch.current), len(self.watch.current.no_sync_forwards) - 1)
+        self.alive[key] = self.alive.get(key, 0) + 1
+        weakref.finalize(holder, self._released, key)
+        return holder
+
+    def _released(self, key: tuple[int, int]) -> None:
+        self.alive[key] -= 1
+
+    def alive_before(self, index: int) -> list[int]:
+        """The micro-batches (1-based) before forward `index` of this call whose saved tensors are alive."""
+        def held() -> list[int]:
+            record = id(self.watch.current)
+            return [i + 1 for (r, i), n in sorted(self.alive.items()) if r == record and 0 <= i < index and n]
+        if held():
+            gc.collect()  # a graph held only by a reference cycle is garbage, not memory kept on purpose
+        return held()
+
+
+class _Saved:
+    """A tensor autograd saved for backward, held so that its life can be watched (a weakref to a Tensor would
+    follow the tensor, which the model's parameters outlive)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _unpack(holder: _Saved) -> torch.Tensor:
+    return holder.tensor
 
 
 def _backward_reached(record: StepRecord, index: int, grad: torch.Tensor) -> None:
@@ -194,7 +265,7 @@ def attempt_accumulation(fn, microbatches: int) -> list[StepRecord]:
     watch, records = Watch(ddp, optimizer), []
     for step in range(STEPS):
         watch.current, guard = StepRecord(), AccumulationGuard(watch)
-        with guard:
+        with guard, watch.saved.hooks():
             fn(ddp, optimizer, rank_microbatches(step, labkit.rank(), labkit.world_size(), microbatches, device))
         watch.current.forbidden = guard.forbidden
         watch.current.params = [v for p in ddp.module.parameters() for v in p.detach().flatten().tolist()]
