@@ -31,7 +31,7 @@ def warm_pools():
     """Start the pools of 2, 3 and 4 ranks and import the grader's rank side in them, so that no case's timeout is
     spent starting processes on a loaded machine."""
     for world_size in WORLD_SIZES:
-        labkit.run(importlib.import_module, "labkit.exercises.megatron_guard", world_size=world_size)
+        labkit.run(importlib.import_module, "labkit.exercises.megatron", world_size=world_size)
 
 
 def summed(x):
@@ -246,7 +246,7 @@ def test_every_grading_draws_both_dtypes_two_world_sizes_and_two_token_counts():
     world sizes and two token counts, so a buffer of a fixed dtype, sizes or rank count fails one of them."""
     rng, draws = random.Random(27), set()
     for _ in range(200):
-        (n1, s1), (n2, s2) = draw_cases(rng)
+        (n1, s1), (n2, s2) = ((case.world_size, case["sizes"]) for case in draw_cases(rng))
         assert n1 != n2 and {s1.dtype, s2.dtype} == {torch.float32, torch.float64} and s1.batch != s2.batch
         assert s1.hidden >= 2 * n1 and s2.hidden >= 2 * n2 and len(set(s1.seeds)) == len(s1.seeds) >= 2
         draws.add((n1, s1.batch, s1.width, s1.hidden, s1.dtype))
