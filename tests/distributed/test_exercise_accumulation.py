@@ -20,8 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labkit
-from labkit.exercises.accumulation import check_no_sync_accumulation
-from labkit.exercises.accumulation import warm_up
+from labkit.exercises.accumulation import check_no_sync_accumulation, warm_up
 from labkit.exercises.verdict import Verdict
 
 HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
