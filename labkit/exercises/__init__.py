@@ -7,9 +7,9 @@
     ddp_hook    check_bucketed_ddp_hook (notebook 04): the student's bucketed DDP from post-accumulate-grad hooks,
                 against torch's DDP, communication started inside backward (its rank side in the same file)
     megatron    check_megatron_f_g (notebook 05): the student's f and g autograd functions in Megatron's MLP on
-                2 and 3 ranks, against one process, one all_reduce each way (megatron_guard: on each rank)
+                two drawn world sizes and dtypes, against one process, one all_reduce each way (one file, on the kit)
     accumulation  check_no_sync_accumulation (notebook 07): accumulation with DDP's no_sync(), one AllReduce per
-                  optimizer step, equal to the large batch (accumulation_guard: on each rank)
+                  optimizer step, equal to the large batch (one file, on the kit)
     atomic_save check_atomic_save (notebook 09): the student's checkpoint save killed midway, the previous one
                 must survive (atomic_watch: in the saving process)
     bug_zoo     notebook 15's six broken training runs (zoo_run), their symptoms and causes (the widget is

@@ -15,39 +15,78 @@ k shows). `ddp_model` is a small float64 model in torch's DistributedDataParalle
 
 A solution passes only if, in both cases, on every rank: each call ran one forward per micro-batch, all but the
 last inside no_sync(), each followed by its backward before the next forward (so that one micro-batch's
-activations are alive at a time: the memory accumulation saves), and DDP all-reduced its one bucket once, with
-no collective of the solution's own (an all_reduce is counted; a broadcast, a barrier or a send is switched off:
-DDP's constructor broadcast the parameters, and its all_reduce keeps the replicas equal); no gradient was changed
-between micro-batches but by a backward (a clip_grad_norm_ there clips a partial, unsynchronised sum; clipping
-belongs after the last backward, and this exercise's step is the large batch's, unclipped); optimizer.step() ran
-once, with the gradient of
+activations are alive at a time: the memory accumulation saves, measured by what autograd still holds at each
+forward; a forward under torch.no_grad(), an accuracy logged, is no micro-batch), and DDP all-reduced its one
+bucket once, with no collective of the solution's own (an all_reduce is counted; a broadcast, a barrier or a send
+is switched off: DDP's constructor broadcast the parameters, and its all_reduce keeps the replicas equal); no
+gradient was changed between micro-batches but by a backward (a clip_grad_norm_ there clips a partial,
+unsynchronised sum; clipping belongs after the last backward, and this exercise's step is the large batch's,
+unclipped); optimizer.step() ran once, with the gradient of
 the whole large batch (every rank's micro-batches) of one process (float64, within 1e-9); and the parameters
 after every step equal one process trained on the large batch, the same on every rank. The watching, on each
-rank, is in `labkit.exercises.accumulation_guard`.
+rank, is below (`attempt`).
+
+The grading is the kit's runner driven by `SPEC` (labkit.exercises._kit._runner): the cases, the rank-side
+attempt, the ordered checks and the messages. On a rank (`attempt`):
+
+Each rank wraps the same small model (`accumulation_model`, float64, seeded the same everywhere) in torch's
+DistributedDataParallel, makes an SGD optimizer, and calls the student's `fn(ddp_model, optimizer, microbatches)`
+once per optimizer step with this rank's micro-batches of that step's batch (`rank_microbatches`). While fn runs,
+every way into torch.distributed's communication but all_reduce is switched off (`AccumulationGuard`, the shared
+guard of labkit.exercises.guard): DDP's constructor has broadcast the parameters before, and DDP's all_reduce in
+the last backward is the step's one communication, so a broadcast, a barrier or a message of the student's own
+only adds a round trip. Everything else is watched where DDP and the optimizer report it:
+
+- each forward of the DDP model with gradients on (one under torch.no_grad(), an accuracy logged, is no
+  micro-batch), and whether it ran with DDP's gradient synchronisation off (inside
+  `no_sync()`): DDP decides at the forward whether that backward will all-reduce (torch's
+  DistributedDataParallel.no_sync documentation), so the forward is what counts;
+- when each forward's backward reached its output (a tensor hook, Tensor.register_hook), counted in forwards
+  run since: accumulation saves memory only if each micro-batch's backward runs before the next forward, so
+  that one micro-batch's activations are alive at a time;
+- and that memory itself, measured: every tensor autograd saves for backward is packed, through
+  torch.autograd.graph.saved_tensors_hooks, into a holder counted under its micro-batch until autograd frees it
+  (`SavedActivations`), so a backward(retain_graph=True) whose losses are kept alive shows at the next forward;
+- each bucket DDP all-reduces, through a communication hook (`DistributedDataParallel.register_comm_hook`) that
+  counts it and then does what DDP does by default (`default_hooks.allreduce_hook`: divide by N, all_reduce);
+- every all_reduce the process group receives (ProcessGroup.allreduce), so that one made by hand shows, and
+  what it held: a parameter's gradient (or a tensor of a parameter's shape), or another tensor (a loss, say);
+- each parameter's .grad right after a backward accumulated into it (Tensor.register_post_accumulate_grad_hook),
+  compared at the next forward after a backward inside no_sync(): a gradient changed in between by anything but a
+  backward or a zeroing (clip_grad_norm_ on the partial, unsynchronised sum, say) shows;
+- the gradient at each `optimizer.step()` (a step pre-hook), and the parameters after each call.
+
+The model is small enough that DDP puts all its gradients in one bucket (its first bucket holds 1 MB), so one
+synchronisation is one all_reduce. The inputs are scaled (INPUT_SCALE) so that the gradients are large: the large
+batch's norm is 7.7 to 10.4 and one micro-batch's share at least 2.5, so that a clip_grad_norm_(max_norm=1.0) in
+the wrong place acts and shows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
+import weakref
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import labkit
-from labkit.checks import timeout_seconds as checked_timeout
-from labkit.exercises.accumulation_guard import (
-    LR,
-    ROWS_PER_STEP,
-    STEPS,
-    accumulation_model,
-    attempt_accumulation,
-    step_batch,
-    warm_up,
-)
+from labkit.exercises._kit import _store
+from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._messages import first_failure, forbidden_message, hang_message
+from labkit.exercises._kit._record import Call
+from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
+from labkit.exercises.guard import Guard
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
+from labkit.models import mlp
 
-__all__ = ["ACCUMULATION_CASES", "TOLERANCE", "check_no_sync_accumulation", "reference_run"]
+__all__ = ["ACCUMULATION_CASES", "TOLERANCE", "check_no_sync_accumulation", "reference_run", "warm_up"]
 
 ACCUMULATION_CASES = ((2, 3), (3, 2))  # (world_size, micro-batches per rank): N != k, so /N and /k differ
 TOLERANCE = 1e-9  # float64: a right step is within 1e-15; every mistake is off by far more
@@ -71,20 +110,40 @@ def check_no_sync_accumulation(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) 
         >>> check_no_sync_accumulation(no_no_sync)
         Not yet. On 2 ranks with 3 micro-batches each (a batch of 24 rows...after every micro-batch (3 all_reduces...
     """
-    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
-    if not callable(fn):
-        return Verdict(False, "pass your function itself, e.g. check_no_sync_accumulation(train_step), not "
-                              f"{type(fn).__name__}.")
-    for world_size, microbatches in ACCUMULATION_CASES:
-        problem = _case_problem(fn, world_size, microbatches, timeout_seconds)
-        if problem:
-            return Verdict(False, f"On {world_size} ranks with {microbatches} micro-batches each (a batch of "
-                                  f"{ROWS_PER_STEP} rows per optimizer step), {problem}")
-    return Verdict(True, f"on 2 ranks x 3 micro-batches and 3 ranks x 2, every optimizer step ran the first k-1 "
-                         "micro-batches inside no_sync() and DDP all-reduced once per optimizer step, not once "
-                         "per micro-batch; the gradient at optimizer.step() was the large batch's, and after "
-                         f"{STEPS} steps every rank's parameters equal one process trained on the large batch. "
-                         "That is gradient accumulation: k times the batch for one AllReduce.")
+    return grade(SPEC, fn, timeout_seconds=timeout_seconds)
+
+
+def _cases() -> list[Case]:
+    """The cases, each pool of ranks first started and its DDP warmed up (warm_up), so that starting ranks does
+    not eat a case's timeout."""
+    for world_size, _ in ACCUMULATION_CASES:
+        labkit.run(warm_up, world_size=world_size, timeout=STARTUP_SECONDS)
+    return [Case(world_size, {"microbatches": k}) for world_size, k in ACCUMULATION_CASES]
+
+
+def _described(case: Case) -> str:
+    return (f"On {case.world_size} ranks with {case['microbatches']} micro-batches each (a batch of {ROWS_PER_STEP} "
+            "rows per optimizer step)")
+
+
+def _passed(cases) -> str:
+    return (f"on 2 ranks x 3 micro-batches and 3 ranks x 2, every optimizer step ran the first k-1 "
+            "micro-batches inside no_sync() and DDP all-reduced once per optimizer step, not once "
+            "per micro-batch; the gradient at optimizer.step() was the large batch's, and after "
+            f"{STEPS} steps every rank's parameters equal one process trained on the large batch. "
+            "That is gradient accumulation: k times the batch for one AllReduce.")
+
+
+def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float) -> str:
+    return hang_message(hang, timeout_seconds, "a rank waited in an all_reduce that the others did not join. Every "
+                        "rank must run the same micro-batches inside no_sync(), whatever its rank, so that DDP "
+                        "all-reduces at the same moment everywhere.")
+
+
+def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
+    """A rank's own error (a refused call the runner has told already)."""
+    first = first_failure(error)[0]
+    return f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
 
 
 def reference_run(world_size: int, microbatches: int) -> tuple[list, list, list]:
@@ -112,30 +171,7 @@ def _gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[
     return [v for p in model.parameters() for v in p.grad.flatten().tolist()]
 
 
-def _case_problem(fn, world_size: int, microbatches: int, timeout_seconds: float) -> str | None:
-    """What is wrong with fn on `world_size` ranks with `microbatches` each, or None. A run whose ranks
-    all-reduced different numbers of buckets stops the pool, or the next case's collectives would meet them."""
-    labkit.run(warm_up, world_size=world_size, timeout=STARTUP_SECONDS)  # starting ranks does not eat the timeout
-    try:
-        records = labkit.run(attempt_accumulation, fn, microbatches, world_size=world_size, timeout=timeout_seconds)
-    except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
-        return (f"it never finished (stopped after {timeout_seconds:g} s): a rank waited in an all_reduce that the "
-                f"others did not join. {where_ranks_waited(hang)}. Every rank must run the same micro-batches "
-                "inside no_sync(), whatever its rank, so that DDP all-reduces at the same moment everywhere.")
-    except labkit.RankError as error:
-        first, spelling = first_failure(error)
-        if spelling is not None:
-            return forbidden_message(first.rank, spelling, False, _why_forbidden)
-        return f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
-    if any([r.syncs for r in rank] != [r.syncs for r in records[0]] for rank in records):
-        stop_pool(world_size)
-    reference = reference_run(world_size, microbatches)
-    return (_forbidden_problem(records) or _calls_problem(records, microbatches)
-            or _sync_problem(records, microbatches) or _touched_problem(records, microbatches)
-            or _values_problem(records, microbatches, reference))
-
-
-def _forbidden_problem(records) -> str | None:
+def _forbidden_problem(records, case: Case) -> str | None:
     """A switched-off call the step made and caught (one it did not catch failed the run), else None."""
     for rank, calls in enumerate(records):
         for call in calls:
@@ -159,8 +195,9 @@ def _why_forbidden(spelling: str, name: str) -> str:
             f"the gradients in the last micro-batch's backward. {extra} Leave the communication to DDP.")
 
 
-def _touched_problem(records, microbatches: int) -> str | None:
+def _touched_problem(records, case: Case) -> str | None:
     """A gradient changed between a micro-batch's backward and the next forward, by other than a backward."""
+    microbatches = case["microbatches"]
     for rank, calls in enumerate(records):
         touched = next((call.touched[0] for call in calls if call.touched), None)
         if touched is not None:
@@ -175,8 +212,9 @@ def _touched_problem(records, microbatches: int) -> str | None:
     return None
 
 
-def _calls_problem(records, microbatches: int) -> str | None:
+def _calls_problem(records, case: Case) -> str | None:
     """Steps, forwards and forwards around DDP, per call: once, k, none; else what happened."""
+    microbatches = case["microbatches"]
     for rank, calls in enumerate(records):
         for call in calls:
             steps, forwards = len(call.step_grads), len(call.no_sync_forwards)
@@ -196,7 +234,22 @@ def _calls_problem(records, microbatches: int) -> str | None:
                         "forward and one backward per micro-batch.")
             if any(call.backward_lags):
                 return _order_message(rank, call.backward_lags)
+            if any(call.still_alive):
+                return _alive_message(rank, call.still_alive)
     return None
+
+
+def _alive_message(rank: int, still_alive: list[list[int]]) -> str:
+    """The message for graphs kept after their backward: at some forward, earlier micro-batches' saved activations
+    were still in memory (measured: autograd had not freed them)."""
+    forward = next(i for i, held in enumerate(still_alive) if held)
+    most = max(len(held) for held in still_alive) + 1
+    earlier = ", ".join(map(str, still_alive[forward]))
+    return (f"on rank {rank}, when micro-batch {forward + 1}'s forward began, the activations that autograd saved "
+            f"for micro-batch(es) {earlier} were still in memory, after their backward: up to {most} micro-batches' "
+            "activations were alive at once. A backward(retain_graph=True) keeps its graph for as long as its loss "
+            "is referenced (kept in a list, say); without retain_graph, backward frees each micro-batch's graph, "
+            "and the memory of one micro-batch at a time is what accumulation is for.")
 
 
 def _order_message(rank: int, lags: list) -> str:
@@ -212,9 +265,10 @@ def _order_message(rank: int, lags: list) -> str:
             "for the gradient of the large batch.")
 
 
-def _sync_problem(records, microbatches: int) -> str | None:
+def _sync_problem(records, case: Case) -> str | None:
     """Which micro-batches ran inside no_sync(), all_reduces made by hand, and how many buckets DDP all-reduced,
     per call."""
+    microbatches = case["microbatches"]
     wanted = [True] * (microbatches - 1) + [False]
     for rank, calls in enumerate(records):
         for call in calls:
@@ -283,9 +337,10 @@ def _drift(records) -> str:
             "steps)")
 
 
-def _values_problem(records, microbatches: int, reference) -> str | None:
+def _values_problem(records, case: Case) -> str | None:
     """The gradient at each optimizer.step() against the large batch's, then the parameters after each step."""
-    full, last_only, params = reference
+    microbatches = case["microbatches"]
+    full, last_only, params = reference_run(case.world_size, microbatches)
     for step in range(STEPS):
         for rank, calls in enumerate(records):
             got = calls[step].step_grads[0]
@@ -364,3 +419,262 @@ def _scale(got, want) -> float | None:
 def _gap(got, want) -> float:
     """The largest absolute difference between two flat lists of floats."""
     return max((abs(a - b) for a, b in zip(got, want, strict=True)), default=0.0)
+
+
+# ---- on a rank: the training run, what is watched, and what the student's step left behind -----------
+
+FEATURES, HIDDEN, CLASSES = 4, 8, 3
+ROWS_PER_STEP = 24  # the large batch of one optimizer step, shared by the ranks and cut into micro-batches
+STEPS = 3  # optimizer steps: a second step shows gradients never zeroed
+LR = 0.05  # with INPUT_SCALE's large gradients, every mistake moves the parameters far, and no step diverges
+INPUT_SCALE = 20.0  # the inputs' scale: gradient norms of 2.5 and more, so that a misplaced clip to 1.0 acts
+
+
+def accumulation_model(device=None) -> torch.nn.Sequential:
+    """The graded model: 4 features, one hidden layer of 8, 3 classes, float64, the same seed on every rank."""
+    return mlp(features=FEATURES, hidden=HIDDEN, classes=CLASSES, layers=1, dtype=torch.float64).to(device)
+
+
+def step_batch(step: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The large batch of optimizer step `step` (ROWS_PER_STEP rows), the same on every rank and in the grader."""
+    generator = torch.Generator().manual_seed(100 + step)
+    x = INPUT_SCALE * torch.randn(ROWS_PER_STEP, FEATURES, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (ROWS_PER_STEP,), generator=generator)
+    return x.to(device), y.to(device)
+
+
+def rank_microbatches(step: int, rank: int, world_size: int, microbatches: int, device=None) -> list:
+    """Rank `rank`'s share of step `step`'s batch (a contiguous block of rows), cut into `microbatches` equal
+    (x, y) micro-batches."""
+    x, y = step_batch(step, device)
+    rows = ROWS_PER_STEP // world_size
+    mine = slice(rank * rows, (rank + 1) * rows)
+    return list(zip(x[mine].chunk(microbatches), y[mine].chunk(microbatches), strict=True))
+
+
+@dataclass
+class StepRecord:
+    """One call of the student's step on one rank: per forward of the DDP model, whether it ran inside no_sync()
+    and how many later forwards ran before its backward reached it; forwards of the inner module; the buckets DDP
+    all-reduced; what each all_reduce made by hand held; the calls the guard refused; after which micro-batches
+    (1-based) a gradient changed before the next forward, by anything but a backward or a zeroing; the flat
+    gradient at each optimizer.step(); whether no_sync() was entered at all; the parameters after the call; the
+    forwards run without gradients; and, measured, which earlier micro-batches' saved activations were alive at
+    each forward."""
+
+    no_sync_forwards: list[bool] = field(default_factory=list)
+    backward_lags: list[int | None] = field(default_factory=list)  # None: no backward reached that forward
+    module_forwards: int = 0
+    syncs: int = 0
+    own_allreduces: list[str] = field(default_factory=list)  # "gradient", or what else the tensor was
+    forbidden: list[str] = field(default_factory=list)  # what the step called that the guard switched off
+    touched: list[int] = field(default_factory=list)  # micro-batches after whose backward .grad was changed
+    step_grads: list[list[float]] = field(default_factory=list)
+    entered_no_sync: bool = False
+    params: list[float] = field(default_factory=list)
+    evaluations: int = 0  # forwards under torch.no_grad() (an accuracy logged, say): no micro-batch, no graph
+    still_alive: list[list[int]] = field(default_factory=list)  # per forward: the earlier micro-batches (1-based)
+    # whose saved activations were still alive when it started
+
+
+class Watch:
+    """Hooks on one DDP model and its optimizer that fill `current`, the StepRecord of the call under way."""
+
+    def __init__(self, ddp: torch.nn.parallel.DistributedDataParallel, optimizer: torch.optim.Optimizer):
+        self.current = StepRecord()
+        self.saved = SavedActivations(self)
+        self.ddp = ddp
+        self.in_sync = False  # True while DDP's own all_reduce runs (in the communication hook)
+        self.accumulated: dict[int, torch.Tensor] = {}  # parameter index -> its .grad after its last accumulation
+        self.parameters = list(ddp.module.parameters())
+        for index, parameter in enumerate(self.parameters):
+            parameter.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
+        ddp.register_forward_pre_hook(self._forward)
+        ddp.register_forward_hook(self._forward_done)
+        ddp.module.register_forward_pre_hook(self._module_forward)
+        ddp.register_comm_hook(None, self._sync)
+        optimizer.register_step_pre_hook(self._step)
+        self._no_sync = ddp.no_sync
+        ddp.no_sync = self._watched_no_sync
+
+    def _forward(self, module, args) -> None:
+        """Note whether this forward runs inside no_sync(), and whether .grad changed since the previous
+        micro-batch's backward, when that one ran inside no_sync() before this forward (DDP's own write of the
+        all-reduced gradient comes after the accumulation, so only a backward inside no_sync() is compared), and
+        which earlier micro-batches' activations are still alive. A forward under torch.no_grad() (an accuracy
+        logged) is no micro-batch: it builds no graph and DDP does not synchronise for it."""
+        record = self.current
+        if not torch.is_grad_enabled():
+            record.evaluations += 1
+            return
+        record.still_alive.append(self.saved.alive_before(len(record.no_sync_forwards)))
+        if record.no_sync_forwards and record.no_sync_forwards[-1] and record.backward_lags[-1] == 0 \
+                and self._changed_since_backward():
+            record.touched.append(len(record.no_sync_forwards))
+        self.accumulated = {}
+        record.no_sync_forwards.append(not self.ddp.require_backward_grad_sync)
+
+    def _accumulated(self, index: int, parameter: torch.Tensor) -> None:
+        self.accumulated[index] = parameter.grad.detach().clone()
+
+    def _changed_since_backward(self) -> bool:
+        """Whether some .grad differs from what the last backward left in it; a zeroing (every .grad zero or
+        None: zero_grad()) does not count, the grader names that by its values."""
+        grads = [p.grad for p in self.parameters]
+        if all(g is None or not g.any() for g in grads):
+            return False
+        return any(grads[i] is None or not torch.equal(grads[i], saved) for i, saved in self.accumulated.items())
+
+    def _forward_done(self, module, args, output) -> None:
+        """Hook the forward's output, so that the record notes how many forwards had run when its backward
+        reached it."""
+        if not torch.is_grad_enabled():
+            return
+        record, index = self.current, len(self.current.no_sync_forwards) - 1
+        record.backward_lags.append(None)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(functools.partial(_backward_reached, record, index))
+
+    def _module_forward(self, module, args) -> None:
+        if torch.is_grad_enabled():
+            self.current.module_forwards += 1
+
+    def _sync(self, state, bucket):
+        """DDP's default reduction (divide by N, all_reduce), counted."""
+        self.current.syncs += 1
+        self.in_sync = True
+        try:
+            return default_hooks.allreduce_hook(None, bucket)
+        finally:
+            self.in_sync = False
+
+    def _step(self, optimizer, args, kwargs) -> None:
+        self.current.step_grads.append(flat_grads(self.ddp.module))
+
+    @contextlib.contextmanager
+    def _watched_no_sync(self):
+        self.current.entered_no_sync = True
+        with self._no_sync():
+            yield
+
+
+class SavedActivations:
+    """What autograd saves for backward, per micro-batch, measured while it is alive: while the student's step
+    runs, torch.autograd.graph.saved_tensors_hooks packs every saved tensor into a small holder, counted under
+    the micro-batch whose forward is running; autograd drops the holder when it frees that graph (after a
+    backward without retain_graph=True, or when the last reference to the loss goes), and a finalizer counts it
+    out. Deterministic: CPython frees by reference counts (a collection is run before a graph is said alive,
+    for graphs held in a cycle)."""
+
+    def __init__(self, watch: Watch):
+        self.watch = watch
+        self.alive: dict[tuple[int, int], int] = {}  # (id of the step's record, micro-batch index) -> holders
+
+    def hooks(self):
+        """The context under which the student's step runs."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def _pack(self, tensor: torch.Tensor):
+        holder = _Saved(tensor)
+        key = (id(self.watch.current), len(self.watch.current.no_sync_forwards) - 1)
+        self.alive[key] = self.alive.get(key, 0) + 1
+        weakref.finalize(holder, self._released, key)
+        return holder
+
+    def _released(self, key: tuple[int, int]) -> None:
+        self.alive[key] -= 1
+
+    def alive_before(self, index: int) -> list[int]:
+        """The micro-batches (1-based) before forward `index` of this call whose saved tensors are alive."""
+        def held() -> list[int]:
+            record = id(self.watch.current)
+            return [i + 1 for (r, i), n in sorted(self.alive.items()) if r == record and 0 <= i < index and n]
+        if held():
+            gc.collect()  # a graph held only by a reference cycle is garbage, not memory kept on purpose
+        return held()
+
+
+class _Saved:
+    """A tensor autograd saved for backward, held so that its life can be watched (a weakref to a Tensor would
+    follow the tensor, which the model's parameters outlive)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+def _unpack(holder: _Saved) -> torch.Tensor:
+    return holder.tensor
+
+
+def _backward_reached(record: StepRecord, index: int, grad: torch.Tensor) -> None:
+    """A tensor hook: the backward reached forward `index`'s output; note how many forwards ran after it."""
+    if record.backward_lags[index] is None:
+        record.backward_lags[index] = len(record.no_sync_forwards) - 1 - index
+
+
+def flat_grads(model: torch.nn.Module) -> list[float]:
+    """Every parameter's gradient, flattened into one list (zeros where .grad is None)."""
+    return [v for p in model.parameters() for v in (p.grad if p.grad is not None else torch.zeros_like(p))
+            .flatten().tolist()]
+
+
+def warm_up() -> None:
+    """On a rank: wrap the model in DDP once, so that what torch imports on DDP's first use is imported before a
+    graded call's timeout starts."""
+    torch.nn.parallel.DistributedDataParallel(accumulation_model(labkit.device()))
+
+
+def attempt(fn, case: Case) -> list[StepRecord]:
+    """On a rank: STEPS calls of fn(ddp_model, optimizer, this rank's micro-batches), watched; one record each."""
+    microbatches = case["microbatches"]
+    device = labkit.device()
+    ddp = torch.nn.parallel.DistributedDataParallel(accumulation_model(device))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    watch, records = Watch(ddp, optimizer), []
+    for step in range(STEPS):
+        watch.current, guard = StepRecord(), AccumulationGuard(watch)
+        with guard, watch.saved.hooks():
+            fn(ddp, optimizer, rank_microbatches(step, labkit.rank(), labkit.world_size(), microbatches, device))
+        watch.current.forbidden = guard.forbidden
+        watch.current.params = [v for p in ddp.module.parameters() for v in p.detach().flatten().tolist()]
+        records.append(watch.current)
+    return records
+
+
+class AccumulationGuard(Guard):
+    """While the student's step runs on a rank: every all_reduce made outside DDP's communication hook noted in
+    watch.current.own_allreduces, with what it held, then made; every other way into torch.distributed's
+    communication (broadcast, barrier, send, ...) raises ForbiddenCall: DDP does the step's communication."""
+
+    def __init__(self, watch: Watch):
+        super().__init__()
+        self.watch = watch
+
+    def install(self) -> None:
+        """Every collective but all_reduce off; each all_reduce made outside DDP's own hook noted."""
+        self.switch_off_torch_distributed(allowed=("all_reduce", "allreduce"), point_to_point=False)
+        wrap_group_method(self, Kind.ALLREDUCE, self._counted)
+
+    def _counted(self, call: GroupCall):
+        """Note a ProcessGroup.allreduce (where dist.all_reduce arrives) made outside DDP's own hook, then make it."""
+        _store.add(Call.of(call))  # DDP's and any other: for the runner's rule after a RankError
+        if not self.watch.in_sync:
+            self.watch.current.own_allreduces.append(_held(call.tensor, list(self.watch.ddp.module.parameters())))
+        return call.proceed()
+
+
+def _held(tensor: torch.Tensor, parameters: list) -> str:
+    """What an all_reduce made by hand held: "gradient" for a parameter's .grad or a tensor of a parameter's
+    shape (a copy of one), else the tensor's shape in words."""
+    if any(p.grad is not None and p.grad.data_ptr() == tensor.data_ptr() or p.shape == tensor.shape
+           for p in parameters):
+        return "gradient"
+    return "a scalar (a loss?)" if tensor.dim() == 0 else f"a tensor of shape {tuple(tensor.shape)}"
+
+
+SPEC = Spec(attempt=attempt, cases=_cases,
+            checks=(_forbidden_problem, _calls_problem, _sync_problem, _touched_problem, _values_problem),
+            describe=_described, why_forbidden=_why_forbidden, on_hang=_hang_message, on_error=_error_message,
+            passed=_passed, example="check_no_sync_accumulation(train_step)")

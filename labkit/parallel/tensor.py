@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from labkit import groups
+from labkit._refusals import refuse_while_graded
 from labkit.checks import flag
 from labkit.parallel._collectives import all_gather
 from labkit.parallel.counters import all_reduce_sum
@@ -81,6 +82,7 @@ class CopyToTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        refuse_while_graded("labkit.parallel's CopyToTensorParallel.backward")  # notebook 05's exercise
         grad = grad.contiguous().clone()
         all_reduce_sum(grad, group=ctx.group)
         return grad, None
@@ -92,6 +94,7 @@ class ReduceFromTensorParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        refuse_while_graded("labkit.parallel's ReduceFromTensorParallel.forward")  # notebook 05's exercise
         x = x.contiguous().clone()
         all_reduce_sum(x, group=group)
         return x
@@ -147,6 +150,7 @@ def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
         >>> labkit.run(f_then_g, world_size=2)[1]
         ([3.0, 3.0, 3.0], [3.0, 3.0, 3.0], {'all_reduce': 1}, {'all_reduce': 1})
     """
+    refuse_while_graded("labkit.parallel's copy_to_tensor_parallel")  # notebook 05's exercise
     groups.require_member("copy_to_tensor_parallel", group)
     return CopyToTensorParallel.apply(x, group)
 
@@ -154,6 +158,7 @@ def copy_to_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
 def reduce_from_tensor_parallel(x: torch.Tensor, group=None) -> torch.Tensor:
     """Megatron's g (Shoeybi et al. 2019, section 3, figure 3), where a tensor-parallel block's partial sums
     leave: all_reduce over `group` forward, identity backward. Example: see copy_to_tensor_parallel."""
+    refuse_while_graded("labkit.parallel's reduce_from_tensor_parallel")  # notebook 05's exercise
     groups.require_member("reduce_from_tensor_parallel", group)
     return ReduceFromTensorParallel.apply(x, group)
 

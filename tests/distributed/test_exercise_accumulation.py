@@ -20,8 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labkit
-from labkit.exercises.accumulation import check_no_sync_accumulation
-from labkit.exercises.accumulation_guard import warm_up
+from labkit.exercises.accumulation import check_no_sync_accumulation, warm_up
 from labkit.exercises.verdict import Verdict
 
 HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
@@ -77,7 +76,35 @@ def summed_losses(ddp_model, optimizer, microbatches):
     ddp_model.zero_grad()
 
 
-@pytest.mark.parametrize("fn", [if_else, nullcontext_zero_first, summed_losses])
+def logs_accuracy_without_grad(ddp_model, optimizer, microbatches):
+    """The lesson's loop, plus each micro-batch's accuracy from a forward under torch.no_grad(): no graph, no
+    gradient, no synchronisation, so no micro-batch."""
+    k, correct = len(microbatches), 0
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            loss_of(ddp_model, x, y, k).backward()
+        with torch.no_grad():
+            correct += (ddp_model(x).argmax(dim=1) == y).sum().item()
+    optimizer.step()
+    optimizer.zero_grad()
+    return correct
+
+
+def keeps_detached_losses(ddp_model, optimizer, microbatches):
+    """Each micro-batch's loss kept for a printout, detached: its graph freed by backward all the same."""
+    k, losses = len(microbatches), []
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            loss = loss_of(ddp_model, x, y, k)
+            loss.backward()
+        losses.append(loss.detach())
+    optimizer.step()
+    optimizer.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("fn", [if_else, nullcontext_zero_first, summed_losses, logs_accuracy_without_grad,
+                                keeps_detached_losses])
 def test_right_solutions_pass_and_say_what_was_checked(fn):
     verdict = check_no_sync_accumulation(fn, record=False)
     assert verdict and isinstance(verdict, Verdict), verdict
@@ -277,6 +304,18 @@ def clip_once_after_the_last(ddp_model, optimizer, microbatches):
     optimizer.zero_grad()
 
 
+def retain_graph_with_losses_kept(ddp_model, optimizer, microbatches):
+    """Right order and values, but backward(retain_graph=True) with every loss kept in a list: every micro-batch's
+    graph, and its activations, alive until the step ends."""
+    k, losses = len(microbatches), []
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            losses.append(loss_of(ddp_model, x, y, k))
+            losses[-1].backward(retain_graph=True)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 WRONG = [
     (no_no_sync, "after every micro-batch (3 all_reduces in one optimizer step"),
     (forward_outside_no_sync, "entered ddp_model.no_sync(), but every forward ran outside it"),
@@ -304,6 +343,9 @@ WRONG = [
     (clip_inside_loop, "the gradients changed between micro-batch 1's backward and micro-batch 2's forward, by "
                        "something other than a backward: clip_grad_norm_ before the last micro-batch"),
     (clip_once_after_the_last, "That is the right place to clip in a real run"),
+    (retain_graph_with_losses_kept, "when micro-batch 2's forward began, the activations that autograd saved for "
+                                    "micro-batch(es) 1 were still in memory, after their backward: up to 3 "
+                                    "micro-batches' activations were alive at once. A backward(retain_graph=True)"),
 ]
 
 
