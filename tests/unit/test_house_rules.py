@@ -227,7 +227,7 @@ def test_lazy_names_count_only_where_a_module_getattr_serves_them(tmp_path):
 
 KIT = PACKAGE / "exercises" / "_kit"
 # Deliberate patches of torch objects outside the kit, each with its reason. The rule below sees only patches
-# made through a name bound to torch; one more is known and left: labkit/exercises/accumulation_guard.py sets
+# made through a name bound to torch; one more is known and left: labkit/exercises/accumulation.py sets
 # `ddp.no_sync` on the grader's own DistributedDataParallel instance (made for one attempt and dropped after it,
 # so nothing is ever put back), which a name-based rule cannot see.
 TORCH_PATCHES_ALLOWED: dict[str, str] = {}
