@@ -7,8 +7,12 @@ for the whole process: torch.distributed's collective functions (in `torch.distr
 `dist.group.WORLD.allreduce` too), every c10d operator under torch.ops (`torch.ops.c10d.allreduce_`,
 functional collectives), and labkit.comm's transport. They raise `ForbiddenCall`, which is reported even
 if `fn` catches it. Messages are counted in ProcessGroup.send and ProcessGroup.recv, where dist.send,
-dist.isend and dist.batch_isend_irecv all arrive, once per message. Data moved any other way (the
-rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check. The handle
+dist.isend and dist.batch_isend_irecv all arrive, once per message, with a copy of what each send carries
+(`Guard(keep_values=True)`) and t's dtype enforced (`Guard(dtype=...)`: a message of another dtype raises
+WrongDtype before it is posted, where gloo would kill the receiving rank). Data moved any other way (the
+rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check, or, if it sends
+the right messages from a scratch copy, the check of what they carried. labkit.comm's ready-made collectives
+refuse themselves while graded (`READY_MADE`, labkit._refusals), in any thread. The handle
 each message returns is kept (a dropped, unwaited isend can lose its message on gloo, and the run then hangs)
 and, in `attempt`, watched: a dist.isend or dist.irecv whose handle graded code never waited is reported. The
 messages are also kept in the order NCCL would run them (`Outcome.posts`: one group per dist.batch_isend_irecv
