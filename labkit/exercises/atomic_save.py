@@ -10,12 +10,13 @@ switched off while the exercise is graded.
 that hangs is stopped and a killed one does not take the notebook with it; labkit.exercises.atomic_watch watches
 it there), every file inside one temporary directory, and checks, in this order:
 
-1. a normal save, into an empty directory and over a previous checkpoint, loads back with torch.load equal to
-   the state_dict (labkit.checkpoint's own save is refused), and leaves no other non-empty file beside path;
+1. three normal saves of different state_dicts, into an empty directory and over the previous checkpoint, each
+   load back with torch.load equal to the state_dict that call was given (labkit.checkpoint's own save is
+   refused), and leave no other non-empty file beside path;
 2. killed just before its rename onto path, or midway through any write once it opened path itself (torch.save
    straight to path, open(path, "wb"), shutil.copy onto path), path still loads as the previous checkpoint, and
-   was never removed or moved away (a save that wrote path in place through a call not watched, io.FileIO say,
-   is never killed: it is told so);
+   was never removed or moved away (the watch sees file operations where they happen, whatever they are called:
+   a save that still wrote path in place unseen, through a subprocess's cp say, is never killed: it is told so);
 3. the file renamed onto path was fsync'ed (os.fsync, os.fdatasync or os.sync) with all its bytes first, after
    its last write and before the rename, and lay under path's own directory (in it, or in a folder inside it):
    rename(2) is atomic only within one file system, and only path's directory is on path's file system whatever
@@ -26,6 +27,11 @@ it there), every file inside one temporary directory, and checks, in this order:
    temporary file (an empty file, such as a lock file, may stay);
 6. killed at the first write past half its bytes, path still holds the previous checkpoint, and what the killed
    save left behind cannot be taken for a checkpoint (no name ending like path's).
+
+What a right save must not depend on is drawn afresh at each grading (atomic_watch.Layout): path is spelled
+absolute, relative to the working directory, or as a bare file name (the three normal saves use all three, in a
+random order; the other saves one at random), its folder has a space in its name, and the state_dict's size
+varies (75 to 200 kB). Every mistake the catalogue holds is refused on every draw.
 """
 
 from __future__ import annotations
@@ -37,7 +43,16 @@ from pathlib import Path
 
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
-from labkit.exercises.atomic_watch import CAN_KILL, TARGET, Report, first_run, nbytes_of, second_run, state_problem
+from labkit.exercises.atomic_watch import (
+    CAN_KILL,
+    TARGET,
+    Layout,
+    Report,
+    first_run,
+    nbytes_of,
+    second_run,
+    state_problem,
+)
 from labkit.exercises.guard import first_failure, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
@@ -63,12 +78,13 @@ def check_atomic_save(save, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verd
     if not CAN_KILL:
         return Verdict(False, "this grader kills your save with setrlimit(2) and SIGKILL, which Windows lacks: run "
                               "the course under WSL (see the README), as for labkit.run.")
+    layout = Layout.draw()
     with tempfile.TemporaryDirectory(prefix="labkit-atomic-save-") as scratch:
-        for folder in ("normal", "crash", "concurrent", "elsewhere"):
+        for folder in layout.folders.values():
             (Path(scratch) / folder).mkdir()
-        problem = _first_run_problem(save, Path(scratch), timeout_seconds)
+        problem = _first_run_problem(save, Path(scratch), layout, timeout_seconds)
         if problem is None:
-            problem = _second_run_problem(save, Path(scratch), timeout_seconds)
+            problem = _second_run_problem(save, Path(scratch), layout, timeout_seconds)
         if problem:
             for shown in (scratch, os.path.realpath(scratch)):  # the grader's temporary directory says nothing
                 problem = problem.replace(shown + os.sep, "")
@@ -76,7 +92,8 @@ def check_atomic_save(save, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verd
         synced_directory = any(e["kind"] == "fsync_directory" and e["same_directory"]
                                for e in Report.read(scratch)["stale"]["events"])
     return Verdict(True, "killed just before its rename, and again midway through writing, your save left the "
-                         "previous checkpoint whole at path; a normal save loads back equal; the temporary file "
+                         "previous checkpoint whole at path; three normal saves, path spelled three ways, each "
+                         "loaded back what that call was given; the temporary file "
                          "was fsync'ed before os.replace and lay under path's directory (on path's file system); "
                          "a killed save's leftovers and a second save at the same time did not break it. " + (
                              "You fsync the directory too, so the rename itself survives a power cut."
@@ -85,11 +102,11 @@ def check_atomic_save(save, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verd
                              "itself survives a power cut."))
 
 
-def _run(function, save, scratch: Path, timeout_seconds: float) -> tuple[dict, str | None]:
-    """Run `function(save, scratch)` on 1 rank: the report, and what went wrong with the process itself (a
+def _run(function, save, scratch: Path, layout: Layout, timeout_seconds: float) -> tuple[dict, str | None]:
+    """Run `function(save, scratch, layout)` on 1 rank: the report, and what went wrong with the process itself (a
     hang, or a death the grader did not cause), or None."""
     try:
-        labkit.run(function, save, str(scratch), world_size=1, timeout=timeout_seconds)
+        labkit.run(function, save, str(scratch), layout, world_size=1, timeout=timeout_seconds)
     except labkit.RankTimeout as hang:
         return Report.read(scratch), (f"your save did not return within {timeout_seconds:g} s, so it was stopped "
                                       f"({where_ranks_waited(hang, 1)}). Does it wait for something, a lock or "
@@ -104,22 +121,23 @@ def _run(function, save, scratch: Path, timeout_seconds: float) -> tuple[dict, s
     return Report.read(scratch), None
 
 
-def _first_run_problem(save, scratch: Path, timeout_seconds: float) -> str | None:
+def _first_run_problem(save, scratch: Path, layout: Layout, timeout_seconds: float) -> str | None:
     """Checks 1 to 3 (module docstring), from the first run's report."""
-    report, died = _run(first_run, save, scratch, timeout_seconds)
+    report, died = _run(first_run, save, scratch, layout, timeout_seconds)
     if died:
         return died
     normal = report["normal"]
     problem = _normal_problem(normal)
     if problem:
         return problem
-    damage = state_problem(scratch / "crash" / TARGET, 3)
+    crashed = scratch / layout.folders["crash"] / TARGET
+    damage = state_problem(crashed, 4, layout)
     if damage:
         killed = report["killed before rename"]
-        if killed["finished"] and state_problem(scratch / "crash" / TARGET, 4) is None:
+        if killed["finished"] and state_problem(crashed, 5, layout) is None:
             damage = "path held the new one"
-        return _damage_message(killed["events"], damage, nbytes_of(4) // 2, finished=killed["finished"])
-    problem = _rename_problem(normal["events"], scratch)
+        return _damage_message(killed["events"], damage, nbytes_of(5, layout) // 2, finished=killed["finished"])
+    problem = _rename_problem(normal["events"], scratch, layout)
     if problem is None and normal["leftovers"]:
         return (f"after a save that succeeded, {_names(normal['leftovers'])} remained beside path, where a save "
                 "that works leaves only path.")
@@ -134,16 +152,33 @@ def _normal_problem(normal: dict) -> str | None:
         return ("your save calls labkit.checkpoint's own atomic save (labkit/checkpoint/files.py), the course's "
                 "answer; it is switched off while this exercise is graded.")
     if normal["error"]:
-        return "your save(state_dict, path) " + _error_text(normal["error"], events, deleted_hint=True) + "."
+        return (f"your save(state_dict, path), called with {_given(normal)}, "
+                + _error_text(normal["error"], events, deleted_hint=True, form=normal["form"]) + ".")
+    if normal["problem"] and "an earlier call" in normal["problem"]:
+        return (f"we called your save 3 times with a different state_dict each time; after call {normal['call']} "
+                f"({_given(normal)}), {normal['problem']}. Nothing may carry over from one call to the next.")
     if normal["problem"]:
-        return (f"after save(state_dict, path), {normal['problem']}. torch.load(path) must give back the "
-                "state_dict you were given: torch.save it whole.")
+        return (f"after save(state_dict, path), called with {_given(normal)}, {normal['problem']}. "
+                "torch.load(path) must give back the state_dict you were given: torch.save it whole.")
     return None
 
 
-def _error_text(error: dict, events: list, deleted_hint: bool = False) -> str:
+_FORMS = {"absolute": "an absolute path", "relative": "a path relative to the working directory",
+          "bare": "a bare file name, in the working directory"}
+
+
+def _given(record: dict) -> str:
+    """How path was spelled at a phase's last save: "path = 'model.pt' (a bare file name, ...)"."""
+    path = record["path"]
+    if record["form"] == "absolute":  # the grader's temporary directory says nothing
+        path = os.path.join("...", *Path(path).parts[-2:])
+    return f"path = {path!r} ({_FORMS[record['form']]})"
+
+
+def _error_text(error: dict, events: list, deleted_hint: bool = False, form: str | None = None) -> str:
     """"raised TypeError: ..." for the student, with a hint when the error is a known consequence (with
-    `deleted_hint`, a temporary file looked for after it was renamed: NamedTemporaryFile's delete=True)."""
+    `deleted_hint`, a temporary file looked for after it was renamed: NamedTemporaryFile's delete=True; with path
+    spelled as a bare name (`form`), a directory taken from it as '')."""
     text = f"raised {error['type']}: {error['message']}"
     renamed = {e["source"] for e in events if e["kind"] == "replace"}
     if error.get("errno") == errno.EXDEV:
@@ -152,6 +187,9 @@ def _error_text(error: dict, events: list, deleted_hint: bool = False) -> str:
     elif deleted_hint and error["type"] == "FileNotFoundError" and error["filename"] in renamed:
         text += (f". Your save renamed {error['filename']} onto path and then something looked for it again: "
                  "tempfile.NamedTemporaryFile removes its file when it is closed (delete=True, its default)")
+    elif form == "bare" and error["type"] == "FileNotFoundError" and error["message"].endswith(": ''"):
+        text += (". path was a bare file name, whose os.path.dirname is '' (the working directory, unnamed), and "
+                 "'' names no file or directory: a path given without a directory must work too")
     elif error["type"] == "NotImplementedError":
         text += ". Write the body of save"
     return text
@@ -180,7 +218,8 @@ def _damage_message(events: list, damage: str, nbytes: int, armed: bool = False,
         why = ("Copying onto path (shutil.copy or copyfile) rewrites path in place: it empties path, then writes "
                "the copy into it, so a crash during the copy leaves a half-copied file. A copy is not a rename.")
     elif "open" in kinds or "os.open" in kinds:
-        call = "open(path, \"wb\")" if "open" in kinds else "os.open(path, os.O_WRONLY | ...)"
+        call = ("open(path, \"wb\"), io.FileIO or Path.write_bytes" if "open" in kinds
+                else "os.open(path, os.O_WRONLY | ...)")
         why = (f"Your save opened path itself for writing ({call}), which empties the previous checkpoint at "
                "once; until the last byte is written, path is a half-written file.")
     elif "removed" in kinds or "moved" in kinds:
@@ -204,11 +243,11 @@ def _unkilled_message(kinds: list, damage: str) -> str:
                 "all: a crash there leaves none.")
     return ("your save never renamed a file onto path, nor opened path with open(), os.open or torch.save, "
             f"yet path no longer held the previous checkpoint when it returned ({damage}). It wrote into path "
-            "in place by another way (io.FileIO(path, \"w\"), say), so our kill, set for a rename onto path, "
+            "in place by another way (a subprocess running cp, say), so our kill, set for a rename onto path, "
             "never came. Writing in place empties path first: a crash midway leaves a half-written file.")
 
 
-def _rename_problem(events: list, scratch: Path) -> str | None:
+def _rename_problem(events: list, scratch: Path, layout: Layout) -> str | None:
     """Check 3: the file renamed onto path was fsync'ed whole before the rename and lay under path's directory;
     None when so."""
     renames = [e for e in events if e["kind"] == "replace"]
@@ -218,7 +257,7 @@ def _rename_problem(events: list, scratch: Path) -> str | None:
     late = {e["source"]: e["synced_by"] for e in events if e["kind"] == "synced_after_replace"}
     for rename in renames:
         if not rename["under_directory"]:
-            return _elsewhere_message(rename, scratch)
+            return _elsewhere_message(rename, scratch, layout)
         if rename["fsync"] == "unflushed":
             return _early_sync_message(rename)
         if rename["fsync"] == "no" and rename["source"] in late:
@@ -235,13 +274,14 @@ def _rename_problem(events: list, scratch: Path) -> str | None:
     return None
 
 
-def _elsewhere_message(rename: dict, scratch: Path) -> str:
+def _elsewhere_message(rename: dict, scratch: Path, layout: Layout) -> str:
     """The message for a temporary file renamed onto path from outside path's directory. The rename worked here (it
     was on path's file system), but only by chance: the save gets any path."""
-    if Path(rename["directory"]).resolve() != (scratch / "elsewhere").resolve():
+    if rename["relative"] and rename.get("in_working_directory"):
+        where = ("the working directory (its name was relative, and a relative name is relative to the working "
+                 "directory, which need not be path's)")
+    elif Path(rename["directory"]).resolve() != (scratch / layout.folders["elsewhere"]).resolve():
         where = f"another directory ({Path(rename['directory']).name})"
-    elif rename["relative"]:
-        where = "the working directory (its name was relative)"
     else:
         where = "tempfile's default directory (/tmp on most systems)"
     return (f"your temporary file {rename['source']!r} was made in {where}, not in path's directory. os.replace is "
@@ -262,10 +302,11 @@ def _early_sync_message(rename: dict) -> str:
             "the rest was written after it, or still sat in Python's buffer, which fsync does not see." + after)
 
 
-def _second_run_problem(save, scratch: Path, timeout_seconds: float) -> str | None:
+def _second_run_problem(save, scratch: Path, layout: Layout, timeout_seconds: float) -> str | None:
     """Checks 4 to 6 (module docstring), from the second run's report."""
-    leftovers = sorted(name for name in os.listdir(scratch / "crash") if name != TARGET)
-    report, died = _run(second_run, save, scratch, timeout_seconds)
+    crash = scratch / layout.folders["crash"]
+    leftovers = sorted(name for name in os.listdir(crash) if name != TARGET)
+    report, died = _run(second_run, save, scratch, layout, timeout_seconds)
     if died:
         return died
     stale = report["stale"]
@@ -274,10 +315,11 @@ def _second_run_problem(save, scratch: Path, timeout_seconds: float) -> str | No
     problem = _concurrent_problem(report["concurrent"])
     if problem:
         return problem
-    damage = state_problem(scratch / "crash" / TARGET, 5)
+    damage = state_problem(crash / TARGET, 6, layout)
     if damage:
-        return _damage_message(report["killed while writing"]["events"], damage, nbytes_of(9) // 2, armed=True)
-    junk = [name for name in os.listdir(scratch / "crash") if name != TARGET and name.endswith(Path(TARGET).suffix)]
+        return _damage_message(report["killed while writing"]["events"], damage, nbytes_of(10, layout) // 2,
+                               armed=True)
+    junk = [name for name in os.listdir(crash) if name != TARGET and name.endswith(Path(TARGET).suffix)]
     if junk:
         return (f"the saves we killed left {_names(junk)} beside path ({TARGET!r}): a name that ends in "
                 f"{Path(TARGET).suffix!r} can be mistaken for a checkpoint, and whatever looks for the newest "
@@ -292,8 +334,8 @@ def _stale_message(stale: dict, leftovers: list) -> str:
         return (f"a save killed just before its rename {left}; the next save then returned, but "
                 f"{stale['problem']}.")
     fixed = stale["error"]["filename"] in leftovers
-    return (f"a save killed just before its rename {left}; the next save then "
-            f"{_error_text(stale['error'], stale['events'])}." + (
+    return (f"a save killed just before its rename {left}; the next save, called with {_given(stale)}, then "
+            f"{_error_text(stale['error'], stale['events'], form=stale['form'])}." + (
                 " Your temporary file has a fixed name, and a crashed save leaves it behind, so the name is still "
                 "taken." if fixed else ""))
 

@@ -2,6 +2,7 @@
 records the answers, and check_fixed_training rejects a catalogue of wrong fixes, each with a message that names
 the mistake, and accepts right ones written differently."""
 
+import dataclasses
 import importlib
 
 import pytest
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 import labkit
 from labkit.exercises import Verdict
 from labkit.exercises.bug_zoo import ANSWERS, BATCH, CAUSES, Symptoms, cause_gap, confirmation, reference_run, zoo_run
-from labkit.exercises.bug_zoo_fix import check_fixed_training
+from labkit.exercises.bug_zoo_fix import check_fixed_training, draw_cases
 from labkit.exercises.guard import where_ranks_waited
 from labkit.exercises.progress import load_progress
 from labkit.parallel import average_gradients, broadcast_parameters
@@ -174,7 +175,26 @@ def logs_loss(model, x, y, steps, lr):
             _ = F.cross_entropy(model(x), y).item()
 
 
-RIGHT = [fixed_loop, flat_and_async, broadcast_in_first_step, logs_loss]
+def one_bucket_and_a_logged_loss(model, x, y, steps, lr):
+    """Every gradient in one flat bucket, summed by one all_reduce, and the loss averaged over the ranks for a log
+    line: the grader checks what an all_reduce carries, and neither is data."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    params = list(model.parameters())
+    for _ in range(steps):
+        model.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        bucket = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(bucket)
+        logged = loss.detach().clone()
+        dist.all_reduce(logged, op=dist.ReduceOp.AVG)
+        with torch.no_grad():
+            for p, piece in zip(params, bucket.split([p.numel() for p in params]), strict=True):
+                p -= lr * piece.view_as(p) / dist.get_world_size()
+
+
+RIGHT = [fixed_loop, flat_and_async, broadcast_in_first_step, logs_loss, one_bucket_and_a_logged_loss]
 
 
 @pytest.mark.parametrize("fix", RIGHT, ids=lambda f: f.__name__)
@@ -324,6 +344,50 @@ def whole_batch_everywhere(model, x, y, steps, lr):
         sgd(model, lr)
 
 
+def hard_coded_steps(model, x, y, steps, lr):
+    """The right loop for the grader's old constant, 3 steps, whatever `steps` is."""
+    fixed_loop(model, x, y, 3, lr)
+
+
+def hard_coded_lr(model, x, y, steps, lr):
+    """The right loop with the grader's old constant, lr = 0.1, whatever `lr` is."""
+    fixed_loop(model, x, y, steps, 0.1)
+
+
+def whole_batch_through_all_reduce(model, x, y, steps, lr):
+    """The whole batch gathered with the allowed collective: each rank's shard in a zero-padded copy, summed;
+    then every rank trains on all of it. Only the parameters' path is right: what was all-reduced is data."""
+    n, rank, world = x.shape[0], dist.get_rank(), dist.get_world_size()
+    xs = torch.zeros(n * world, *x.shape[1:], dtype=x.dtype)
+    ys = torch.zeros(n * world, dtype=torch.float64)
+    xs[rank * n:(rank + 1) * n], ys[rank * n:(rank + 1) * n] = x, y.to(torch.float64)
+    dist.all_reduce(xs)
+    dist.all_reduce(ys)
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(xs), ys.long()).backward()
+        sgd(model, lr)
+
+
+def whole_batch_through_broadcasts(model, x, y, steps, lr):
+    """The whole batch gathered with the other allowed collective: each rank broadcasts its shard in turn."""
+    shards = []
+    for source in range(dist.get_world_size()):
+        xs, ys = x.clone(), y.clone()
+        dist.broadcast(xs, src=source)
+        dist.broadcast(ys, src=source)
+        shards.append((xs, ys))
+    xs, ys = torch.cat([s for s, _ in shards]), torch.cat([t for _, t in shards])
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    for _ in range(steps):
+        model.zero_grad()
+        F.cross_entropy(model(xs), ys).backward()
+        sgd(model, lr)
+
+
 def divide_by_two(model, x, y, steps, lr):
     """A hard-coded 2, right on 2 ranks only."""
     for p in model.parameters():
@@ -358,10 +422,10 @@ def async_broadcast_no_wait(model, x, y, steps, lr):
 
 
 WRONG = [
-    (async_all_reduce_no_wait, "started dist.all_reduce of the gradient of 0.weight (and 11 more like it) with "
-                               "async_op=True and never waited for it"),
-    (async_broadcast_no_wait, "started dist.broadcast of the parameter 0.weight (and 3 more like it) with "
-                              "async_op=True and never waited for it"),
+    (async_all_reduce_no_wait, "all_reduce(s) with async_op=True and never waited for them",
+     "the first was dist.all_reduce of the gradient of 0.weight"),
+    (async_broadcast_no_wait, "started 4 broadcast(s) with async_op=True and never waited for them",
+     "the first was dist.broadcast of the parameter 0.weight"),
     (broken, "own random initialisation"),
     (fixed_loop_without_broadcast, "own random initialisation"),
     (no_divide, "not divided by N = 3"),
@@ -372,19 +436,25 @@ WRONG = [
     (divide_by_two, "divided by 2 on 3 ranks, not by N = 3"),
     (parameter_averaging, "parameter averaging"),
     (whole_batch_everywhere, "called torch.distributed.all_gather"),
+    (whole_batch_through_all_reduce, "called dist.all_reduce of this rank's shard of the data",
+     "not data parallelism"),
+    (whole_batch_through_broadcasts, "called dist.broadcast of this rank's shard of the data",
+     "not data parallelism"),
+    (hard_coded_steps, "forward passes with a backward for steps="),
+    (hard_coded_lr, "as if it stepped with lr = 0.1,"),
     (divide_by_rank_plus_one, "rank 0: 3 x, rank 1: 1.5 x, rank 2: 1 x"),
     (no_zero_grad, "pile up"),
     (weights_only_averaged, "with its own gradient, not the average"),
     (ready_made, "broadcast_parameters"),
     (stub, "raised NotImplementedError: your turn: delete the stub's `raise`"),
-    (extra_step, "4 forward passes"),
+    (extra_step, "forward passes with a backward for steps="),
 ]
 
 
-@pytest.mark.parametrize(("fix", "phrase"), WRONG, ids=[f.__name__ for f, _ in WRONG])
-def test_wrong_fixes_are_named(fix, phrase):
+@pytest.mark.parametrize(("fix", "phrases"), [(f, p) for f, *p in WRONG], ids=[f.__name__ for f, *_ in WRONG])
+def test_wrong_fixes_are_named(fix, phrases):
     verdict = check_fixed_training(fix, record=False, timeout_seconds=20)
-    assert not verdict and phrase in verdict.message, verdict
+    assert not verdict and all(phrase in verdict.message for phrase in phrases), verdict
 
 
 def test_a_deadlocked_fix_is_stopped_and_named():
@@ -400,3 +470,41 @@ def test_the_untouched_stub_is_no_attempt_and_a_fix_is_one(tmp_path, monkeypatch
     assert "bug_zoo_fix" not in load_progress()
     check_fixed_training(broken)
     assert load_progress()["bug_zoo_fix"] == {"passed": False, "attempts": 1, "passed_at": None}
+
+
+# ---- what each grading draws afresh -------------------------------------------------------------------------
+
+def test_each_grading_draws_its_cases_afresh_and_the_two_cases_differ_in_steps_and_lr():
+    draws = [draw_cases() for _ in range(20)]
+    for cases in draws:
+        assert [case.world_size for case in cases] == [3, 2]
+        assert cases[0]["steps"] != cases[1]["steps"] and cases[0]["lr"] != cases[1]["lr"]
+    assert len({tuple((c["steps"], c["lr"], c["rows"], c["hidden"]) for c in cases) for cases in draws}) > 1
+
+
+@pytest.mark.parametrize("fix", [hard_coded_steps, hard_coded_lr], ids=lambda f: f.__name__)
+def test_a_fix_that_hard_codes_the_old_constants_fails_even_when_one_case_draws_them(monkeypatch, fix):
+    """Case one draws exactly the grader's old constants (3 steps, lr 0.1): the second case still differs."""
+    from labkit.exercises import bug_zoo_fix
+    from labkit.exercises._kit._runner import Case
+
+    cases = [Case(3, {"steps": 3, "lr": 0.1, "rows": 4, "features": 6, "hidden": 8}),
+             Case(2, {"steps": 2, "lr": 0.13, "rows": 5, "features": 5, "hidden": 7})]
+    monkeypatch.setattr(bug_zoo_fix, "SPEC", dataclasses.replace(bug_zoo_fix.SPEC, cases=lambda: cases))
+    verdict = check_fixed_training(fix, record=False, timeout_seconds=20)
+    assert not verdict and verdict.message.startswith("On 2 ranks"), verdict
+
+
+@pytest.mark.parametrize("smallest", [True, False], ids=["smallest", "largest"])
+def test_a_right_fix_passes_at_both_ends_of_the_draw(monkeypatch, smallest):
+    """The bounds of every drawn value: the fewest steps, rows and units, and the most."""
+    from labkit.exercises import bug_zoo_fix
+    from labkit.exercises._kit._runner import Case
+
+    ends = {name: sorted(values, reverse=not smallest) for name, values in bug_zoo_fix.DRAWN.items()}
+    cases = [Case(world_size, {"steps": ends["steps"][i], "lr": ends["lr"][i],  # the two cases' differ
+                               **{name: ends[name][0] for name in ("rows", "features", "hidden")}})
+             for i, world_size in enumerate((3, 2))]
+    monkeypatch.setattr(bug_zoo_fix, "SPEC", dataclasses.replace(bug_zoo_fix.SPEC, cases=lambda: cases))
+    verdict = check_fixed_training(one_bucket_and_a_logged_loss, record=False, timeout_seconds=20)
+    assert verdict, verdict

@@ -5,14 +5,18 @@ The grader runs each save in a process of its own (labkit.run on 1 rank) and kil
 case here is a real crash: a save that writes into path itself loses the previous checkpoint for real.
 """
 
+import dataclasses
 import fcntl
 import io
 import os
 import resource
 import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+from os import fsync, rename, replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +25,7 @@ import torch
 import labkit
 from labkit.checkpoint import files
 from labkit.exercises.atomic_save import check_atomic_save
+from labkit.exercises.atomic_watch import FORMS, Layout
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,6 +109,60 @@ def temporary_in_a_subdirectory(state_dict, path):
     os.replace(temporary, path)
 
 
+def imported_from_os(state_dict, path):
+    """`from os import fsync, replace` (module level): the grader follows the functions, not their names."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(path) or ".")
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        fsync(file.fileno())
+    replace(temporary, path)
+
+
+def imported_rename_and_torch_save(state_dict, path):
+    """`from os import rename` and torch.save imported under another name, into a Path beside path."""
+    from torch import save as write_checkpoint
+
+    temporary = Path(path).with_name(f".{Path(path).name}.{secrets.token_hex(6)}.partial")
+    with open(temporary, "xb") as file:
+        write_checkpoint(state_dict, file)
+        file.flush()
+        fsync(file)  # os.fsync takes a file object too (its fileno())
+    rename(temporary, path)
+
+
+def shutil_move_beside_path(state_dict, path):
+    """A temporary file beside path moved onto it with shutil.move (a rename on one file system)."""
+    with tempfile.NamedTemporaryFile(dir=Path(path).parent, delete=False, suffix=".tmp") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fdatasync(file.fileno())
+    shutil.move(file.name, path)
+
+
+def sync_as_a_default_argument(state_dict, path, sync=os.fsync, swap=os.replace):
+    """The sync and rename functions taken as default arguments."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        sync(file.fileno())
+    swap(temporary, path)
+
+
+DURABLE = {"file": os.fsync}  # a table of functions: a binding the grader does not follow
+
+
+def sync_through_a_table(state_dict, path):
+    """os.fsync reached through a dict of functions: seen by the profile hook, its file not known."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        DURABLE["file"](file.fileno())
+    Path(temporary).replace(path)
+
+
 @pytest.mark.parametrize("save", [named_temporary_file, mkstemp_with_cleanup, with_suffix_and_directory_fsync])
 def test_right_saves_written_differently_pass(save):
     verdict = check_atomic_save(save, record=False)
@@ -112,7 +171,9 @@ def test_right_saves_written_differently_pass(save):
     assert ("You fsync the directory too" in verdict.message) == (save is with_suffix_and_directory_fsync)
 
 
-@pytest.mark.parametrize("save", [fixed_name_under_a_lock, os_sync_instead_of_fsync, temporary_in_a_subdirectory])
+@pytest.mark.parametrize("save", [fixed_name_under_a_lock, os_sync_instead_of_fsync, temporary_in_a_subdirectory,
+                                  imported_from_os, imported_rename_and_torch_save, shutil_move_beside_path,
+                                  sync_as_a_default_argument, sync_through_a_table])
 def test_less_usual_right_saves_pass(save):
     """Not what the notebook teaches, but atomic all the same: the grader must not refuse them."""
     verdict = check_atomic_save(save, record=False)
@@ -303,6 +364,109 @@ def temporary_named_like_a_checkpoint(state_dict, path):
     os.replace(temporary, path)
 
 
+def imported_torch_save_straight(state_dict, path):
+    """torch.save imported under another name, straight to path: seen where torch.save's code runs."""
+    from torch import save as write_checkpoint
+
+    write_checkpoint(state_dict, path)
+
+
+def imported_replace_without_fsync(state_dict, path):
+    """`from os import replace` and no fsync: the rename is seen, and so is the missing fsync."""
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+    replace(temporary, path)
+
+
+def write_bytes_in_place(state_dict, path):
+    """Path.write_bytes of the serialized bytes: path rewritten in place."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    Path(path).write_bytes(buffer.getvalue())
+
+
+def shutil_move_from_tmp(state_dict, path):
+    """The temporary file in tempfile's default directory, then shutil.move: a rename here, a copy elsewhere."""
+    with tempfile.NamedTemporaryFile(delete=False) as file:
+        torch.save(state_dict, file)
+        file.flush()
+        fsync(file.fileno())
+    shutil.move(file.name, path)
+
+
+def copy_in_a_subprocess(state_dict, path):
+    """cp run as a subprocess: path rewritten in place where no audit hook of this process sees it."""
+    temporary = f"{path}.{secrets.token_hex(8)}.tmp"
+    with open(temporary, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    subprocess.run(["cp", temporary, path], check=True)
+    os.remove(temporary)
+
+
+def directory_of_a_bare_name(state_dict, path):
+    """The directory fsync'ed by os.path.dirname(path): '' for a bare file name, which os.open cannot open."""
+    directory = os.path.dirname(path)
+    fd, temporary = tempfile.mkstemp(dir=directory or None)
+    with os.fdopen(fd, "wb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    directory_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_fd)
+    finally:
+        os.close(directory_fd)
+
+
+def temporary_in_the_working_directory(state_dict, path):
+    """A temporary name made from path's file name alone: relative, so in the working directory, not path's."""
+    temporary = f".{os.path.basename(path)}.{secrets.token_hex(8)}.tmp"
+    with open(temporary, "xb") as file:
+        torch.save(state_dict, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+_SERIALIZED = {}  # the first checkpoint's bytes, kept by the save below
+
+
+def serializes_once(state_dict, path):
+    """Serializes the state_dict on its first call only (to save time) and writes those bytes every time."""
+    if "bytes" not in _SERIALIZED:
+        buffer = io.BytesIO()
+        torch.save(state_dict, buffer)
+        _SERIALIZED["bytes"] = buffer.getvalue()
+    fd, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+    with os.fdopen(fd, "wb") as file:
+        file.write(_SERIALIZED["bytes"])
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+
+
+_BY_SHAPES = {}  # serialized bytes by the state_dict's keys and shapes, kept by the save below
+
+
+def cached_by_shapes(state_dict, path):
+    """A serialization cache keyed on the state_dict's keys and shapes, not its values: a later state_dict of the
+    same shapes gets the first one's bytes."""
+    key = tuple((name, tuple(value.shape)) for name, value in state_dict.items())
+    if key not in _BY_SHAPES:
+        buffer = io.BytesIO()
+        torch.save(state_dict, buffer)
+        _BY_SHAPES[key] = buffer.getvalue()
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(os.path.abspath(path)), delete=False) as file:
+        file.write(_BY_SHAPES[key])
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(file.name, path)
+
+
 def not_written_yet(state_dict, path):
     """The notebook's stub."""
     raise NotImplementedError("your turn")
@@ -334,8 +498,17 @@ WRONG = [
     (fsync_before_flush, "still sat in Python's buffer", "called os.fsync when"),
     (fsync_before_writing, "called os.fsync when", "was still empty, before anything was written into it"),
     (os_sync_before_writing, "called os.sync() when", "was still empty, before anything was written into it"),
-    (file_io_in_place, "never renamed a file onto path, nor opened path with open()", "io.FileIO(path, \"w\")",
+    (file_io_in_place, "is lost. Your save opened path itself for writing", "io.FileIO"),
+    (imported_torch_save_straight, "torch.save(state_dict, path) writes straight into path"),
+    (imported_replace_without_fsync, "with os.replace without fsync"),
+    (write_bytes_in_place, "is lost. Your save opened path itself for writing", "Path.write_bytes"),
+    (shutil_move_from_tmp, "tempfile's default directory", "shutil.move falls back to a copy"),
+    (copy_in_a_subprocess, "never renamed a file onto path, nor opened path with open()", "a subprocess",
      "never came"),
+    (directory_of_a_bare_name, "a bare file name", "whose os.path.dirname is ''", "FileNotFoundError"),
+    (temporary_in_the_working_directory, "was made in the working directory (its name was relative"),
+    (serializes_once, "gives the state_dict of save call 1", "Nothing may carry over from one call to the next"),
+    (cached_by_shapes, "gives the state_dict of save call 1", "an earlier call"),
     (course_atomic_write, "labkit.checkpoint's own atomic save"),
     (delete_on_close, "removes its file when it is closed (delete=True, its default)"),
     (temporary_named_like_a_checkpoint, "can be mistaken for a checkpoint"),
@@ -391,9 +564,12 @@ def test_not_a_function():
 
 
 def _rank_state():
-    """What the watch changes on a rank while a save runs: it must all be back afterwards."""
-    return ([f.__module__ for f in (os.replace, os.rename, os.fsync, open, torch.save)], tempfile.tempdir,
-            resource.getrlimit(resource.RLIMIT_FSIZE), os.getcwd())
+    """What the watch changes on a rank while a save runs: it must all be back afterwards, and its audit hook (which
+    stays: an audit hook cannot be removed) reports to no watch."""
+    from labkit.exercises import atomic_watch
+
+    return ([f.__module__ for f in (os.replace, os.rename, os.fsync, fsync, open, torch.save)], tempfile.tempdir,
+            resource.getrlimit(resource.RLIMIT_FSIZE), os.getcwd(), sys.getprofile(), atomic_watch.watching())
 
 
 def test_the_rank_is_left_as_it_was_and_nothing_outside_a_temporary_directory_is_touched():
@@ -402,3 +578,66 @@ def test_the_rank_is_left_as_it_was_and_nothing_outside_a_temporary_directory_is
     assert not check_atomic_save(not_written_yet, record=False)  # the rank survives this one: no kill
     assert labkit.run(_rank_state, world_size=1) == before
     assert set(Path(tempfile.gettempdir()).glob("labkit-atomic-save-*")) == leftovers
+
+
+# ---- what each grading draws afresh: path's spelling, its folder's name, the state_dict's size ----------------
+
+def test_each_grading_draws_a_layout_that_spells_path_three_ways():
+    layouts = [Layout.draw() for _ in range(20)]
+    for layout in layouts:
+        assert sorted(layout.forms[f"normal {call}"] for call in (1, 2, 3)) == sorted(FORMS)
+        assert all(" " in folder for folder in layout.folders.values())
+        assert 96 <= layout.rows <= 160 and 192 <= layout.columns <= 320
+    assert len({(layout.rows, layout.columns) for layout in layouts}) > 1
+    assert len({tuple(layout.forms.values()) for layout in layouts}) > 1
+
+
+_DRAW = Layout.draw
+
+
+def _forced(first: str, smallest: bool) -> Layout:
+    """A drawn layout with the normal saves' spellings rotated to start at `first`, every other save spelled `first`
+    too, and the smallest or largest state_dict."""
+    layout = _DRAW()
+    order = FORMS[FORMS.index(first):] + FORMS[:FORMS.index(first)]
+    forms = {key: order[int(key[-1]) - 1] if key.startswith("normal") else first for key in layout.forms}
+    return dataclasses.replace(layout, forms=forms, rows=96 if smallest else 160, columns=192 if smallest else 320)
+
+
+@pytest.mark.parametrize("first", FORMS)
+@pytest.mark.parametrize(("save", "phrase"), [(named_temporary_file, None),
+                                              (directory_of_a_bare_name, "a bare file name"),
+                                              (temporary_in_the_working_directory, "in the working directory")],
+                         ids=["right", "bare_dirname", "working_directory"])
+def test_the_draw_decides_nothing(monkeypatch, first, save, phrase):
+    """Whatever the draw, a right save passes and the draw-sensitive wrong ones are refused, with their mistake."""
+    monkeypatch.setattr(Layout, "draw", staticmethod(lambda: _forced(first, smallest=first == "relative")))
+    verdict = check_atomic_save(save, record=False)
+    assert bool(verdict) == (phrase is None) and (phrase is None or phrase in verdict.message), verdict
+
+
+def _watch_then_write(directory):
+    """On a rank: a watch on directory/model.pt whose `with` raises, then the same writes with no watch on. What the
+    watch recorded, during and after, and whether everything it changed is back."""
+    from labkit.exercises.atomic_watch import Report, Watch, watching
+
+    report, target = Report(directory), Path(directory) / "model.pt"
+    record = report.phase("probe")
+    before = (os.fsync, sys.getprofile(), os.getcwd(), tempfile.tempdir)
+    try:
+        with Watch(target, directory, directory, report, record):
+            open(target, "wb").close()
+            raise KeyError("the save's own error")
+    except KeyError:
+        pass
+    during = [event["kind"] for event in record["events"]]
+    open(target, "wb").close()
+    os.replace(target, Path(directory) / "other.pt")
+    after = [event["kind"] for event in record["events"]]
+    return during, after, watching(), (os.fsync, sys.getprofile(), os.getcwd(), tempfile.tempdir) == before
+
+
+def test_a_watch_is_undone_when_its_with_raises_and_its_hooks_stay_inert_afterwards(tmp_path):
+    [(during, after, watching, restored)] = labkit.run(_watch_then_write, str(tmp_path), world_size=1)
+    assert during == after == ["write"]  # the write under the watch seen; none after it, though the hook stays
+    assert not watching and restored
