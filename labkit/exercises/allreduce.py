@@ -29,39 +29,45 @@ every rank:
   runs the matching one, so a dist.isend before the dist.recv of the same step, which runs on gloo, hangs when
   every rank does it (NCCL docs: ncclSend/ncclRecv are "blocking for the GPU"). Safe on both backends: each
   step's send and receive in one dist.batch_isend_irecv, or by parity (even ranks send first, odd receive
-  first), as labkit.comm's Transport.exchange does.
+  first), as labkit.comm's Transport.exchange does. Told once every case is right on gloo.
+
+Each grader is a `Spec` of the graders' kit (`NAIVE_SPEC`, `RING_SPEC`), run by its runner
+(labkit.exercises._kit._runner.grade: the cases, the ready-made helpers refused, refusals and errors told, the one
+rule after a RankError), with the rank-side attempt of labkit.exercises.guard and the checks of
+labkit.exercises.diagnosis.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import random
 from collections import Counter
 
 import torch
 
 import labkit
-from labkit.checks import timeout_seconds as checked_timeout
 from labkit.comm.stream_model import stream_deadlock
-from labkit.exercises._kit._runner import Case
+from labkit.exercises._kit._group_call import Kind
+from labkit.exercises._kit._messages import hang_message
+from labkit.exercises._kit._runner import Case, Spec, grade
+from labkit.exercises._kit._store import LastAttempt
 from labkit.exercises.diagnosis import hub_contents, hub_traffic, ring_contents, ring_traffic, unmatched, wrong_values
 from labkit.exercises.guard import (
     DTYPES,
     POINT_TO_POINT,
+    READY_MADE,
     WrongDtype,
     attempt,
     drawn_input,
     first_failure,
-    forbidden_message,
-    messages_of_last_attempt,
     stop_pool,
-    where_ranks_waited,
 )
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
-from labkit.launch.errors import NoReply
 
-__all__ = ["NAIVE_WORLD_SIZES", "RING_CASES", "TIMEOUT_SECONDS", "check_naive_allreduce", "check_ring_allreduce",
-           "naive_cases", "ring_cases"]
+__all__ = ["NAIVE_SPEC", "NAIVE_WORLD_SIZES", "RING_CASES", "RING_SPEC", "TIMEOUT_SECONDS", "check_naive_allreduce",
+           "check_ring_allreduce", "naive_cases", "ring_cases"]
 
 TIMEOUT_SECONDS = 10.0  # per case; a right solution needs milliseconds, so a wait this long is a hang
 # Three ranks first: on two, left and right are the same rank, and so are hub and leaf.
@@ -105,11 +111,7 @@ def _case(world_size: int, numel: int, dtype) -> Case:
 @graded("naive_allreduce")
 def check_naive_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     """Grade `fn(t)`: an AllReduce (sum, in place) through the hub, rank 0, built from send and recv."""
-    verdict = _grade(fn, "your naive AllReduce", naive_cases(), ring=False, timeout_seconds=timeout_seconds)
-    if verdict:
-        verdict.message += (" Every message had rank 0 at one end: each rank sent its tensor to rank 0 once and "
-                            "got the sum back into t, in place.")
-    return verdict
+    return _grade(NAIVE_SPEC, fn, timeout_seconds)
 
 
 @graded("ring_allreduce")
@@ -117,80 +119,70 @@ def check_ring_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Ver
     """Grade `fn(t)`: a ring AllReduce (sum, in place) from send/recv, also on sizes that N does not divide.
 
     In a ring every rank sends only to its right neighbour, rank + 1: one chunk per step, 2(N-1) steps."""
-    verdict = _grade(fn, "your ring AllReduce", ring_cases(), ring=True, timeout_seconds=timeout_seconds)
-    if verdict:
-        verdict.message += (" Every rank sent only to its right neighbour, 2(N-1) messages of one chunk each: "
-                            "2(N-1)/N x S bytes, the ring's traffic, whatever N.")
-    return verdict
+    return _grade(RING_SPEC, fn, timeout_seconds)
 
 
-def _grade(fn, what: str, cases: list[Case], ring: bool, timeout_seconds: float) -> Verdict:
-    """Run fn on every case in turn; the first case's problem, or a pass that says what was checked."""
-    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
-    if not callable(fn):
-        return Verdict(False, f"pass your function itself, e.g. check(my_allreduce), not {type(fn).__name__}.")
-    order_problem = None  # the first case whose order would hang on NCCL: said once every case is right on gloo
-    for case in cases:
-        problem = _case_problem(fn, case, ring, timeout_seconds)
-        if problem and problem.startswith(_NCCL_HANG):
-            order_problem = order_problem or _in_case(case, problem)
-        elif problem:
-            return Verdict(False, _in_case(case, problem))
-    if order_problem:
-        return Verdict(False, order_problem)
+def _grade(spec: Spec, fn, timeout_seconds: float) -> Verdict:
+    """The kit's runner on `spec`, with one addition: an order that would hang on NCCL is told once every case is
+    right on gloo (a problem gloo shows, in a later case, is the one to fix first), from the first case it showed
+    in."""
+    deferred: list[str] = []
+    order = functools.partial(_order_check, ring=spec is RING_SPEC, deferred=deferred)
+    verdict = grade(dataclasses.replace(spec, checks=(*spec.checks, order)), fn, timeout_seconds=timeout_seconds)
+    return Verdict(False, deferred[0]) if verdict and deferred else verdict
+
+
+def _passed(what: str, how: str):
+    """The verdict of a pass: what was checked, then how the algorithm moved its data."""
     dtypes = ", ".join(sorted(str(d).removeprefix("torch.") for d in DTYPES))
-    return Verdict(True, f"{what} gives torch.distributed.all_reduce's answer on 2, 3 and 4 ranks, "
-                         f"for sizes that N divides and sizes it does not, in {dtypes}, called twice on new values "
-                         "each time, and its messages carried what the algorithm sends.")
+    return lambda cases: (f"{what} gives torch.distributed.all_reduce's answer on 2, 3 and 4 ranks, for sizes that N "
+                          f"divides and sizes it does not, in {dtypes}, called twice on new values each time, and "
+                          f"its messages carried what the algorithm sends. {how}")
 
 
-def _in_case(case: Case, problem: str) -> str:
+def _describe(case: Case) -> str:
+    """How a verdict starts: 'On 3 ranks with a tensor of 7 float64 elements (S = 56 bytes)'."""
     numel, dtype = case["numel"], case["dtype"]
-    nbytes = numel * _element_size(dtype)
-    return (f"On {case.world_size} ranks with a tensor of {numel} {str(dtype).removeprefix('torch.')} elements "
-            f"(S = {nbytes} bytes), {problem}")
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    return f"On {case.world_size} ranks with a tensor of {numel} {str(dtype).removeprefix('torch.')} elements " \
+           f"(S = {nbytes} bytes)"
 
 
-def _element_size(dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
+def _by_call(outcomes: list[list]) -> list[list]:
+    """Each rank's outcomes per call (the attempt's list) as calls[k][rank]."""
+    return [list(call) for call in zip(*outcomes, strict=True)]
 
 
-def _case_problem(fn, case: Case, ring: bool, timeout_seconds: float) -> str | None:
-    """What is wrong with fn on one case, or None. A wrong attempt may leave messages that nobody received: then
-    the pool is stopped, or the next call's receives would take them."""
-    world_size = case.world_size
-    try:
-        per_rank = labkit.run(attempt, fn, case, world_size=world_size, timeout=timeout_seconds)
-    except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
-        return _hang_message(hang, ring, timeout_seconds)
-    except labkit.RankError as error:
-        no_reply = any(f.kind in (NoReply.STOPPED, NoReply.DIED) for f in error.failures)
-        if any(f.raised(WrongDtype) for f in error.failures):  # raised inside a dist.batch_isend_irecv, it leaves
-            stop_pool(world_size)  # the group coalescing, and its next messages would wait for ever
-        elif not (error.pool_stopped or no_reply):
-            try:
-                _stop_pool_if_unmatched(world_size, labkit.run(messages_of_last_attempt, world_size=world_size))
-            except labkit.RankError:
-                pass  # then labkit has stopped the pool itself
-        return _error_message(error)
-    calls = [list(outcomes) for outcomes in zip(*per_rank, strict=True)]  # calls[k][rank]: call k on each rank
-    problem = next((forbidden_message(rank, o.forbidden[0], True, _why_forbidden)
-                    for outcomes in calls for rank, o in enumerate(outcomes) if o.forbidden), None)
-    problem = problem or next(filter(None, map(_unwaited_message, calls)), None)
-    if problem:  # a handle never waited: the pool is stopped, whatever its messages did
-        stop_pool(world_size)
-        return problem
+def _unwaited_check(outcomes: list[list], case: Case) -> str | None:
+    """A handle never waited, on any call: said, and the pool stopped, whatever its messages did."""
+    problem = next(filter(None, map(_unwaited_message, _by_call(outcomes))), None)
+    if problem:
+        stop_pool(case.world_size)
+    return problem
+
+
+def _calls_check(outcomes: list[list], case: Case, ring: bool) -> str | None:
+    """Each call in turn: its values, its traffic, then what its messages carried. A wrong call may leave messages
+    that nobody received: then the pool is stopped, or the next case's receives would take them."""
     earlier = None  # the sum the first call gave
-    for index, outcomes in enumerate(calls):
-        inputs = [drawn_input(case["seed"], r, case["numel"], case["dtype"], index) for r in range(world_size)]
-        problem = _call_problem(outcomes, inputs, ring, earlier)
+    for index, by_rank in enumerate(_by_call(outcomes)):
+        inputs = [drawn_input(case["seed"], r, case["numel"], case["dtype"], index) for r in range(case.world_size)]
+        problem = _call_problem(by_rank, inputs, ring, earlier)
         if problem:
-            _stop_pool_if_unmatched(world_size, [(o.sends, o.recvs) for o in outcomes])
+            _stop_pool_if_unmatched(case.world_size, [(o.sends, o.recvs) for o in by_rank])
             again = "" if index == 0 else ("on its second call (new values in t, the same size and dtype; the "
                                            "first call was right), ")
             return again + problem
         earlier = sum(x.double() for x in inputs)
-    return _nccl_order_message([o.posts for o in calls[0]], ring)
+    return None
+
+
+def _order_check(outcomes: list[list], case: Case, ring: bool, deferred: list[str]) -> None:
+    """Whether the first call's messages, in the order each rank posted them, would also complete on NCCL: if not,
+    the problem is kept in `deferred` (told by _grade once every case passed on gloo)."""
+    problem = _nccl_order_message([o.posts for o in _by_call(outcomes)[0]], ring)
+    if problem and not deferred:
+        deferred.append(f"{_describe(case)}, {problem}")
 
 
 def _call_problem(outcomes: list, inputs: list, ring: bool, earlier) -> str | None:
@@ -199,6 +191,26 @@ def _call_problem(outcomes: list, inputs: list, ring: bool, earlier) -> str | No
     traffic, contents = (ring_traffic, ring_contents) if ring else (hub_traffic, hub_contents)
     return (wrong_values(outcomes, inputs, ring, earlier) or traffic(outcomes, numel, element_size)
             or contents(outcomes, inputs))
+
+
+def _on_error(error: labkit.RankError, attempts: list[LastAttempt] | None, case: Case) -> str:
+    """A call that raised: a message of the wrong dtype (the pool is stopped: raised inside a
+    dist.batch_isend_irecv, it leaves the group coalescing), else the first rank's own error. Messages the ranks
+    left unmatched (read from their last attempts) stop the pool too."""
+    wrong = next((f for f in sorted(error.failures, key=lambda f: (f.time, f.rank)) if f.raised(WrongDtype)), None)
+    if wrong is not None:
+        stop_pool(case.world_size)
+        return _dtype_message(wrong.rank, *wrong.exception_args)
+    if attempts is not None:
+        _stop_pool_if_unmatched(case.world_size, [_messages_of(attempt) for attempt in attempts])
+    first, _ = first_failure(error)
+    return f"rank {first.rank} raised {first.summary}"
+
+
+def _messages_of(attempt: LastAttempt) -> tuple[list, list]:
+    """A rank's (sends, recvs) as (peer, nbytes), from its last attempt's records."""
+    return tuple([(call.peer, call.nbytes) for call in attempt.calls if call.kind == kind]
+                 for kind in (Kind.SEND, Kind.RECV))
 
 
 def _unwaited_message(outcomes) -> str | None:
@@ -227,14 +239,12 @@ def _stop_pool_if_unmatched(world_size: int, messages: list[tuple[list, list]]) 
         stop_pool(world_size)
 
 
-def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) -> str:
-    """A call that never finished: where the first ranks waited, and how sends and receives deadlock."""
-    where = where_ranks_waited(hang)
+def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float, ring: bool) -> str:
+    """A call that never finished: how sends and receives deadlock, and where the first ranks waited."""
     agree = "the same neighbours: left and right" if ring else "the same hub, rank 0"
-    return (f"it never finished (stopped after {timeout_seconds:g} s): some rank waited for a message that never "
-            f"came. {where}. Every send needs a matching recv on the other rank, in an order that cannot leave "
-            f"ranks all waiting: a blocking dist.send waits for its recv. {_SAFE_ORDER} Do all ranks agree on "
-            f"{agree}?")
+    return hang_message(hang, timeout_seconds, "some rank waited for a message that never came. Every send needs a "
+                        "matching recv on the other rank, in an order that cannot leave ranks all waiting: a blocking "
+                        f"dist.send waits for its recv. {_SAFE_ORDER} Do all ranks agree on {agree}?")
 
 
 _NCCL_HANG = "it works here on gloo, but it would hang on NCCL (GPUs)"
@@ -276,17 +286,6 @@ def _group_text(group: list[tuple]) -> str:
     return ops[0] if len(ops) == 1 else "batch_isend_irecv of " + ", ".join(ops)
 
 
-def _error_message(error: labkit.RankError) -> str:
-    """A call that raised: the first switched-off call it made, else the first rank's own error."""
-    first, spelling = first_failure(error)
-    if spelling is not None:
-        return forbidden_message(first.rank, spelling, False, _why_forbidden)
-    wrong = next((f for f in sorted(error.failures, key=lambda f: (f.time, f.rank)) if f.raised(WrongDtype)), None)
-    if wrong is not None:
-        return _dtype_message(wrong.rank, *wrong.exception_args)
-    return f"rank {first.rank} raised {first.summary}"
-
-
 def _dtype_message(rank: int, verb: str, peer: int, got: str, wanted: str) -> str:
     """A message of another dtype than t's (WrongDtype), stopped by the guard before gloo took it."""
     way = "sent a" if verb == "send" else "received into a"
@@ -311,3 +310,20 @@ def _why_forbidden(spelling: str, name: str) -> str:
                 "itself with dist.send or dist.isend.")
     return (f"That is a ready-made collective, which does the exercise for you. Build the AllReduce from "
             f"{POINT_TO_POINT}: torch's collectives and labkit.comm's are switched off while it is graded.")
+
+
+def _spec(ring: bool) -> Spec:
+    """The hub's or the ring's grading, for the kit's runner (labkit.exercises._kit._runner)."""
+    what, how = (("your ring AllReduce", "Every rank sent only to its right neighbour, 2(N-1) messages of one chunk "
+                  "each: 2(N-1)/N x S bytes, the ring's traffic, whatever N.") if ring else
+                 ("your naive AllReduce", "Every message had rank 0 at one end: each rank sent its tensor to rank 0 "
+                  "once and got the sum back into t, in place."))
+    return Spec(
+        attempt=attempt, cases=ring_cases if ring else naive_cases,
+        checks=(_unwaited_check, functools.partial(_calls_check, ring=ring)),  # and the NCCL order: _grade
+        describe=_describe, why_forbidden=_why_forbidden,
+        on_hang=functools.partial(_hang_message, ring=ring), on_error=_on_error, passed=_passed(what, how),
+        example=f"check_{'ring' if ring else 'naive'}_allreduce(my_allreduce)", ready_made=READY_MADE)
+
+
+NAIVE_SPEC, RING_SPEC = _spec(ring=False), _spec(ring=True)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 import labkit
-from labkit._refusals import ForbiddenCall, refusing
+from labkit._refusals import ForbiddenCall
 from labkit.checks import whole
 from labkit.exercises._kit import _store
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
@@ -46,11 +46,12 @@ from labkit.exercises._kit._messages import (
     forbidden_spelling,
     where_ranks_waited,
 )
+from labkit.exercises._kit._record import Call
 from labkit.exercises.wait_watch import WaitWatch
 
 __all__ = ["CALLS", "DTYPES", "POINT_TO_POINT", "READY_MADE", "ForbiddenCall", "Guard", "Outcome", "Posted",
            "RefusedOperator", "WrongDtype", "attempt", "drawn_input", "first_failure", "forbidden_message",
-           "forbidden_spelling", "messages_of_last_attempt", "rank_input", "stop_pool", "where_ranks_waited"]
+           "forbidden_spelling", "rank_input", "stop_pool", "where_ranks_waited"]
 
 POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
 
@@ -239,6 +240,7 @@ class Guard(Interceptor):
                 raise WrongDtype(str(kind), peer, str(wrong).removeprefix("torch."),
                                  str(self.dtype).removeprefix("torch."))
             messages.append((peer, sum(t.numel() * t.element_size() for t in tensors)))
+            _store.add(Call.of(call))  # in the last attempt too: after an error the grader reads what was posted
             if self.keep_values and kind == Kind.SEND:  # copied now: the algorithm's values at the time it sent
                 self.sent_values.append([x for t in tensors for x in t.detach().reshape(-1).double().tolist()])
             batch = _batch_call()
@@ -280,31 +282,32 @@ def _batch_call():
     return frame
 
 
-_last_messages: tuple[list, list] = ([], [])  # on a rank: (sends, recvs) of the last graded call
 _last_handles: list = []  # on a rank: the last graded call's message handles, kept until the next call
 
 
 def attempt(fn, case) -> list[Outcome]:
     """On a rank: call fn CALLS times, each on new drawn values of the case's size and dtype, under a fresh guard
-    and with labkit.comm's ready-made helpers refusing themselves; what each call left, for the grader."""
+    (the kit's runner has labkit.comm's ready-made helpers refuse themselves meanwhile, READY_MADE); what each call
+    left, for the grader."""
     return [_attempt_once(fn, case, call) for call in range(CALLS)]
 
 
 def _attempt_once(fn, case, call: int) -> Outcome:
     """One call of fn on this rank's input for call `call` of `case` (a labkit.exercises._kit._runner.Case with
     numel, dtype and seed drawn)."""
-    global _last_messages, _last_handles
+    global _last_handles
     t = drawn_input(case["seed"], labkit.rank(), case["numel"], case["dtype"], call, device=labkit.device())
     memory = t.data_ptr()
     guard = Guard(keep_values=True, dtype=t.dtype)
-    made: list[str] = []
     try:
-        with refusing(READY_MADE) as made, guard:
+        with guard:
             guard.watch_waits()
             returned = fn(t)
+    except BaseException:
+        if guard.sends or guard.recvs:
+            _store.add(_out_of_step())
+        raise
     finally:
-        guard.forbidden.extend(made)  # a helper refused in another thread counts, even if that thread caught it
-        _last_messages = (guard.sends, guard.recvs)
         _last_handles = [work for work, _ in guard.posted]  # an unwaited message still arrives
     if isinstance(returned, torch.Tensor) and returned is not t:
         returned = returned.detach().double().tolist()
@@ -314,6 +317,10 @@ def _attempt_once(fn, case, call: int) -> Outcome:
                    guard.unwaited(), guard.posts, guard.sent_values)
 
 
-def messages_of_last_attempt() -> tuple[list, list]:
-    """On a rank: what the last graded call posted, when it raised instead of returning it."""
-    return _last_messages
+def _out_of_step() -> Call:
+    """A record that no other rank's last attempt holds, for a rank that raised with messages posted. The kit's rule
+    after a RankError stops the pool when the ranks' collectives differ, and leaves point-to-point messages out (a
+    message left unmatched usually hangs, and labkit stops a pool that timed out); but a rank that raises (a refused
+    call, a dtype refused) after its dist.isend may leave a message that arrived and that nobody received, for the
+    next case's receives to take. This record makes the ranks differ, so that the rule stops the pool."""
+    return Call(Kind.BARRIER, numel=labkit.rank() + 1, facts={"out of step": "raised with messages posted"})
