@@ -46,10 +46,10 @@ from labkit.exercises._kit._messages import (
     forbidden_spelling,
     where_ranks_waited,
 )
-from labkit.exercises._kit._record import Call
+from labkit.exercises._kit._record import Call, Recorder
 from labkit.exercises.wait_watch import WaitWatch
 
-__all__ = ["CALLS", "DTYPES", "POINT_TO_POINT", "READY_MADE", "ForbiddenCall", "Guard", "Outcome", "Posted",
+__all__ = ["CALLS", "DTYPES", "POINT_TO_POINT", "READY_MADE", "ForbiddenCall", "Guard", "Outcome",
            "RefusedOperator", "WrongDtype", "attempt", "drawn_input", "first_failure", "forbidden_message",
            "forbidden_spelling", "rank_input", "stop_pool", "where_ranks_waited"]
 
@@ -152,16 +152,6 @@ class Outcome:
 
 
 @dataclass
-class Posted:
-    """One message posted through ProcessGroup.send or .recv, and whether graded code waited for its handle
-    (`waited`, set by labkit.exercises.wait_watch.WaitWatch; `future` when it took the handle's future)."""
-
-    verb: str  # "send" or "recv"
-    peer: int
-    waited: bool = False
-    future: bool = False
-
-
 class Guard(Interceptor):
     """While graded code runs on a rank: collectives raise, point-to-point messages are counted.
 
@@ -176,11 +166,11 @@ class Guard(Interceptor):
         only sizes); `dtype`: the dtype every message must have (t's), else WrongDtype before it is posted."""
         super().__init__()
         self.keep_values, self.dtype = keep_values, dtype
-        self.sent_values: list[list[float]] = []
+        self.recorder = Recorder()  # every message as the kit's Call (peer, bytes, values kept), with its handle
         self.sends: list[tuple[int, int]] = []
         self.recvs: list[tuple[int, int]] = []
         self.forbidden: list[str] = []
-        self.posted: list[tuple[object, Posted]] = []  # (handle, message) per watched message, kept alive
+        self.posted = self.recorder.works  # (handle, Call) per watched message, kept alive
         self.posts: list[tuple] = []  # the messages as NCCL would run them: groups of ("send"/"recv", peer)
         self._batch = None  # the frame of the dist.batch_isend_irecv call that posted the last message
 
@@ -240,14 +230,14 @@ class Guard(Interceptor):
                 raise WrongDtype(str(kind), peer, str(wrong).removeprefix("torch."),
                                  str(self.dtype).removeprefix("torch."))
             messages.append((peer, sum(t.numel() * t.element_size() for t in tensors)))
-            _store.add(Call.of(call))  # in the last attempt too: after an error the grader reads what was posted
-            if self.keep_values and kind == Kind.SEND:  # copied now: the algorithm's values at the time it sent
-                self.sent_values.append([x for t in tensors for x in t.detach().reshape(-1).double().tolist()])
+            # kept in the last-attempt store too (after an error the grader reads what was posted); a send's values
+            # copied now, as the algorithm had them when it sent
+            record = self.recorder.record(call, keep_values=self.keep_values and kind == Kind.SEND)
             batch = _batch_call()
             self._note_post(str(kind), peer, batch)
             work = call.proceed()
-            if work is not None and not (tensors[0].is_cuda and batch is not None):
-                self.posted.append((work, Posted(str(kind), peer)))
+            if not (tensors[0].is_cuda and batch is not None):
+                self.recorder.launched(work, record)
             return work
 
         wrap_group_method(self, kind, counted)
@@ -269,7 +259,12 @@ class Guard(Interceptor):
 
     def unwaited(self) -> list[tuple[str, int]]:
         """("send" or "recv", peer) of each posted message whose handle graded code never waited for."""
-        return [(message.verb, message.peer) for _, message in self.posted if not message.waited]
+        return [(str(message.kind), message.peer) for _, message in self.posted if not message.waited]
+
+    @property
+    def sent_values(self) -> list[list[float]]:
+        """The values each send carried, in order (with keep_values)."""
+        return [call.values for call in self.recorder.calls if call.kind == Kind.SEND and call.values is not None]
 
 def _batch_call():
     """The frame of the dist.batch_isend_irecv call on this thread's stack, or None. Its messages are one group
