@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from labkit._refusals import refuse_while_graded
 from labkit.comm.ops import combiner, finish
 from labkit.comm.torch_transport import resolve_transport
 from labkit.comm.transport import Transport, flat_buffer, write_back
@@ -21,6 +22,7 @@ HUB = 0  # a group rank: the hub of a group is its first member
 def naive_allreduce(tensor: torch.Tensor, op="sum", *, group=None, transport: Transport | None = None) -> torch.Tensor:
     """Reduce `tensor` across the ranks of `group` (None: all ranks) through the group's rank 0, in place;
     returns it. Same result as `dist.all_reduce(tensor, op, group=group)`."""
+    refuse_while_graded("labkit.comm's naive_allreduce")  # the exercise of notebooks 02 and 03, in any thread
     transport = resolve_transport(transport, group, "naive_allreduce")
     transport.check_same_tensors(tensor, "naive_allreduce")
     combine = combiner(op, tensor.dtype)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from labkit._refusals import refuse_while_graded
 from labkit.comm.ops import combiner, finish
 from labkit.comm.torch_transport import resolve_transport
 from labkit.comm.transport import Transfer, Transport, flat_buffer, write_back
@@ -54,6 +55,7 @@ def ring_allreduce(tensor: torch.Tensor, op="sum", *, group=None, transport: Tra
     >>> labkit.run(odd_and_even, world_size=4)                 # 0 + 2 and 1 + 3, at the same time
     [2.0, 4.0, 2.0, 4.0]
     """
+    refuse_while_graded("labkit.comm's ring_allreduce")  # the exercise of notebooks 02 and 03, in any thread
     transport = resolve_transport(transport, group, "ring_allreduce")
     transport.check_same_tensors(tensor, "ring_allreduce")
     flat = flat_buffer(tensor)
@@ -69,6 +71,7 @@ def ring_reduce_scatter(tensor: torch.Tensor, op="sum", *, group=None,
 
     Like `dist.reduce_scatter_tensor`: group rank r gets chunk r, here for any size (cut by
     `labkit.plan.shard_sizes`: chunks differ by at most one element)."""
+    refuse_while_graded("labkit.comm's ring_reduce_scatter")  # the exercise of notebooks 02 and 03, in any thread
     transport = resolve_transport(transport, group, "ring_reduce_scatter")
     transport.check_same_tensors(tensor, "ring_reduce_scatter")
     chunks = ring_chunks(tensor.detach().reshape(-1).clone(), transport.world_size)
@@ -82,6 +85,7 @@ def ring_allgather(chunk: torch.Tensor, *, group=None, transport: Transport | No
     like `dist.all_gather_into_tensor`.
 
     Chunks may differ in size (by rank), not in dtype."""
+    refuse_while_graded("labkit.comm's ring_allgather")  # the exercise of notebooks 02 and 03, in any thread
     transport = resolve_transport(transport, group, "ring_allgather")
     theirs = transport.signatures([chunk.numel(), dtype_index(chunk.dtype)], chunk.device)
     check_gathered([str(DTYPES[d]).removeprefix("torch.") for _, d in theirs], "ring_allgather", "chunk dtypes",

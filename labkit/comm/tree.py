@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from labkit._refusals import refuse_while_graded
 from labkit.comm.ops import combiner, finish
 from labkit.comm.torch_transport import resolve_transport
 from labkit.comm.transport import Transport, check_rank, flat_buffer, write_back
@@ -35,6 +36,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, transport: Tran
     >>> labkit.run(from_the_last_odd_rank, world_size=4)     # group rank 1: global 2 and global 3
     [2, 3, 2, 3]
     """
+    refuse_while_graded("labkit.comm's broadcast")  # the exercise of notebooks 02 and 03, in any thread
     transport = resolve_transport(transport, group, "broadcast")
     check_rank(transport, src, "broadcast's src")
     transport.check_same_tensors(tensor, "broadcast")
@@ -59,6 +61,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op="sum", *, group=None,
            transport: Transport | None = None) -> torch.Tensor:
     """Reduce the `tensor` of every rank of `group` (None: all ranks) into rank `dst`'s, like `dist.reduce`;
     other ranks' tensors are unchanged. `dst` is a group rank, as in `broadcast`."""
+    refuse_while_graded("labkit.comm's reduce")  # the exercise of notebooks 02 and 03, in any thread
     transport = resolve_transport(transport, group, "reduce")
     check_rank(transport, dst, "reduce's dst")
     transport.check_same_tensors(tensor, "reduce")
@@ -100,6 +103,7 @@ def tree_allreduce(tensor: torch.Tensor, op="sum", *, group=None, transport: Tra
     >>> labkit.run(sum_of_ranks, world_size=3)                 # 0 + 1 + 2 on every rank
     [3.0, 3.0, 3.0]
     """
+    refuse_while_graded("labkit.comm's tree_allreduce")  # the exercise of notebooks 02 and 03, in any thread
     transport = resolve_transport(transport, group, "tree_allreduce")
     transport.check_same_tensors(tensor, "tree_allreduce")
     flat = flat_buffer(tensor)

@@ -1,10 +1,18 @@
 """The AllReduce graders of notebooks 02 and 03: run the student's code on real ranks and say what is wrong.
 
-`check_naive_allreduce(fn)` and `check_ring_allreduce(fn)` call `fn(t)` on 2, 3 and 4 ranks, where rank r's
-`t` is `rank_input(r, numel)` (float32), for sizes that N divides and sizes it does not. A solution passes
-only if, in every case, on every rank:
+`check_naive_allreduce(fn)` and `check_ring_allreduce(fn)` call `fn(t)` on 2, 3 and 4 ranks. What a right
+solution must not depend on is drawn afresh on every grading (`naive_cases`, `ring_cases`): t's size (for the
+ring, sizes that N divides and sizes it does not, and one smaller than N), its dtype (every one of
+float32, float64 and float16 in each grading, so a solution that only works for float32, or counts 4 bytes an
+element, always meets a case it fails) and its values (`drawn_input`: whole numbers drawn from a seed drawn per
+case, so no rank can recompute another's input). In each case fn is called twice on every rank, on new values
+(a result kept from the first call fails the second). A solution passes only if, in every case and call, on
+every rank:
 
 - `t` itself ends with the sum over ranks, in its own memory (in place: returning a new tensor fails);
+- every message it sends or receives has t's dtype (a buffer made with torch.empty(n) is float32);
+- labkit.comm's ready-made collectives are not called, from any thread (they refuse themselves while graded,
+  labkit._refusals);
 - it called no collective. The exercise is built from dist.send/dist.recv, dist.isend/dist.irecv or
   dist.batch_isend_irecv. The last is allowed: it posts a list of those same isend/irecv together, each
   counted as one message (on gloo it is exactly a loop of them; NCCL ring code uses it to post a step's
@@ -14,54 +22,96 @@ only if, in every case, on every rank:
   dist.batch_isend_irecv returns): the guard keeps the handles, so an unwaited message still arrives instead
   of being lost with its dropped handle (on gloo the ranks would hang), and names the rank that left them;
 - its traffic is the algorithm's: every message through rank 0 for the hub, 2(N-1) chunks to the right
-  neighbour for the ring, exactly the bytes each sends (`labkit.exercises.diagnosis`);
+  neighbour for the ring, exactly the bytes each sends, and what each message carried (the hub: each rank's t,
+  then the sum; the ring: running partial sums of a chunk, then reduced chunks) (`labkit.exercises.diagnosis`);
 - its messages, in the order each rank posted them, would also complete on NCCL (GPUs), checked with
   labkit.comm.stream_model: there a send or receive posted on its own blocks the rank's stream until its peer
   runs the matching one, so a dist.isend before the dist.recv of the same step, which runs on gloo, hangs when
   every rank does it (NCCL docs: ncclSend/ncclRecv are "blocking for the GPU"). Safe on both backends: each
   step's send and receive in one dist.batch_isend_irecv, or by parity (even ranks send first, odd receive
-  first), as labkit.comm's Transport.exchange does.
+  first), as labkit.comm's Transport.exchange does. Told once every case is right on gloo.
+
+Each grader is a `Spec` of the graders' kit (`NAIVE_SPEC`, `RING_SPEC`), run by its runner
+(labkit.exercises._kit._runner.grade: the cases, the ready-made helpers refused, refusals and errors told, the one
+rule after a RankError), with the rank-side attempt of labkit.exercises.guard and the checks of
+labkit.exercises.diagnosis.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import random
 from collections import Counter
 
+import torch
+
 import labkit
-from labkit.checks import timeout_seconds as checked_timeout
 from labkit.comm.stream_model import stream_deadlock
-from labkit.exercises.diagnosis import hub_traffic, ring_traffic, unmatched, wrong_values
+from labkit.exercises._kit._group_call import Kind
+from labkit.exercises._kit._messages import hang_message
+from labkit.exercises._kit._runner import Case, Spec, grade
+from labkit.exercises._kit._store import LastAttempt
+from labkit.exercises.diagnosis import hub_contents, hub_traffic, ring_contents, ring_traffic, unmatched, wrong_values
 from labkit.exercises.guard import (
+    DTYPES,
     POINT_TO_POINT,
+    READY_MADE,
+    WrongDtype,
     attempt,
+    drawn_input,
     first_failure,
-    forbidden_message,
-    messages_of_last_attempt,
-    rank_input,
     stop_pool,
-    where_ranks_waited,
 )
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
-from labkit.launch.errors import NoReply
 
-__all__ = ["NAIVE_CASES", "RING_CASES", "TIMEOUT_SECONDS", "check_naive_allreduce", "check_ring_allreduce"]
+__all__ = ["NAIVE_SPEC", "NAIVE_WORLD_SIZES", "RING_CASES", "RING_SPEC", "TIMEOUT_SECONDS", "check_naive_allreduce",
+           "check_ring_allreduce", "naive_cases", "ring_cases"]
 
 TIMEOUT_SECONDS = 10.0  # per case; a right solution needs milliseconds, so a wait this long is a hang
-# (world_size, numel). Three ranks first: on two, left and right are the same rank, and so are hub and leaf.
-NAIVE_CASES = [(3, 5), (2, 3), (4, 4), (4, 1)]
-RING_CASES = [(3, 6), (2, 4), (4, 8), (3, 7), (2, 5), (4, 10), (4, 2)]  # sizes N divides first, then not
+# Three ranks first: on two, left and right are the same rank, and so are hub and leaf.
+NAIVE_WORLD_SIZES = (3, 2, 4, 4)
+NAIVE_LARGEST = 12  # the naive cases' sizes: distinct, drawn from 1..12 (a solution sized for one of them fails)
+# (world_size, what N does to the size): sizes N divides first, then not (a few chunks one longer), then fewer
+# elements than ranks (empty chunks)
+RING_CASES = [(3, "divides"), (2, "divides"), (4, "divides"), (3, "not"), (2, "not"), (4, "not"), (4, "fewer")]
+_DRAW = random.SystemRandom()  # not the student's random.seed: a seeded notebook must not fix the grader's draws
+
+
+def naive_cases() -> list[Case]:
+    """The hub's cases, drawn afresh: distinct sizes, every dtype of DTYPES at least once, a seed for the values."""
+    sizes = _DRAW.sample(range(1, NAIVE_LARGEST + 1), len(NAIVE_WORLD_SIZES))
+    return [_case(n, numel, dtype) for n, numel, dtype in zip(NAIVE_WORLD_SIZES, sizes, _dtypes(len(sizes)),
+                                                                strict=True)]
+
+
+def ring_cases() -> list[Case]:
+    """The ring's cases, drawn afresh (RING_CASES): sizes of 1 to 3 chunks per rank, every dtype at least once."""
+    def size(n: int, kind: str) -> int:
+        if kind == "fewer":
+            return _DRAW.randint(1, n - 1)
+        return n * _DRAW.randint(1, 3) + (0 if kind == "divides" else _DRAW.randint(1, n - 1))
+
+    dtypes = _dtypes(len(RING_CASES))
+    return [_case(n, size(n, kind), dtype) for (n, kind), dtype in zip(RING_CASES, dtypes, strict=True)]
+
+
+def _dtypes(count: int) -> list:
+    """`count` dtypes in a random order, each of DTYPES at least once."""
+    dtypes = list(DTYPES) + [_DRAW.choice(DTYPES) for _ in range(count - len(DTYPES))]
+    _DRAW.shuffle(dtypes)
+    return dtypes
+
+
+def _case(world_size: int, numel: int, dtype) -> Case:
+    return Case(world_size, {"numel": numel, "dtype": dtype, "seed": _DRAW.randrange(1 << 62)})
 
 
 @graded("naive_allreduce")
 def check_naive_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     """Grade `fn(t)`: an AllReduce (sum, in place) through the hub, rank 0, built from send and recv."""
-    verdict = _grade(fn, "your naive AllReduce", NAIVE_CASES, hub_traffic, ring=False,
-                     timeout_seconds=timeout_seconds)
-    if verdict:
-        verdict.message += (" Every message had rank 0 at one end: each rank sent its tensor to rank 0 once and "
-                            "got the sum back into t, in place.")
-    return verdict
+    return _grade(NAIVE_SPEC, fn, timeout_seconds)
 
 
 @graded("ring_allreduce")
@@ -69,61 +119,98 @@ def check_ring_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Ver
     """Grade `fn(t)`: a ring AllReduce (sum, in place) from send/recv, also on sizes that N does not divide.
 
     In a ring every rank sends only to its right neighbour, rank + 1: one chunk per step, 2(N-1) steps."""
-    verdict = _grade(fn, "your ring AllReduce", RING_CASES, ring_traffic, ring=True, timeout_seconds=timeout_seconds)
-    if verdict:
-        verdict.message += (" Every rank sent only to its right neighbour, 2(N-1) messages of one chunk each: "
-                            "2(N-1)/N x S bytes, the ring's traffic, whatever N.")
-    return verdict
+    return _grade(RING_SPEC, fn, timeout_seconds)
 
 
-def _grade(fn, what: str, cases: list[tuple[int, int]], traffic, ring: bool, timeout_seconds: float) -> Verdict:
-    """Run fn on every case in turn; the first case's problem, or a pass that says what was checked."""
-    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
-    if not callable(fn):
-        return Verdict(False, f"pass your function itself, e.g. check(my_allreduce), not {type(fn).__name__}.")
-    order_problem = None  # the first case whose order would hang on NCCL: said once every case is right on gloo
-    for world_size, numel in cases:
-        problem = _case_problem(fn, world_size, numel, traffic, ring, timeout_seconds)
-        if problem and problem.startswith(_NCCL_HANG):
-            order_problem = order_problem or _in_case(world_size, numel, problem)
-        elif problem:
-            return Verdict(False, _in_case(world_size, numel, problem))
-    if order_problem:
-        return Verdict(False, order_problem)
-    return Verdict(True, f"{what} gives torch.distributed.all_reduce's answer on 2, 3 and 4 ranks, "
-                         "for sizes that N divides and sizes it does not.")
+def _grade(spec: Spec, fn, timeout_seconds: float) -> Verdict:
+    """The kit's runner on `spec`, with one addition: an order that would hang on NCCL is told once every case is
+    right on gloo (a problem gloo shows, in a later case, is the one to fix first), from the first case it showed
+    in."""
+    deferred: list[str] = []
+    order = functools.partial(_order_check, ring=spec is RING_SPEC, deferred=deferred)
+    verdict = grade(dataclasses.replace(spec, checks=(*spec.checks, order)), fn, timeout_seconds=timeout_seconds)
+    return Verdict(False, deferred[0]) if verdict and deferred else verdict
 
 
-def _in_case(world_size: int, numel: int, problem: str) -> str:
-    nbytes = numel * rank_input(0, 1).element_size()
-    return f"On {world_size} ranks with a tensor of {numel} float32 elements (S = {nbytes} bytes), {problem}"
+def _passed(what: str, how: str):
+    """The verdict of a pass: what was checked, then how the algorithm moved its data."""
+    dtypes = ", ".join(sorted(str(d).removeprefix("torch.") for d in DTYPES))
+    return lambda cases: (f"{what} gives torch.distributed.all_reduce's answer on 2, 3 and 4 ranks, for sizes that N "
+                          f"divides and sizes it does not, in {dtypes}, called twice on new values each time, and "
+                          f"its messages carried what the algorithm sends. {how}")
 
 
-def _case_problem(fn, world_size: int, numel: int, traffic, ring: bool, timeout_seconds: float) -> str | None:
-    """What is wrong with fn on one (world_size, numel), or None. A wrong attempt may leave messages
-    that nobody received: then the pool is stopped, or the next call's receives would take them."""
-    try:
-        outcomes = labkit.run(attempt, fn, numel, world_size=world_size, timeout=timeout_seconds)
-    except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
-        return _hang_message(hang, ring, timeout_seconds)
-    except labkit.RankError as error:
-        no_reply = any(f.kind in (NoReply.STOPPED, NoReply.DIED) for f in error.failures)
-        if not (error.pool_stopped or no_reply):
-            try:
-                _stop_pool_if_unmatched(world_size, labkit.run(messages_of_last_attempt, world_size=world_size))
-            except labkit.RankError:
-                pass  # then labkit has stopped the pool itself
-        return _error_message(error)
-    problem = next((forbidden_message(rank, o.forbidden[0], True, _why_forbidden)
-                    for rank, o in enumerate(outcomes) if o.forbidden), None)
-    problem = problem or _unwaited_message(outcomes)
-    if problem:  # a handle never waited: the pool is stopped, whatever its messages did
-        stop_pool(world_size)
-        return problem
-    problem = wrong_values(outcomes, numel, ring) or traffic(outcomes, numel)
+def _describe(case: Case) -> str:
+    """How a verdict starts: 'On 3 ranks with a tensor of 7 float64 elements (S = 56 bytes)'."""
+    numel, dtype = case["numel"], case["dtype"]
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    return f"On {case.world_size} ranks with a tensor of {numel} {str(dtype).removeprefix('torch.')} elements " \
+           f"(S = {nbytes} bytes)"
+
+
+def _by_call(outcomes: list[list]) -> list[list]:
+    """Each rank's outcomes per call (the attempt's list) as calls[k][rank]."""
+    return [list(call) for call in zip(*outcomes, strict=True)]
+
+
+def _unwaited_check(outcomes: list[list], case: Case) -> str | None:
+    """A handle never waited, on any call: said, and the pool stopped, whatever its messages did."""
+    problem = next(filter(None, map(_unwaited_message, _by_call(outcomes))), None)
     if problem:
-        _stop_pool_if_unmatched(world_size, [(o.sends, o.recvs) for o in outcomes])
-    return problem or _nccl_order_message([o.posts for o in outcomes], ring)
+        stop_pool(case.world_size)
+    return problem
+
+
+def _calls_check(outcomes: list[list], case: Case, ring: bool) -> str | None:
+    """Each call in turn: its values, its traffic, then what its messages carried. A wrong call may leave messages
+    that nobody received: then the pool is stopped, or the next case's receives would take them."""
+    earlier = None  # the sum the first call gave
+    for index, by_rank in enumerate(_by_call(outcomes)):
+        inputs = [drawn_input(case["seed"], r, case["numel"], case["dtype"], index) for r in range(case.world_size)]
+        problem = _call_problem(by_rank, inputs, ring, earlier)
+        if problem:
+            _stop_pool_if_unmatched(case.world_size, [(o.sends, o.recvs) for o in by_rank])
+            again = "" if index == 0 else ("on its second call (new values in t, the same size and dtype; the "
+                                           "first call was right), ")
+            return again + problem
+        earlier = sum(x.double() for x in inputs)
+    return None
+
+
+def _order_check(outcomes: list[list], case: Case, ring: bool, deferred: list[str]) -> None:
+    """Whether the first call's messages, in the order each rank posted them, would also complete on NCCL: if not,
+    the problem is kept in `deferred` (told by _grade once every case passed on gloo)."""
+    problem = _nccl_order_message([o.posts for o in _by_call(outcomes)[0]], ring)
+    if problem and not deferred:
+        deferred.append(f"{_describe(case)}, {problem}")
+
+
+def _call_problem(outcomes: list, inputs: list, ring: bool, earlier) -> str | None:
+    """One call on every rank: its values, its traffic, then what its messages carried."""
+    numel, element_size = inputs[0].numel(), inputs[0].element_size()
+    traffic, contents = (ring_traffic, ring_contents) if ring else (hub_traffic, hub_contents)
+    return (wrong_values(outcomes, inputs, ring, earlier) or traffic(outcomes, numel, element_size)
+            or contents(outcomes, inputs))
+
+
+def _on_error(error: labkit.RankError, attempts: list[LastAttempt] | None, case: Case) -> str:
+    """A call that raised: a message of the wrong dtype (the pool is stopped: raised inside a
+    dist.batch_isend_irecv, it leaves the group coalescing), else the first rank's own error. Messages the ranks
+    left unmatched (read from their last attempts) stop the pool too."""
+    wrong = next((f for f in sorted(error.failures, key=lambda f: (f.time, f.rank)) if f.raised(WrongDtype)), None)
+    if wrong is not None:
+        stop_pool(case.world_size)
+        return _dtype_message(wrong.rank, *wrong.exception_args)
+    if attempts is not None:
+        _stop_pool_if_unmatched(case.world_size, [_messages_of(attempt) for attempt in attempts])
+    first, _ = first_failure(error)
+    return f"rank {first.rank} raised {first.summary}"
+
+
+def _messages_of(attempt: LastAttempt) -> tuple[list, list]:
+    """A rank's (sends, recvs) as (peer, nbytes), from its last attempt's records."""
+    return tuple([(call.peer, call.nbytes) for call in attempt.calls if call.kind == kind]
+                 for kind in (Kind.SEND, Kind.RECV))
 
 
 def _unwaited_message(outcomes) -> str | None:
@@ -152,14 +239,12 @@ def _stop_pool_if_unmatched(world_size: int, messages: list[tuple[list, list]]) 
         stop_pool(world_size)
 
 
-def _hang_message(hang: labkit.RankTimeout, ring: bool, timeout_seconds: float) -> str:
-    """A call that never finished: where the first ranks waited, and how sends and receives deadlock."""
-    where = where_ranks_waited(hang)
+def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float, ring: bool) -> str:
+    """A call that never finished: how sends and receives deadlock, and where the first ranks waited."""
     agree = "the same neighbours: left and right" if ring else "the same hub, rank 0"
-    return (f"it never finished (stopped after {timeout_seconds:g} s): some rank waited for a message that never "
-            f"came. {where}. Every send needs a matching recv on the other rank, in an order that cannot leave "
-            f"ranks all waiting: a blocking dist.send waits for its recv. {_SAFE_ORDER} Do all ranks agree on "
-            f"{agree}?")
+    return hang_message(hang, timeout_seconds, "some rank waited for a message that never came. Every send needs a "
+                        "matching recv on the other rank, in an order that cannot leave ranks all waiting: a blocking "
+                        f"dist.send waits for its recv. {_SAFE_ORDER} Do all ranks agree on {agree}?")
 
 
 _NCCL_HANG = "it works here on gloo, but it would hang on NCCL (GPUs)"
@@ -201,19 +286,22 @@ def _group_text(group: list[tuple]) -> str:
     return ops[0] if len(ops) == 1 else "batch_isend_irecv of " + ", ".join(ops)
 
 
-def _error_message(error: labkit.RankError) -> str:
-    """A call that raised: the first switched-off call it made, else the first rank's own error."""
-    first, spelling = first_failure(error)
-    if spelling is not None:
-        return forbidden_message(first.rank, spelling, False, _why_forbidden)
-    return f"rank {first.rank} raised {first.summary}"
+def _dtype_message(rank: int, verb: str, peer: int, got: str, wanted: str) -> str:
+    """A message of another dtype than t's (WrongDtype), stopped by the guard before gloo took it."""
+    way = "sent a" if verb == "send" else "received into a"
+    return (f"rank {rank} {way} {got} tensor ({'to' if verb == 'send' else 'from'} rank {peer}), but t is {wanted}: "
+            "every message of an AllReduce carries t's own dtype (gloo kills a rank whose receive does not fit the "
+            "message). A buffer made with torch.empty(n) or torch.zeros(n) is float32 whatever t is: make it with "
+            "torch.empty_like(...) of a chunk of t, or pass dtype=t.dtype and device=t.device. Does your solution "
+            "work for every dtype, not only float32?")
 
 
 def _why_forbidden(spelling: str, name: str) -> str:
     """Why the call `spelling` (function `name`) is switched off while an AllReduce is graded, and what instead."""
     if "labkit.comm" in spelling:
-        return ("labkit.comm's ring_allreduce and naive_allreduce are the course's own answer; this exercise is "
-                f"to write one yourself, from {POINT_TO_POINT}.")
+        return ("labkit.comm's collectives (ring_allreduce, naive_allreduce, tree_allreduce, and the reduce-scatter, "
+                "all-gather, reduce and broadcast they are made of) are the course's own answer, switched off while "
+                f"it is graded, in every thread; this exercise is to write one yourself, from {POINT_TO_POINT}.")
     if name.startswith("recv_any"):
         return ("A dist.recv without src takes a message from whichever rank sends first, not from the rank the "
                 "algorithm expects.")
@@ -222,3 +310,20 @@ def _why_forbidden(spelling: str, name: str) -> str:
                 "itself with dist.send or dist.isend.")
     return (f"That is a ready-made collective, which does the exercise for you. Build the AllReduce from "
             f"{POINT_TO_POINT}: torch's collectives and labkit.comm's are switched off while it is graded.")
+
+
+def _spec(ring: bool) -> Spec:
+    """The hub's or the ring's grading, for the kit's runner (labkit.exercises._kit._runner)."""
+    what, how = (("your ring AllReduce", "Every rank sent only to its right neighbour, 2(N-1) messages of one chunk "
+                  "each: 2(N-1)/N x S bytes, the ring's traffic, whatever N.") if ring else
+                 ("your naive AllReduce", "Every message had rank 0 at one end: each rank sent its tensor to rank 0 "
+                  "once and got the sum back into t, in place."))
+    return Spec(
+        attempt=attempt, cases=ring_cases if ring else naive_cases,
+        checks=(_unwaited_check, functools.partial(_calls_check, ring=ring)),  # and the NCCL order: _grade
+        describe=_describe, why_forbidden=_why_forbidden,
+        on_hang=functools.partial(_hang_message, ring=ring), on_error=_on_error, passed=_passed(what, how),
+        example=f"check_{'ring' if ring else 'naive'}_allreduce(my_allreduce)", ready_made=READY_MADE)
+
+
+NAIVE_SPEC, RING_SPEC = _spec(ring=False), _spec(ring=True)

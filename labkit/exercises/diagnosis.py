@@ -1,4 +1,5 @@
-"""From what each rank's call left behind to what is wrong with it: the values in t, and the traffic.
+"""From what each rank's call left behind to what is wrong with it: the values in t, the traffic, and what the
+messages carried.
 
 A solution's traffic must be the algorithm's, per rank, S being the tensor's bytes:
     hub (naive): every message has rank 0 at one end; every other rank sends its S bytes to rank 0 and
@@ -9,6 +10,12 @@ A solution's traffic must be the algorithm's, per rank, S being the tensor's byt
         (labkit.plan.ring_allreduce_bytes; Patarasuk & Yuan 2009), and for other sizes every chunk but
         the one it completes, then every chunk but the one it receives last. Any consistent numbering of
         the chunks is accepted.
+
+Counting is not checking: a solution could send the right messages from a scratch copy and get the values another
+way (the rendezvous store, a file). So what each send carried is checked too (`hub_contents`, `ring_contents`):
+the hub receives each rank's own t and sends back the sum; in a ring's reduce-scatter, the message a rank sends at
+step s is the running sum of one chunk over it and the s ranks before it (its own chunk plus what it received at
+the step before), and in the all-gather every message is a fully reduced chunk.
 """
 
 from __future__ import annotations
@@ -18,11 +25,12 @@ import itertools
 import torch
 
 from labkit.checks import whole
-from labkit.exercises.guard import Outcome, rank_input
+from labkit.exercises.guard import Outcome
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
 
-__all__ = ["hub_traffic", "ring_nbytes_per_rank", "ring_traffic", "unmatched", "wrong_values"]
+__all__ = ["hub_contents", "hub_traffic", "ring_contents", "ring_nbytes_per_rank", "ring_traffic", "unmatched",
+           "wrong_values"]
 
 
 def ring_nbytes_per_rank(numel: int, world_size: int, element_size: int = 4,
@@ -46,35 +54,42 @@ def ring_nbytes_per_rank(numel: int, world_size: int, element_size: int = 4,
             for r in range(world_size)]
 
 
-def wrong_values(outcomes: list[Outcome], numel: int, ring: bool) -> str | None:
-    """The first rank whose t does not hold the sum, in its own memory, and the likely reason."""
-    world_size = len(outcomes)
-    total = sum(rank_input(r, numel) for r in range(world_size))
+def wrong_values(outcomes: list[Outcome], inputs: list[torch.Tensor], ring: bool,
+                 earlier: torch.Tensor | None = None) -> str | None:
+    """The first rank whose t does not hold the sum of `inputs` (each rank's t as it came in), in its own memory,
+    and the likely reason. `earlier`: the sum an earlier call of the same function gave, if any, to recognise a
+    result kept from that call."""
+    world_size, numel = len(outcomes), inputs[0].numel()
+    inputs = [x.double().cpu() for x in inputs]
+    total = sum(inputs)
     for rank, outcome in enumerate(outcomes):
-        got, mine = torch.tensor(outcome.tensor), rank_input(rank, numel)
+        got, mine = torch.tensor(outcome.tensor, dtype=torch.float64), inputs[rank]
         if not outcome.same_memory:
             return (f"rank {rank}'s t was pointed at new memory (t.set_ or t.data = ...): an AllReduce works in "
                     "place, in t's own memory, so that every view of it (a gradient bucket, a parameter) sees the "
                     "sum.")
         if torch.equal(got, total):
             continue
-        if outcome.returned is not None and torch.equal(torch.tensor(outcome.returned), total):
+        if outcome.returned is not None and torch.equal(torch.tensor(outcome.returned, dtype=torch.float64), total):
             state = "unchanged" if torch.equal(got, mine) else f"{got.tolist()}"
             return (f"rank {rank} returned the sum in a new tensor, but its t is {state}: the AllReduce must work "
                     "in place, so that t itself holds the sum.")
         if got.shape != total.shape:
             return f"rank {rank} ended with {got.numel()} elements in t instead of {numel}."
+        if earlier is not None and torch.equal(got, earlier.double().cpu()):
+            return (f"rank {rank} holds {got.tolist()}, the sum the first call gave, not this call's sum "
+                    f"{total.tolist()}: a result kept from an earlier call (on a global, a class, a default "
+                    "argument) is wrong as soon as the inputs change. Compute it afresh from t on every call.")
         if torch.equal(got, mine):
             return (f"rank {rank} still holds its own input {mine.tolist()}: the result never reached it. "
                     "Did the result get sent back to every rank (and received into the same tensor)?")
         if torch.equal(got, total + mine):
             return (f"rank {rank} holds its input plus the sum: it added the result to its own tensor instead "
                     "of replacing it (summed twice).")
-        missing = [r for r in range(world_size) if torch.equal(total - got, rank_input(r, numel))]
+        missing = [r for r in range(world_size) if torch.equal(total - got, inputs[r])]
         if missing:
             return (f"rank {rank} got {got.tolist()}, expected {total.tolist()}: the sum is missing rank "
-                    f"{missing[0]}'s input {rank_input(missing[0], numel).tolist()}. Did every rank's tensor get "
-                    "added, once?")
+                    f"{missing[0]}'s input {inputs[missing[0]].tolist()}. Did every rank's tensor get added, once?")
         if ring:
             return _wrong_ring_values(rank, got, total, world_size, numel)
         return f"rank {rank} got {got.tolist()}, expected {total.tolist()}."
@@ -93,15 +108,15 @@ def _wrong_ring_values(rank: int, got: torch.Tensor, total: torch.Tensor, world_
         return (f"on rank {rank} only chunk {complete[0]} is fully reduced: the reduce-scatter worked; the "
                 "all-gather that passes the finished chunks around the ring is missing.")
     wrong = [c for c in range(world_size) if c not in complete]
-    right = f" (chunks {complete} are right)" if complete else ""
+    right = f" (chunks {complete} are right)" if complete else " (no chunk holds its sum)"
     return (f"{expected} Chunks {wrong} of t.tensor_split({world_size}) are wrong{right}: some step sent, or added "
             "into, another chunk than the ring's. Check which chunk each step sends and which it adds into.")
 
 
-def ring_traffic(outcomes: list[Outcome], numel: int) -> str | None:
-    """Each rank: only to its right neighbour, only from its left, 2(N-1) messages, exactly a ring's bytes."""
+def ring_traffic(outcomes: list[Outcome], numel: int, element_size: int) -> str | None:
+    """Each rank: only to its right neighbour, only from its left, 2(N-1) messages, exactly a ring's bytes, for a
+    tensor of `numel` elements of `element_size` bytes (t's dtype: a count that assumes 4 bytes fails)."""
     n = len(outcomes)
-    element_size = rank_input(0, 1).element_size()
     nbytes = numel * element_size
     for rank, outcome in enumerate(outcomes):
         right, left = (rank + 1) % n, (rank - 1) % n
@@ -142,10 +157,11 @@ def ring_traffic(outcomes: list[Outcome], numel: int) -> str | None:
     return None
 
 
-def hub_traffic(outcomes: list[Outcome], numel: int) -> str | None:
-    """Every message has rank 0 at one end; S bytes each way between rank 0 and every other rank."""
+def hub_traffic(outcomes: list[Outcome], numel: int, element_size: int) -> str | None:
+    """Every message has rank 0 at one end; S bytes (numel x element_size) each way between rank 0 and every other
+    rank."""
     n = len(outcomes)
-    nbytes = numel * rank_input(0, 1).element_size()
+    nbytes = numel * element_size
     for rank, outcome in enumerate(outcomes[1:], start=1):
         for verb, peers in (("sent to", outcome.sends), ("received from", outcome.recvs)):
             strays = sorted({peer for peer, _ in peers} - {0})
@@ -183,4 +199,67 @@ def unmatched(messages: list[tuple[list, list]]) -> str | None:
                     f"{len(received)} receive(s) from rank {src} (bytes: {received}). Every send needs exactly one "
                     "recv of the same size on the other rank, and every recv one send.")
     return None
+
+
+
+_SCRATCH = ("The right number of messages of the right sizes is not enough: messages sent from a scratch copy, with "
+            "the values obtained another way (the rendezvous store, a file, a recomputation), are not an AllReduce.")
+
+
+def hub_contents(outcomes: list[Outcome], inputs: list[torch.Tensor]) -> str | None:
+    """What the hub's messages carried (checked after hub_traffic: S bytes each way per rank): every other rank
+    sends its own t, as it came in (`inputs`), to rank 0; rank 0 sends the sum back to each. A tensor sent in
+    pieces is read whole, its messages in order."""
+    inputs = [x.double().cpu() for x in inputs]
+    total = sum(inputs)
+    rule = ("In the naive AllReduce each rank sends its own t, as it came in, to rank 0, and rank 0 sends the sum of "
+            f"all of them back to each rank. {_SCRATCH}")
+    for rank, outcome in enumerate(outcomes[1:], start=1):
+        carried = _carried(outcome, 0)
+        if not _carries(carried, inputs[rank]):
+            return f"rank {rank}'s message to rank 0 carried {carried}, not its t {inputs[rank].tolist()}. {rule}"
+    for dst in range(1, len(outcomes)):
+        carried = _carried(outcomes[0], dst)
+        if not _carries(carried, total):
+            return f"rank 0's message to rank {dst} carried {carried}, not the sum {total.tolist()}. {rule}"
+    return None
+
+
+def _carried(outcome: Outcome, dst: int) -> list[float]:
+    """The values of every message `outcome`'s rank sent to rank `dst`, in order."""
+    return [x for (peer, _), values in zip(outcome.sends, outcome.sent_values, strict=True) if peer == dst
+            for x in values]
+
+
+def ring_contents(outcomes: list[Outcome], inputs: list[torch.Tensor]) -> str | None:
+    """What the ring's messages carried (checked after ring_traffic: 2(N-1) messages per rank, in order): at step s
+    of the reduce-scatter a chunk of t.tensor_split(N) summed over the sender and the s ranks before it, in the
+    all-gather a fully reduced chunk. Any numbering of the chunks is accepted."""
+    n = len(outcomes)
+    chunks = [x.double().cpu().tensor_split(n) for x in inputs]  # chunks[rank][c]
+    totals = [sum(chunks[r][c] for r in range(n)) for c in range(n)]
+    for rank, outcome in enumerate(outcomes):
+        for index, values in enumerate(outcome.sent_values):
+            reducing = index < n - 1
+            allowed = ([sum(chunks[(rank - j) % n][c] for j in range(index + 1)) for c in range(n)] if reducing
+                       else totals)
+            if any(_carries(values, chunk) for chunk in allowed):
+                continue
+            if reducing:
+                should = (f"a chunk of t.tensor_split({n}) summed over rank {rank} and the {index} rank(s) before it "
+                          "in the ring" if index else f"one of rank {rank}'s own chunks of t.tensor_split({n})")
+                step = f"step {index + 1} of the reduce-scatter"
+            else:
+                should = f"a fully reduced chunk of t.tensor_split({n}) (one of {[c.tolist() for c in totals]})"
+                step = f"step {index - n + 2} of the all-gather"
+            return (f"rank {rank}'s message at {step} carried {values}, which is not {should}. In a ring's "
+                    "reduce-scatter each message carries the running sum of one chunk (the rank's own chunk plus "
+                    "what it received at the step before); in the all-gather each carries a chunk that is fully "
+                    f"reduced. {_SCRATCH}")
+    return None
+
+
+def _carries(values: list[float], expected: torch.Tensor) -> bool:
+    """Whether a message's values are exactly `expected` (whole numbers: every sum of them is exact)."""
+    return len(values) == expected.numel() and torch.equal(torch.tensor(values, dtype=torch.float64), expected)
 

@@ -7,8 +7,12 @@ for the whole process: torch.distributed's collective functions (in `torch.distr
 `dist.group.WORLD.allreduce` too), every c10d operator under torch.ops (`torch.ops.c10d.allreduce_`,
 functional collectives), and labkit.comm's transport. They raise `ForbiddenCall`, which is reported even
 if `fn` catches it. Messages are counted in ProcessGroup.send and ProcessGroup.recv, where dist.send,
-dist.isend and dist.batch_isend_irecv all arrive, once per message. Data moved any other way (the
-rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check. The handle
+dist.isend and dist.batch_isend_irecv all arrive, once per message, with a copy of what each send carries
+(`Guard(keep_values=True)`) and t's dtype enforced (`Guard(dtype=...)`: a message of another dtype raises
+WrongDtype before it is posted, where gloo would kill the receiving rank). Data moved any other way (the
+rendezvous store, files, sockets) is not counted, so such a solution fails the traffic check, or, if it sends
+the right messages from a scratch copy, the check of what they carried. labkit.comm's ready-made collectives
+refuse themselves while graded (`READY_MADE`, labkit._refusals), in any thread. The handle
 each message returns is kept (a dropped, unwaited isend can lose its message on gloo, and the run then hangs)
 and, in `attempt`, watched: a dist.isend or dist.irecv whose handle graded code never waited is reported. The
 messages are also kept in the order NCCL would run them (`Outcome.posts`: one group per dist.batch_isend_irecv
@@ -42,11 +46,12 @@ from labkit.exercises._kit._messages import (
     forbidden_spelling,
     where_ranks_waited,
 )
+from labkit.exercises._kit._record import Call, Recorder
 from labkit.exercises.wait_watch import WaitWatch
 
-__all__ = ["POINT_TO_POINT", "ForbiddenCall", "Guard", "Outcome", "Posted", "RefusedOperator", "attempt",
-           "first_failure", "forbidden_message", "forbidden_spelling", "messages_of_last_attempt", "rank_input",
-           "stop_pool", "where_ranks_waited"]
+__all__ = ["CALLS", "DTYPES", "POINT_TO_POINT", "READY_MADE", "ForbiddenCall", "Guard", "Outcome",
+           "RefusedOperator", "WrongDtype", "attempt", "drawn_input", "first_failure", "forbidden_message",
+           "forbidden_spelling", "rank_input", "stop_pool", "where_ranks_waited"]
 
 POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
 
@@ -91,6 +96,39 @@ def rank_input(rank: int, numel: int, device=None) -> torch.Tensor:
     return (rank + 1) * torch.arange(1.0, numel + 1, device=device)
 
 
+DTYPES = (torch.float32, torch.float64, torch.float16)  # what t may be: a solution must not depend on it
+CALLS = 2  # calls of the student's function per case, each on new values: a result kept from a call fails the next
+_LARGEST_INPUT = 100  # inputs are whole numbers 1..100: every sum of them (4 ranks, even added twice) is exact in
+# float16 (exact to 2048), in any order of addition, so a right answer is exactly right whatever the algorithm
+# READY_MADE: labkit.comm's helpers that do the exercise; each refuses itself while graded (labkit._refusals), in
+# any thread or subprocess, where the guard's switched-off transport would not see it
+READY_MADE = tuple(f"labkit.comm's {name}" for name in (
+    "naive_allreduce", "ring_allreduce", "tree_allreduce", "ring_reduce_scatter", "ring_allgather", "broadcast",
+    "reduce"))
+
+
+def drawn_input(seed: int, rank: int, numel: int, dtype: torch.dtype = torch.float32, call: int = 0,
+                device=None) -> torch.Tensor:
+    """Rank r's input on call `call` of one case: whole numbers 1..100 drawn from `seed`, which the grader draws
+    afresh for each case (so no solution can recompute another rank's input), in `dtype`.
+
+    Positive, so that no mistake hides behind a zero (an input added twice changes every element); whole, so that
+    every sum of them is exact in each of DTYPES."""
+    generator = torch.Generator().manual_seed(hash((seed, rank, call)) & 0x7FFF_FFFF_FFFF_FFFF)
+    drawn = torch.randint(1, _LARGEST_INPUT + 1, (numel,), generator=generator)
+    return drawn.to(dtype=dtype, device=device)
+
+
+class WrongDtype(RuntimeError):
+    """Raised on a rank, before the message is posted, when graded code sends or receives a tensor of another dtype
+    than t's (gloo would kill the receiving rank over the size mismatch). Its arguments: ("send" or "recv", peer,
+    the message's dtype, t's dtype), read by the grader from a rank's Failure."""
+
+    def __str__(self) -> str:
+        verb, peer, got, wanted = self.args
+        return f"a {verb} {'to' if verb == 'send' else 'from'} rank {peer} of a {got} tensor, but t is {wanted}"
+
+
 def stop_pool(world_size: int) -> None:
     """Stop the pool of `world_size` ranks, whose collectives are out of step after a wrong answer (a call left
     waiting), and only it (labkit.shutdown(world_size=...)): the next call starts a fresh one."""
@@ -99,7 +137,8 @@ def stop_pool(world_size: int) -> None:
 
 @dataclass
 class Outcome:
-    """What one rank's call left behind: t's values, what fn returned, and every message it posted."""
+    """What one rank's call left behind: t's values, what fn returned, and every message it posted (with the values
+    each send carried, `sent_values`, copied as it was posted)."""
 
     tensor: list[float]
     returned: list | None  # a tensor fn returned other than t, as a list
@@ -109,19 +148,10 @@ class Outcome:
     forbidden: list[str] = field(default_factory=list)  # what it called that is switched off
     unwaited: list[tuple[str, int]] = field(default_factory=list)  # ("send" or "recv", peer) never waited
     posts: list[tuple] = field(default_factory=list)  # groups of ("send"/"recv", peer) as NCCL runs them
+    sent_values: list[list[float]] = field(default_factory=list)  # per send, in order: the values it carried
 
 
 @dataclass
-class Posted:
-    """One message posted through ProcessGroup.send or .recv, and whether graded code waited for its handle
-    (`waited`, set by labkit.exercises.wait_watch.WaitWatch; `future` when it took the handle's future)."""
-
-    verb: str  # "send" or "recv"
-    peer: int
-    waited: bool = False
-    future: bool = False
-
-
 class Guard(Interceptor):
     """While graded code runs on a rank: collectives raise, point-to-point messages are counted.
 
@@ -131,12 +161,16 @@ class Guard(Interceptor):
     dist.send, dist.isend and dist.batch_isend_irecv all arrive, once per message. An `Interceptor`: what
     `install` (extended by each grader's guard) replaces is put back when the `with` ends, however it ends."""
 
-    def __init__(self):
+    def __init__(self, keep_values: bool = False, dtype: torch.dtype | None = None):
+        """`keep_values`: copy what each send carries into `sent_values` (the AllReduce graders check contents, not
+        only sizes); `dtype`: the dtype every message must have (t's), else WrongDtype before it is posted."""
         super().__init__()
+        self.keep_values, self.dtype = keep_values, dtype
+        self.recorder = Recorder()  # every message as the kit's Call (peer, bytes, values kept), with its handle
         self.sends: list[tuple[int, int]] = []
         self.recvs: list[tuple[int, int]] = []
         self.forbidden: list[str] = []
-        self.posted: list[tuple[object, Posted]] = []  # (handle, message) per watched message, kept alive
+        self.posted = self.recorder.works  # (handle, Call) per watched message, kept alive
         self.posts: list[tuple] = []  # the messages as NCCL would run them: groups of ("send"/"recv", peer)
         self._batch = None  # the frame of the dist.batch_isend_irecv call that posted the last message
 
@@ -191,12 +225,19 @@ class Guard(Interceptor):
         """Record (peer, nbytes) for each ProcessGroup.send or .recv (tensors, peer, tag), then post it."""
         def counted(call: GroupCall):
             peer, tensors = int(call.args[1]), call.tensors
+            wrong = next((t.dtype for t in tensors if self.dtype is not None and t.dtype != self.dtype), None)
+            if wrong is not None:
+                raise WrongDtype(str(kind), peer, str(wrong).removeprefix("torch."),
+                                 str(self.dtype).removeprefix("torch."))
             messages.append((peer, sum(t.numel() * t.element_size() for t in tensors)))
+            # kept in the last-attempt store too (after an error the grader reads what was posted); a send's values
+            # copied now, as the algorithm had them when it sent
+            record = self.recorder.record(call, keep_values=self.keep_values and kind == Kind.SEND)
             batch = _batch_call()
             self._note_post(str(kind), peer, batch)
             work = call.proceed()
-            if work is not None and not (tensors[0].is_cuda and batch is not None):
-                self.posted.append((work, Posted(str(kind), peer)))
+            if not (tensors[0].is_cuda and batch is not None):
+                self.recorder.launched(work, record)
             return work
 
         wrap_group_method(self, kind, counted)
@@ -218,7 +259,12 @@ class Guard(Interceptor):
 
     def unwaited(self) -> list[tuple[str, int]]:
         """("send" or "recv", peer) of each posted message whose handle graded code never waited for."""
-        return [(message.verb, message.peer) for _, message in self.posted if not message.waited]
+        return [(str(message.kind), message.peer) for _, message in self.posted if not message.waited]
+
+    @property
+    def sent_values(self) -> list[list[float]]:
+        """The values each send carried, in order (with keep_values)."""
+        return [call.values for call in self.recorder.calls if call.kind == Kind.SEND and call.values is not None]
 
 def _batch_call():
     """The frame of the dist.batch_isend_irecv call on this thread's stack, or None. Its messages are one group
@@ -231,31 +277,45 @@ def _batch_call():
     return frame
 
 
-_last_messages: tuple[list, list] = ([], [])  # on a rank: (sends, recvs) of the last graded call
 _last_handles: list = []  # on a rank: the last graded call's message handles, kept until the next call
 
 
-def attempt(fn, numel: int) -> Outcome:
-    """On a rank: call fn on this rank's input under the guard; what happened, for the grader."""
-    global _last_messages, _last_handles
-    t = rank_input(labkit.rank(), numel, device=labkit.device())
+def attempt(fn, case) -> list[Outcome]:
+    """On a rank: call fn CALLS times, each on new drawn values of the case's size and dtype, under a fresh guard
+    (the kit's runner has labkit.comm's ready-made helpers refuse themselves meanwhile, READY_MADE); what each call
+    left, for the grader."""
+    return [_attempt_once(fn, case, call) for call in range(CALLS)]
+
+
+def _attempt_once(fn, case, call: int) -> Outcome:
+    """One call of fn on this rank's input for call `call` of `case` (a labkit.exercises._kit._runner.Case with
+    numel, dtype and seed drawn)."""
+    global _last_handles
+    t = drawn_input(case["seed"], labkit.rank(), case["numel"], case["dtype"], call, device=labkit.device())
     memory = t.data_ptr()
-    guard = Guard()
+    guard = Guard(keep_values=True, dtype=t.dtype)
     try:
         with guard:
             guard.watch_waits()
             returned = fn(t)
+    except BaseException:
+        if guard.sends or guard.recvs:
+            _store.add(_out_of_step())
+        raise
     finally:
-        _last_messages = (guard.sends, guard.recvs)
         _last_handles = [work for work, _ in guard.posted]  # an unwaited message still arrives
     if isinstance(returned, torch.Tensor) and returned is not t:
-        returned = returned.detach().tolist()
+        returned = returned.detach().double().tolist()
     else:
         returned = None
-    return Outcome(t.tolist(), returned, t.data_ptr() == memory, guard.sends, guard.recvs, guard.forbidden,
-                   guard.unwaited(), guard.posts)
+    return Outcome(t.double().tolist(), returned, t.data_ptr() == memory, guard.sends, guard.recvs, guard.forbidden,
+                   guard.unwaited(), guard.posts, guard.sent_values)
 
 
-def messages_of_last_attempt() -> tuple[list, list]:
-    """On a rank: what the last graded call posted, when it raised instead of returning it."""
-    return _last_messages
+def _out_of_step() -> Call:
+    """A record that no other rank's last attempt holds, for a rank that raised with messages posted. The kit's rule
+    after a RankError stops the pool when the ranks' collectives differ, and leaves point-to-point messages out (a
+    message left unmatched usually hangs, and labkit stops a pool that timed out); but a rank that raises (a refused
+    call, a dtype refused) after its dist.isend may leave a message that arrived and that nobody received, for the
+    next case's receives to take. This record makes the ranks differ, so that the rule stops the pool."""
+    return Call(Kind.BARRIER, numel=labkit.rank() + 1, facts={"out of step": "raised with messages posted"})

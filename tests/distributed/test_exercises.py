@@ -3,6 +3,7 @@ away, and the ring's expected bytes are the lesson's formula. The catalogue of m
 test_grader_catalogue.py."""
 
 import itertools
+import threading
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ from labkit.exercises import (
     rank_input,
     ring_nbytes_per_rank,
 )
-from labkit.exercises.guard import Guard
+from labkit.exercises.allreduce import NAIVE_WORLD_SIZES, RING_CASES, naive_cases, ring_cases
+from labkit.exercises.diagnosis import hub_contents, ring_contents
+from labkit.exercises.guard import DTYPES, READY_MADE, Guard, Outcome, drawn_input
 from labkit.plan.traffic import ring_allreduce_bytes
 
 
@@ -193,3 +196,95 @@ def guarded_error_then_collectives():
 def test_after_a_failure_inside_the_guard_collectives_work_again_on_the_ranks():
     total = sum(rank_input(r, 4) for r in range(3))  # the first all-reduce; each next one multiplies by 3
     assert labkit.run(guarded_error_then_collectives, world_size=3) == [(9 * total).tolist()] * 3
+
+
+# ---- issue 27: what is drawn per grading, ready-made helpers refusing themselves, what messages carried --------
+
+@pytest.mark.parametrize("draw", [naive_cases, ring_cases])
+def test_every_grading_draws_every_dtype_new_sizes_and_new_seeds(draw):
+    first, second = draw(), draw()
+    for cases in (first, second):
+        assert {case["dtype"] for case in cases} == set(DTYPES)  # a float32-only solution always meets another
+        assert all(case["numel"] >= 1 for case in cases)
+    assert [c["seed"] for c in first] != [c["seed"] for c in second]
+    if draw is naive_cases:
+        assert [c.world_size for c in first] == list(NAIVE_WORLD_SIZES)
+        assert len({c["numel"] for c in first}) == len(first)  # distinct: a solution sized for one size fails
+    else:
+        kinds = [kind for _, kind in RING_CASES]
+        for case, kind in zip(first, kinds, strict=True):
+            n, numel = case.world_size, case["numel"]
+            assert {"divides": numel % n == 0, "not": numel % n != 0 and numel > n, "fewer": numel < n}[kind]
+
+
+def test_drawn_inputs_are_whole_numbers_of_the_dtype_fixed_by_the_seed_and_new_per_rank_and_call():
+    x = drawn_input(7, 1, 50, torch.float16)
+    assert x.dtype == torch.float16 and torch.equal(x, drawn_input(7, 1, 50, torch.float16))
+    assert torch.equal(x, x.round()) and x.min() >= 1 and x.max() <= 100
+    others = [drawn_input(7, 2, 50, torch.float16), drawn_input(7, 1, 50, torch.float16, call=1),
+              drawn_input(8, 1, 50, torch.float16)]
+    assert not any(torch.equal(x, other) for other in others)
+
+
+@pytest.mark.parametrize("helper", ["naive_allreduce", "ring_allreduce", "tree_allreduce", "ring_reduce_scatter",
+                                    "ring_allgather", "broadcast", "reduce"])
+def test_labkit_comm_s_ready_made_collectives_refuse_while_graded_in_any_thread(helper):
+    """Refused by the helper itself, first thing (no process group is needed to see it), in another thread too."""
+    from labkit._refusals import refusing
+
+    seen = []
+
+    def call():
+        try:
+            getattr(comm, helper)(torch.ones(2))
+        except ForbiddenCall as refused:
+            seen.append(refused.spelling)
+
+    with refusing(READY_MADE) as made:
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+    assert seen == made == [f"labkit.comm's {helper}"]
+
+
+def lesson_ring_sends(inputs: list[torch.Tensor]) -> list[list[list[float]]]:
+    """What each rank of the lesson's ring sends, in order, for these inputs (computed here, in one process)."""
+    n = len(inputs)
+    chunks = [list(x.double().clone().tensor_split(n)) for x in inputs]
+    sent = [[] for _ in range(n)]
+    for phase, first in (("reduce-scatter", 1), ("all-gather", 0)):
+        for step in range(n - 1):
+            moving = [chunks[r][(r - step - first) % n].clone() for r in range(n)]
+            for r in range(n):
+                sent[r].append(moving[r].tolist())
+                receive, incoming = (r - step - first - 1) % n, moving[(r - 1) % n]
+                chunks[r][receive].add_(incoming) if phase == "reduce-scatter" else chunks[r][receive].copy_(incoming)
+    return sent
+
+
+def outcomes_sending(sent: list[list[list[float]]], hub: bool = False) -> list[Outcome]:
+    n = len(sent)
+    peers = [[0] * len(s) if r else list(range(1, n)) for r, s in enumerate(sent)] if hub else \
+        [[(r + 1) % n] * len(s) for r, s in enumerate(sent)]
+    return [Outcome([], None, True, sends=[(p, 0) for p in peers[r]], sent_values=sent[r]) for r in range(n)]
+
+
+def test_a_ring_s_messages_must_carry_running_partial_sums_then_reduced_chunks():
+    inputs = [drawn_input(3, r, 7) for r in range(3)]
+    sent = lesson_ring_sends(inputs)
+    assert ring_contents(outcomes_sending(sent), inputs) is None
+    scratch = [[[0.0] * len(m) for m in s] for s in sent]  # the right sizes, from a scratch copy
+    told = ring_contents(outcomes_sending(scratch), inputs)
+    assert "rank 0's message at step 1 of the reduce-scatter carried [0.0, 0.0], which is not one of rank 0's" in told
+    sent[2][3] = sent[2][0]  # an all-gather message that carries a partial sum
+    assert "rank 2's message at step 2 of the all-gather" in ring_contents(outcomes_sending(sent), inputs)
+
+
+def test_the_hub_s_messages_must_carry_each_rank_s_t_then_the_sum():
+    inputs = [drawn_input(4, r, 3) for r in range(3)]
+    total = sum(x.double() for x in inputs).tolist()
+    right = [[total, total], [inputs[1].double().tolist()], [inputs[2].double().tolist()]]
+    assert hub_contents(outcomes_sending(right, hub=True), inputs) is None
+    wrong = [[total, [0.0] * 3], *right[1:]]
+    assert "rank 0's message to rank 2 carried [0.0, 0.0, 0.0], not the sum" in \
+        hub_contents(outcomes_sending(wrong, hub=True), inputs)

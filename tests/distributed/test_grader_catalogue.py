@@ -95,7 +95,7 @@ def ring_narrow_and_copy(t):
         for step in range(n - 1):
             offset = 1 if phase == "reduce-scatter" else 0
             send, receive = (rank - step - offset) % n, (rank - step - offset - 1) % n
-            buffer = torch.zeros(chunks[receive].numel())
+            buffer = torch.zeros(chunks[receive].numel(), dtype=t.dtype)  # t's dtype, whatever it is
             ops = [dist.P2POp(dist.irecv, buffer, left), dist.P2POp(dist.isend, chunks[send], right)]
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -506,11 +506,7 @@ def hub_not_in_place(t):
 
 def hub_through_the_store(t):
     """Right answer, through the rendezvous store: not one message."""
-    rank, n = me()
-    store = c10d._get_default_store()
-    key = f"catalogue/{n}/{t.numel()}/"
-    store.set(key + str(rank), json.dumps(t.tolist()))
-    t.copy_(sum(torch.tensor(json.loads(store.get(key + str(r)))) for r in range(n)))
+    t.copy_(_store_sum(t))
 
 
 def hub_sends_objects(t):
@@ -609,7 +605,186 @@ def hub_irecv_never_waited(t):
         dist.recv(t, 0)
 
 
-RING_RIGHT = [ring_isend_irecv_by_parity, ring_blocking_by_parity, ring_narrow_and_copy, ring_batch_isend_irecv]
+# ---- issue 27: what a right solution must not depend on (dtype, size), state across calls, what the messages
+# carried, and ready-made helpers out of the guard's sight ----------------------------------------------------
+
+def ring_float32_buffers(t):
+    """ring_narrow_and_copy as first written: receive buffers made with torch.zeros(n), float32 whatever t is."""
+    rank, n = me()
+    chunks = [t.narrow(0, start, length) for start, length in bounds(t.numel(), n)]
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        reducing = step < n - 1
+        s = step if reducing else step - (n - 1)
+        send, receive = ((rank - s - 1) % n, (rank - s - 2) % n) if reducing else ((rank - s) % n, (rank - s - 1) % n)
+        buffer = torch.zeros(chunks[receive].numel())
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer, left),
+                                            dist.P2POp(dist.isend, chunks[send], right)]):
+            work.wait()
+        chunks[receive].add_(buffer) if reducing else chunks[receive].copy_(buffer)
+
+
+def hub_float32_buffer(t):
+    """The hub receives into torch.empty(n): float32, which only fits a float32 t."""
+    rank, n = me()
+    if rank == 0:
+        incoming = torch.empty(t.numel())
+        for src in range(1, n):
+            dist.recv(incoming, src)
+            t += incoming
+        for dst in range(1, n):
+            dist.send(t, dst)
+    else:
+        dist.send(t, 0)
+        dist.recv(t, 0)
+
+
+def ring_sends_float32_copies(t):
+    """Every chunk goes as chunk.float() ("the wire is float32"), and is received into a float32 buffer."""
+    rank, n = me()
+    chunks = list(t.tensor_split(n))
+    right, left = (rank + 1) % n, (rank - 1) % n
+    for step in range(2 * (n - 1)):
+        reducing = step < n - 1
+        s = step if reducing else step - (n - 1)
+        send, receive = ((rank - s - 1) % n, (rank - s - 2) % n) if reducing else ((rank - s) % n, (rank - s - 1) % n)
+        incoming = torch.empty(chunks[receive].numel())
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[send].float(), right),
+                                            dist.P2POp(dist.irecv, incoming, left)]):
+            work.wait()
+        chunks[receive].add_(incoming) if reducing else chunks[receive].copy_(incoming)
+
+
+_KEPT = {}  # the wrong rows' state across calls, on each rank
+
+
+def hub_keeps_its_first_result(t):
+    """Computes the sum once, keeps it in a global and hands it out on every later call."""
+    if "sum" not in _KEPT:
+        hub_blocking(t)
+        _KEPT["sum"] = t.clone()
+    t.copy_(_KEPT["sum"])
+
+
+class RingWithACache:
+    """Keeps the last result on the class, per (size, dtype), as if the tensor were the same on every call."""
+
+    results = {}
+
+    def __call__(self, t):
+        key = (t.numel(), t.dtype, labkit.world_size())
+        if key not in RingWithACache.results:
+            ring_batch_isend_irecv(t)
+            RingWithACache.results[key] = t.clone()
+        t.copy_(RingWithACache.results[key])
+
+
+ring_caches_on_the_class = RingWithACache()
+ring_caches_on_the_class.__name__ = "ring_caches_on_the_class"  # a callable object, named for the test ids
+
+
+class RingReusingBuffers:
+    """Right: keeps its receive buffers between calls (per size and dtype), which is state that does not change the
+    answer."""
+
+    buffers = {}
+
+    def __call__(self, t):
+        rank, n = me()
+        chunks = list(t.tensor_split(n))
+        right, left = (rank + 1) % n, (rank - 1) % n
+        for step in range(2 * (n - 1)):
+            reducing = step < n - 1
+            s = step if reducing else step - (n - 1)
+            send, receive = ((rank - s - 1) % n, (rank - s - 2) % n) if reducing else \
+                ((rank - s) % n, (rank - s - 1) % n)
+            key = (chunks[receive].numel(), t.dtype)
+            incoming = RingReusingBuffers.buffers.setdefault(key, torch.empty_like(chunks[receive]))
+            exchange_by_parity(chunks[send].clone(), incoming, right, left, rank)
+            chunks[receive].add_(incoming) if reducing else chunks[receive].copy_(incoming)
+
+
+ring_reusing_buffers = RingReusingBuffers()
+ring_reusing_buffers.__name__ = "ring_reusing_buffers"
+
+
+def hub_decoy_messages(t):
+    """The hub's messages, right in number and size, sent from scratch zeros; the sum comes from the store."""
+    total = _store_sum(t)
+    scratch = torch.zeros_like(t)
+    hub_blocking(scratch)
+    t.copy_(total)
+
+
+def ring_decoy_messages(t):
+    """A ring's messages, right in number, sizes and order, sent from a scratch copy; the sum from the store."""
+    total = _store_sum(t)
+    ring_batch_isend_irecv(torch.zeros_like(t))
+    t.copy_(total)
+
+
+def ring_recomputes_the_inputs(t):
+    """The right messages, but the sum recomputed from what rank r's input used to be, (r + 1) x [1, ..., numel]:
+    t x N(N+1)/2 / (r + 1). Inputs drawn per grading cannot be recomputed."""
+    rank, n = me()
+    ring_batch_isend_irecv(t.clone())
+    t.mul_(n * (n + 1) / 2 / (rank + 1))
+
+
+_ROUNDS = {}
+
+
+def _store_sum(t):
+    """Every rank's t, summed through the rendezvous store, under a key of its own per call."""
+    rank, n = me()
+    store = c10d._get_default_store()
+    round_ = _ROUNDS[n] = _ROUNDS.get(n, 0) + 1  # every rank calls as often: the same round on each
+    key = f"catalogue-decoy/{n}/{round_}/"
+    store.set(key + str(rank), json.dumps(t.tolist()))
+    return sum(torch.tensor(json.loads(store.get(key + str(r))), dtype=t.dtype) for r in range(n))
+
+
+def in_a_thread(helper, t):
+    """Run `helper(t)` in a thread of its own, swallowing what it raises (the guard does not see other threads'
+    stacks)."""
+    import threading
+
+    def run():
+        try:
+            helper(t)
+        except Exception:  # noqa: BLE001 - the student's thread swallows every error
+            pass
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+
+
+def labkit_ring_in_a_thread(t):
+    in_a_thread(comm.ring_allreduce, t)
+
+
+def labkit_ring_in_a_thread_then_own(t):
+    """Tries labkit.comm's ring from a thread, then does the exercise itself: the try still counts."""
+    in_a_thread(comm.ring_allreduce, t.clone())
+    ring_batch_isend_irecv(t)
+
+
+def labkit_tree_in_a_thread(t):
+    in_a_thread(comm.tree_allreduce, t)
+
+
+def labkit_reduce_scatter_then_allgather(t):
+    """labkit.comm's two halves of the ring, which make the AllReduce."""
+    t.copy_(comm.ring_allgather(comm.ring_reduce_scatter(t)))
+
+
+def labkit_reduce_then_broadcast(t):
+    comm.broadcast(comm.reduce(t, 0), 0)
+
+
+RING_RIGHT = [ring_isend_irecv_by_parity, ring_blocking_by_parity, ring_narrow_and_copy, ring_batch_isend_irecv,
+              ring_reusing_buffers]
 HUB_RIGHT = [hub_blocking, hub_isend_irecv, hub_buffer_then_copy, hub_batch_isend_irecv]
 
 NCCL_HANG = "it works here on gloo, but it would hang on NCCL (GPUs)"
@@ -627,7 +802,7 @@ COLLECTIVES = [  # (wrong solution, what its verdict must say): the same for the
     (reduce_then_broadcast, "called torch.distributed.reduce."),
 ]
 RING_WRONG = COLLECTIVES + [
-    (labkit_ring, "labkit.comm's ring_allreduce and naive_allreduce are the course's own answer"),
+    (labkit_ring, "labkit.comm's collectives (ring_allreduce, naive_allreduce, tree_allreduce"),
     (ring_catches_the_guard, "torch.distributed.all_reduce (and caught the error"),
     (ring_whole_tensor, "carried the whole tensor"),
     (ring_to_the_left, "its left neighbour only: your ring runs the wrong way"),
@@ -635,7 +810,7 @@ RING_WRONG = COLLECTIVES + [
     (ring_segmented, "sent 8 messages"),
     (ring_off_by_one_chunk, "of t.tensor_split(3) are wrong"),
     (ring_without_all_gather, "the all-gather that passes the finished chunks around the ring is missing"),
-    (ring_even_sizes_only, "t.tensor_split(3)'s chunks hold [3, 2, 2] elements: a chunk or a buffer sized as if"),
+    (ring_even_sizes_only, "t.tensor_split(3)'s chunks hold ["),
     (ring_sums_twice, "summed twice"),
     (ring_not_in_place, "must work in place"),
     (ring_new_memory, "pointed at new memory"),
@@ -646,20 +821,38 @@ RING_WRONG = COLLECTIVES + [
     (ring_isend_then_recv, NCCL_HANG),
     (ring_isend_irecv_posted_apart, NCCL_HANG),
 ]
+DTYPE = "every message of an AllReduce carries t's own dtype"
+CALLED_AGAIN = "the sum the first call gave, not this call's sum"
+CAUGHT = " (and caught the error; it still counts). labkit.comm's collectives"
+RING_WRONG += [  # issue 27: one row per honest mistake each class lets through
+    (ring_float32_buffers, DTYPE),  # fixed parameters: float32 only
+    (ring_sends_float32_copies, "sent a float32 tensor"),
+    (ring_caches_on_the_class, CALLED_AGAIN),  # state across calls
+    (ring_decoy_messages, "message at step 1 of the reduce-scatter carried"),  # counting is not checking
+    (ring_recomputes_the_inputs, "of t.tensor_split(3) are wrong (no chunk holds its sum)"),
+    (labkit_ring_in_a_thread, "called labkit.comm's ring_allreduce" + CAUGHT),  # ready-made, out of sight
+    (labkit_ring_in_a_thread_then_own, "called labkit.comm's ring_allreduce" + CAUGHT),
+    (labkit_reduce_scatter_then_allgather, "called labkit.comm's ring_reduce_scatter. labkit.comm's collectives"),
+]
 HUB_WRONG = COLLECTIVES + [
-    (labkit_hub, "labkit.comm's ring_allreduce and naive_allreduce are the course's own answer"),
+    (labkit_hub, "labkit.comm's collectives (ring_allreduce, naive_allreduce, tree_allreduce"),
     (hub_never_sends_back, "the result never reached it"),
     (hub_leaves_sum_twice, "summed twice"),
     (hub_ranks_disagree, "the same hub, rank 0"),
     (hub_is_the_last_rank, "every message has rank 0, the hub, at one end"),
     (hub_forgets_itself, "the sum is missing rank 0's input"),
     (hub_not_in_place, "must work in place"),
-    (hub_through_the_store, "rank 1 sent 0 bytes to rank 0, expected 20"),
+    (hub_through_the_store, "rank 1 sent 0 bytes to rank 0, expected "),
     (hub_sends_objects, "a pickled Python object in two messages"),
     (hub_broadcasts_objects, "called torch.distributed.broadcast_object_list"),
     (hub_isend_never_waited, "isend handle(s) were never waited"),
     (hub_irecv_never_waited, "rank 0's irecv handle(s) were never waited (1 irecv from rank 1, 1 irecv from rank 2)"),
     (hub_irecv_before_isend, NCCL_HANG),
+    (hub_float32_buffer, "received into a float32 tensor"),  # issue 27: fixed parameters
+    (hub_keeps_its_first_result, CALLED_AGAIN),  # state across calls
+    (hub_decoy_messages, "'s message to rank 0 carried [0.0"),  # counting is not checking
+    (labkit_tree_in_a_thread, "called labkit.comm's tree_allreduce" + CAUGHT),  # ready-made, out of sight
+    (labkit_reduce_then_broadcast, "called labkit.comm's reduce. labkit.comm's collectives"),
 ]
 
 
@@ -667,24 +860,37 @@ def ids(entries):
     return [fn.__name__ for fn, _ in entries]
 
 
+@pytest.fixture
+def warm_ranks():
+    """Ranks of 2, 3 and 4 that have imported this module: a grader stops the pool of its last case when a wrong
+    solution leaves it out of step, and on a loaded machine a fresh pool importing this module can take longer than
+    DEADLOCK_SECONDS, inside the first case's call."""
+    for world_size in (2, 3, 4):
+        labkit.run(me, world_size=world_size)
+
+
+@pytest.mark.usefixtures("warm_ranks")
 @pytest.mark.parametrize("solution", RING_RIGHT, ids=lambda fn: fn.__name__)
 def test_ring_grader_accepts_right_solutions_written_differently(solution):
     verdict = check_ring_allreduce(solution)
     assert verdict.passed, verdict
 
 
+@pytest.mark.usefixtures("warm_ranks")
 @pytest.mark.parametrize("solution", HUB_RIGHT, ids=lambda fn: fn.__name__)
 def test_hub_grader_accepts_right_solutions_written_differently(solution):
     verdict = check_naive_allreduce(solution)
     assert verdict.passed, verdict
 
 
+@pytest.mark.usefixtures("warm_ranks")
 @pytest.mark.parametrize(("mistake", "phrase"), RING_WRONG, ids=ids(RING_WRONG))
 def test_ring_grader_rejects_each_mistake_and_names_it(mistake, phrase):
     verdict = check_ring_allreduce(mistake, timeout_seconds=DEADLOCK_SECONDS)
     assert not verdict and phrase in verdict.message and "rank " in verdict.message, verdict
 
 
+@pytest.mark.usefixtures("warm_ranks")
 @pytest.mark.parametrize(("mistake", "phrase"), HUB_WRONG, ids=ids(HUB_WRONG))
 def test_hub_grader_rejects_each_mistake_and_names_it(mistake, phrase):
     verdict = check_naive_allreduce(mistake, timeout_seconds=DEADLOCK_SECONDS)
