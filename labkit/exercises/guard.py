@@ -46,7 +46,7 @@ from labkit.exercises._kit._messages import (
     forbidden_spelling,
     where_ranks_waited,
 )
-from labkit.exercises._kit._record import Call, Recorder
+from labkit.exercises._kit._record import Recorder
 from labkit.exercises.wait_watch import WaitWatch
 
 __all__ = ["CALLS", "DTYPES", "POINT_TO_POINT", "READY_MADE", "ForbiddenCall", "Guard", "Outcome",
@@ -298,10 +298,6 @@ def _attempt_once(fn, case, call: int) -> Outcome:
         with guard:
             guard.watch_waits()
             returned = fn(t)
-    except BaseException:
-        if guard.sends or guard.recvs:
-            _store.add(_out_of_step())
-        raise
     finally:
         _last_handles = [work for work, _ in guard.posted]  # an unwaited message still arrives
     if isinstance(returned, torch.Tensor) and returned is not t:
@@ -310,12 +306,3 @@ def _attempt_once(fn, case, call: int) -> Outcome:
         returned = None
     return Outcome(t.double().tolist(), returned, t.data_ptr() == memory, guard.sends, guard.recvs, guard.forbidden,
                    guard.unwaited(), guard.posts, guard.sent_values)
-
-
-def _out_of_step() -> Call:
-    """A record that no other rank's last attempt holds, for a rank that raised with messages posted. The kit's rule
-    after a RankError stops the pool when the ranks' collectives differ, and leaves point-to-point messages out (a
-    message left unmatched usually hangs, and labkit stops a pool that timed out); but a rank that raises (a refused
-    call, a dtype refused) after its dist.isend may leave a message that arrived and that nobody received, for the
-    next case's receives to take. This record makes the ranks differ, so that the rule stops the pool."""
-    return Call(Kind.BARRIER, numel=labkit.rank() + 1, facts={"out of step": "raised with messages posted"})

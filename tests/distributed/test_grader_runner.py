@@ -196,3 +196,15 @@ def test_the_rule_reads_the_store_when_labkit_kept_the_pool():
     assert OWNER.kept_pool(2) is not None
     stop_if_out_of_step(2, attempts)
     assert OWNER.kept_pool(2) is None
+
+
+def test_the_rule_stops_the_pool_when_messages_do_not_pair_up():
+    """A rank that raised after its dist.isend, whose peer never posted the recv, leaves a message waiting for the
+    next case's recvs: the counts of sends and recvs per (source, destination) must agree, or the pool is stopped."""
+    paired = [LastAttempt([Call(Kind.SEND, 3, peer=1)]), LastAttempt([Call(Kind.RECV, 3, peer=0)])]
+    unpaired = [LastAttempt([Call(Kind.SEND, 3, peer=1)]), LastAttempt([])]
+    labkit.run(os.getpid, world_size=2)
+    stop_if_out_of_step(2, paired)
+    assert OWNER.kept_pool(2) is not None
+    stop_if_out_of_step(2, unpaired)
+    assert OWNER.kept_pool(2) is None

@@ -12,14 +12,16 @@ once, so every grader behaves the same:
 - a call refused and caught is reported as if it had not been caught; a refused call that raised is reported
   before any other error;
 - **the one rule after a RankError** (or a case whose ranks disagree): unless labkit stopped the pool itself,
-  each rank's last attempt is read back; if the ranks did not make the same calls (kinds and sizes, in order), or
-  that cannot be read, the pool of that world size is stopped (labkit.shutdown(world_size=...)), so the next
-  case or the next grading starts on ranks with no collective left unmatched;
+  each rank's last attempt is read back; if the ranks did not make the same collectives (kinds and sizes, in
+  order), or their messages do not pair up (each send with its recv), or that cannot be read, the pool of that
+  world size is stopped (labkit.shutdown(world_size=...)), so the next case or the next grading starts on ranks
+  with no collective or message left unmatched;
 - then the spec's checks, in order: the first problem is the verdict, prefixed by how the case is described.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ import labkit
 from labkit._refusals import refusing
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises._kit import _store
+from labkit.exercises._kit._group_call import Kind
 from labkit.exercises._kit._messages import first_failure, forbidden_message, not_callable_message
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
@@ -119,9 +122,20 @@ def after_error(error: labkit.RankError, world_size: int) -> list[_store.LastAtt
 
 
 def stop_if_out_of_step(world_size: int, attempts: list[_store.LastAttempt]) -> None:
-    """Stop the pool of `world_size` ranks if they did not make the same calls: a collective may be unmatched."""
-    if any(a.signatures != attempts[0].signatures for a in attempts):
+    """Stop the pool of `world_size` ranks if they did not make the same collectives, or if their messages do not
+    pair up (a send with no recv posted for it, or the reverse): a collective or a message may be left unmatched,
+    for the next case's calls to meet."""
+    if any(a.signatures != attempts[0].signatures for a in attempts) or not _messages_pair_up(attempts):
         labkit.shutdown(world_size=world_size)
+
+
+def _messages_pair_up(attempts: list[_store.LastAttempt]) -> bool:
+    """Whether every send from rank s to rank d has a recv at d from s, and every recv a send, counted per pair.
+    A rank that raised after a dist.isend whose peer never posted the recv leaves that message waiting."""
+    sent = Counter((rank, call.peer) for rank, a in enumerate(attempts) for call in a.calls if call.kind == Kind.SEND)
+    received = Counter((call.peer, rank) for rank, a in enumerate(attempts) for call in a.calls
+                       if call.kind == Kind.RECV)
+    return sent == received
 
 
 def _on_rank(attempt: Callable, ready_made: tuple[str, ...], solutions: tuple, case: Case):
