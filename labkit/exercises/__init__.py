@@ -3,9 +3,9 @@
     allreduce   check_naive_allreduce, check_ring_allreduce (notebooks 02 and 03): the student's AllReduce on
                 2, 3 and 4 real ranks, against torch's answer and the algorithm's traffic
     average     check_average_gradients (notebook 01): the student's gradient average after backward() on 2, 3
-                and 4 real ranks, against one process trained on the whole batch (average_guard: on each rank)
+                and 4 real ranks, against one process trained on the whole batch (its rank side in the same file)
     ddp_hook    check_bucketed_ddp_hook (notebook 04): the student's bucketed DDP from post-accumulate-grad hooks,
-                against torch's DDP, communication started inside backward (ddp_hook_guard: on each rank)
+                against torch's DDP, communication started inside backward (its rank side in the same file)
     megatron    check_megatron_f_g (notebook 05): the student's f and g autograd functions in Megatron's MLP on
                 2 and 3 ranks, against one process, one all_reduce each way (megatron_guard: on each rank)
     accumulation  check_no_sync_accumulation (notebook 07): accumulation with DDP's no_sync(), one AllReduce per

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from labkit import groups, measure
+from labkit._refusals import refuse_while_graded
 from labkit.checks import number, shown, whole
 from labkit.parallel._collectives import broadcast
 from labkit.parallel.counters import all_reduce_sum
@@ -148,6 +149,7 @@ def average_gradients(model: nn.Module, group=None) -> None:
         >>> g0, g1 = labkit.run(step, world_size=2); torch.equal(g0, g1)
         True
     """
+    refuse_while_graded("labkit.parallel's average_gradients")  # the exercise of notebook 01, in any thread
     groups.require_member("average_gradients", group)
     size = groups.group_size(group)
     for param in model.parameters():
@@ -254,6 +256,7 @@ class BucketedDDP(nn.Module):
 
     def __init__(self, model: nn.Module, bucket_mb: float | None = None, first_bucket_mb: float | None = None,
                  group=None):
+        refuse_while_graded("labkit.parallel's BucketedDDP")  # the exercise of notebooks 01 and 04, in any thread
         super().__init__()
         bucket_mb, first_bucket_mb = bucket_caps_mb(bucket_mb, first_bucket_mb)
         self.module, self.group = model, group

@@ -7,15 +7,26 @@ future taken and never waited): only the guard catches them, at the process-grou
 futures.
 """
 
+import copy
 import importlib
+import itertools
+import multiprocessing
+import pickle
+import random
+import re
+import sys
+import threading
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import labkit
 from labkit.exercises import Verdict, check_average_gradients
+from labkit.exercises.average import draw_case
 from labkit.parallel import BucketedDDP, all_reduce_sum, average_gradients
 
 HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
@@ -26,7 +37,7 @@ def warm_pools():
     """Start the pools of 2, 3 and 4 ranks and import the grader's rank side in them, so that no case's timeout
     is spent starting processes on a loaded machine."""
     for world_size in (2, 3, 4):
-        labkit.run(importlib.import_module, "labkit.exercises.average_guard", world_size=world_size)
+        labkit.run(importlib.import_module, "labkit.exercises.average", world_size=world_size)
 
 
 def n():
@@ -105,9 +116,49 @@ def process_group_default_options(model):
         p.grad /= n()
 
 
+def divided_before_the_sum(model):
+    """Each gradient divided by N first, then all-reduced: the sum of the shares is the average (what goes in is
+    the gradient divided by N, which the grader's check of what was reduced accepts)."""
+    for p in model.parameters():
+        p.grad /= n()
+        dist.all_reduce(p.grad)
+
+
+def weights_and_biases_in_two_buckets(model):
+    """Two flat buckets, biases first then weights: gradients reduced in an order of their own."""
+    params = list(model.parameters())
+    for bucket in ([p for p in params if p.dim() == 1], [p for p in params if p.dim() > 1]):
+        flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+        dist.all_reduce(flat)
+        for p, piece in zip(bucket, (flat / n()).split([p.numel() for p in bucket]), strict=True):
+            p.grad.copy_(piece.view_as(p))
+
+
+_WORLD = {}  # state that may be kept across calls: the world size does not change in a process
+
+
+def world_size_kept_on_a_global(model):
+    """The world size asked once and kept on a global: state across calls that is right to keep."""
+    world = _WORLD.setdefault("n", dist.get_world_size())
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+
+def averaged_in_a_thread(model):
+    """The lesson's loop run in a thread of its own, joined: the all_reduces are the rank's all the same."""
+    thread = threading.Thread(target=loop_all_reduce_div, args=(model,))
+    thread.start()
+    thread.join()
+
+
+RIGHT_NEW = [divided_before_the_sum, weights_and_biases_in_two_buckets, world_size_kept_on_a_global,
+             averaged_in_a_thread]
+
+
 @pytest.mark.parametrize("fn", [loop_all_reduce_div, flatten_unflatten, cat_and_split, async_handles_waited,
                                 polled_until_completed, futures_chained_and_waited, labkit_sum_then_divide,
-                                process_group_default_options])
+                                process_group_default_options, *RIGHT_NEW])
 def test_right_solutions_pass_and_say_what_was_checked(fn):
     verdict = check_average_gradients(fn)
     assert verdict and isinstance(verdict, Verdict), verdict
@@ -250,11 +301,14 @@ def torch_ddp(model):
     (max_op, "all-reduced with ReduceOp.MAX"),
     (avg_then_divide, "divided by N twice (by 9 = 3^2). ReduceOp.AVG, if you used it, already divides"),
     (async_without_wait, "async_op=True and never called wait()"),
-    (wait_last_only, "started 9 all_reduce(s) with async_op=True and never called wait()"),
-    (wait_last_future_only, "never waited for them, though it waited for 3 other(s): one future's wait() promises"),
-    (future_never_waited, "took the futures (handle.get_future()) of 12 all_reduce(s) with async_op=True in 3 SGD "
-                          "steps and never waited for them. get_future() and then() do not wait"),
-    (future_then_never_waited, "of 12 all_reduce(s) with async_op=True in 3 SGD steps and never waited for them."),
+    (wait_last_only, re.compile(r"started \d+ all_reduce\(s\) with async_op=True and never called wait\(\)")),
+    (wait_last_future_only, re.compile(r"never waited for them, though it waited for \d+ other\(s\): one future's "
+                                       r"wait\(\) promises")),
+    (future_never_waited, re.compile(r"took the futures \(handle.get_future\(\)\) of \d+ all_reduce\(s\) with "
+                                     r"async_op=True in \d+ calls of your function \(2 models, \d SGD steps each\) "
+                                     r"and never waited for them. get_future\(\) and then\(\) do not wait")),
+    (future_then_never_waited, re.compile(r"of \d+ all_reduce\(s\) with async_op=True in \d+ calls of your "
+                                          r"function .* and never waited for them.")),
     (future_polled_until_done, "A loop on the future's done(), or reading its value(), is no wait either: on GPUs "
                                "done() is True as soon as the all_reduce is queued"),
     (future_value_read, "and never waited for them"),
@@ -265,8 +319,168 @@ def torch_ddp(model):
 ])
 def test_wrong_solutions_are_rejected_naming_the_mistake(fn, named):
     verdict = check_average_gradients(fn)
-    assert not verdict and named in verdict.message, verdict
-    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank), "), verdict
+    assert not verdict and _says(verdict.message, named), verdict
+    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict
+
+
+def _says(message: str, named) -> bool:
+    """Whether the verdict names the mistake: a phrase it contains, or a pattern it matches (where a number in it
+    depends on what the grading drew)."""
+    return bool(named.search(message)) if isinstance(named, re.Pattern) else named in message
+
+
+# ---- wrong solutions of the classes that fixed parameters, state across calls, counting instead of checking and
+# ready-made helpers out of the guard's sight let pass (issue 27): refused on every draw ---------------------
+
+NOTEBOOK_NUMEL = 6 * 8 + 8 + 8 * 3 + 3  # the notebook's model, 6 features, 8 hidden, 3 classes: 83 numbers
+
+
+def numel_written_in(model):
+    """A flat buffer of the notebook's model's 83 numbers, written in by hand: the graded model is never that."""
+    flat, offset = torch.zeros(NOTEBOOK_NUMEL, dtype=torch.float64), 0
+    for p in model.parameters():
+        flat[offset:offset + p.numel()] = p.grad.reshape(-1)
+        offset += p.numel()
+    dist.all_reduce(flat)
+    offset = 0
+    for p in model.parameters():
+        p.grad.copy_(flat[offset:offset + p.numel()].view_as(p) / n())
+        offset += p.numel()
+
+
+def split_sizes_written_in(model):
+    """The flat sum split by the sizes printed in the notebook (48, 8, 24, 3), not by the gradients' own."""
+    params = list(model.parameters())
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    for p, piece in zip(params, (flat / n()).split([48, 8, 24, 3]), strict=True):
+        p.grad.copy_(piece.view_as(p))
+
+
+_KEPT_PARAMETERS = []
+
+
+def parameters_kept_on_a_global(model):
+    """The parameters listed once, on the first call, and kept on a global: a later model's are never averaged."""
+    if not _KEPT_PARAMETERS:
+        _KEPT_PARAMETERS.extend(model.parameters())
+    for p in _KEPT_PARAMETERS:
+        dist.all_reduce(p.grad)
+        p.grad /= n()
+
+
+class FlatOnTheClass:
+    """A flat buffer made (and filled) on the first call, kept on the class, then all-reduced again each call."""
+
+    flat = None
+
+
+def buffer_kept_on_the_class(model):
+    grads = [p.grad for p in model.parameters()]
+    if FlatOnTheClass.flat is None:
+        FlatOnTheClass.flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(FlatOnTheClass.flat)
+    FlatOnTheClass.flat /= n()
+    for g, piece in zip(grads, FlatOnTheClass.flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(piece.view_as(g))
+
+
+_ROUNDS = itertools.count()  # the same on every rank: each rank's function is called as often
+
+
+def sums_through_the_store(model):
+    """The gradients exchanged through the rendezvous store; an all_reduce of zeros of the right size is made so
+    that one is made. Counting all_reduces cannot tell; what went into it can."""
+    store = dist.distributed_c10d._get_default_store()
+    params = list(model.parameters())
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    key = f"average-{next(_ROUNDS)}"
+    store.set(f"{key}-{dist.get_rank()}", pickle.dumps(flat.tolist()))
+    dist.all_reduce(torch.zeros_like(flat))
+    total = sum(torch.tensor(pickle.loads(store.get(f"{key}-{r}")), dtype=flat.dtype) for r in range(n()))
+    for p, piece in zip(params, (total / n()).split([p.numel() for p in params]), strict=True):
+        p.grad.copy_(piece.view_as(p))
+
+
+def recomputes_the_whole_batch(model):
+    """The whole batch's gradient computed locally (the batch is the same on every rank), the all_reduce made on a
+    scratch tensor of the right size: the right values, not averaged by the all_reduce."""
+    frame = sys._getframe(1)
+    while not {"x", "y"} <= frame.f_locals.keys():  # the grader's loop holds the whole batch
+        frame = frame.f_back
+    twin = copy.deepcopy(model)
+    twin.zero_grad()
+    F.cross_entropy(twin(frame.f_locals["x"]), frame.f_locals["y"]).backward()
+    dist.all_reduce(torch.zeros(sum(p.numel() for p in model.parameters()), dtype=torch.float64))
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        p.grad.copy_(q.grad)
+
+
+def _quietly(f, *args):
+    try:
+        f(*args)
+    except Exception:  # noqa: BLE001 - the thread swallows what it raised
+        pass
+
+
+def labkit_average_in_a_thread(model):
+    """labkit's average_gradients in a thread of its own, whose error is swallowed (the tracer-free way round)."""
+    thread = threading.Thread(target=_quietly, args=(average_gradients, model))
+    thread.start()
+    thread.join()
+
+
+def labkit_bucketed_in_a_thread(model):
+    thread = threading.Thread(target=_quietly, args=(BucketedDDP, model))
+    thread.start()
+    thread.join()
+
+
+def labkit_average_in_a_subprocess(model):
+    """labkit's average_gradients in a forked subprocess (which inherits what the grader refuses)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        pool.submit(average_gradients, model).result()
+
+
+NEW_WRONG = [  # (class of issue 27, solution, what its verdict names)
+    ("fixed parameters", numel_written_in, "sizes written in"),
+    ("fixed parameters", split_sizes_written_in, "sizes written in"),
+    ("state across calls", parameters_kept_on_a_global, "something was kept from an earlier call"),
+    ("state across calls", buffer_kept_on_the_class, "kept from an earlier call"),
+    ("counting is not checking", sums_through_the_store, "whose values are not its gradients"),
+    ("counting is not checking", recomputes_the_whole_batch, "whose values are not its gradients"),
+    ("ready-made out of sight", labkit_average_in_a_thread,
+     "called labkit.parallel's average_gradients (and caught the error; it still counts)"),
+    ("ready-made out of sight", labkit_bucketed_in_a_thread, "called labkit.parallel's BucketedDDP"),
+    ("ready-made out of sight", labkit_average_in_a_subprocess, "called labkit.parallel's average_gradients"),
+]
+DRAWS = 2  # gradings per new wrong row: each draws its cases afresh, and each must refuse
+
+
+@pytest.mark.parametrize(("fn", "named"), [row[1:] for row in NEW_WRONG],
+                         ids=[f"{row[0]}: {row[1].__name__}" for row in NEW_WRONG])
+def test_new_wrong_solutions_are_refused_on_every_draw(fn, named):
+    for _ in range(DRAWS):
+        verdict = check_average_gradients(fn)
+        assert not verdict and named in verdict.message, verdict
+        assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict
+
+
+def test_every_case_draws_what_a_right_solution_must_not_depend_on():
+    """Sizes, batch, seeds, lr and steps drawn within bounds, never the notebook's model, two models per case."""
+    rng = random.Random(0)
+    cases = [draw_case(3, rng) for _ in range(200)]
+    assert all(3 <= c["features"] <= 9 and 4 <= c["hidden"] <= 10 and 2 <= c["steps"] <= 4 and 0.05 <= c["lr"] <= 0.5
+               for c in cases)
+    assert all(c["features"] * c["hidden"] + 4 * c["hidden"] + 3 != NOTEBOOK_NUMEL for c in cases)
+    assert all(len(set(c["seeds"])) == 2 for c in cases)
+    assert len({(c["features"], c["hidden"], c["lr"], c["steps"]) for c in cases}) > 100
+
+
+def test_a_right_solution_passes_on_every_draw():
+    for _ in range(DRAWS):
+        verdict = check_average_gradients(flatten_unflatten)
+        assert verdict, verdict
 
 
 def test_the_guard_goes_away_after_a_refused_call():

@@ -8,6 +8,14 @@ events (which gradients were ready when each bucket left), never by a timing.
 """
 
 import importlib
+import itertools
+import multiprocessing
+import pickle
+import random
+import re
+import threading
+import weakref
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -15,9 +23,11 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import labkit
-from labkit.exercises.ddp_hook import check_bucketed_ddp_hook, expected_buckets
+from labkit.exercises.ddp_hook import check_bucketed_ddp_hook, draw_cases, expected_buckets
 from labkit.exercises.verdict import Verdict
+from labkit.parallel import BucketedDDP, average_gradients
 
+DRAWS = 2  # gradings of a row that must be refused on every draw: each draws its cases afresh
 HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
 
 
@@ -26,7 +36,7 @@ def warm_pools():
     """Start the pools of 2 and 3 ranks and import the grader's rank side in them, so that no case's timeout is
     spent starting processes on a loaded machine."""
     for world_size in (2, 3):
-        labkit.run(importlib.import_module, "labkit.exercises.ddp_hook_guard", world_size=world_size)
+        labkit.run(importlib.import_module, "labkit.exercises.ddp_hook", world_size=world_size)
 
 
 def n():
@@ -500,18 +510,18 @@ def strictly_more(model, bucket_nbytes):
 
 
 @pytest.mark.parametrize(("attach", "named"), [
-    (newest_gradient_only, "[99, 72, 56] elements, not the buckets: the bucket is full when the gradients IN it "
-                           "reach bucket_nbytes, not when one gradient does"),
-    (strictly_more, "[35, 64, 72, 56] elements, not the buckets: a bucket that reaches exactly bucket_nbytes is "
-                    "full"),
+    (newest_gradient_only, "elements, not the buckets: the bucket is full when the gradients IN it reach "
+                           "bucket_nbytes, not when one gradient does"),
+    (strictly_more, "elements, not the buckets: a bucket that reaches exactly bucket_nbytes is full"),
 ])
 def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
-    """Rules that 480 bytes cannot tell from the right one: the second case's 216 bytes (27 numbers) can."""
-    verdict = check_bucketed_ddp_hook(attach, record=False)
-    assert not verdict and named in verdict.message, verdict
-    assert verdict.message.startswith("On 2 ranks (a batch of 24 rows, 12 per rank), "), verdict
-    assert "With bucket_nbytes = 216 bytes (27 float64 numbers)" in verdict.message, verdict
-    assert "the buckets hold [27, 72, 72, 56] elements" in verdict.message, verdict
+    """Rules that the first case's limit may not tell from the right one: the second case's, which the first two
+    gradients fill exactly, always can (draw_cases); on every draw the rule is named, with the right buckets."""
+    for _ in range(DRAWS):
+        verdict = check_bucketed_ddp_hook(attach, record=False)
+        assert not verdict and named in verdict.message, verdict
+        assert re.search(r"With bucket_nbytes = \d+ bytes \(\d+ float64 numbers\) and the gradients ready in the "
+                         r"order .*, the buckets hold \[[\d, ]+\] elements", verdict.message), verdict
 
 
 @pytest.mark.parametrize(("attach", "named"), [
@@ -524,14 +534,15 @@ def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
     (wait_all_in_hook, "still running (handle.get_future().wait() inside the hook at step 1"),
     (spin_in_hook, "still running (handle.is_completed() inside the hook at step 1: asking whether it is done"),
     (barrier_in_hook, "still running (dist.barrier() inside the hook at step 1: gloo's barrier first waits"),
-    (finish_never_forgets, "at step 2 rank 0 called handle.wait() again on 3 handle(s) of step 1: the list of "
-                           "buckets in flight was never emptied"),
-    (every_bucket_at_the_last_gradient, "started bucket 1 (99 numbers) only once every gradient was ready, though "
-                                        "it was full once 4 were"),
+    (finish_never_forgets, re.compile(r"at step 2 rank 0 called handle.wait\(\) again on \d+ handle\(s\) of "
+                                      r"step 1: the list of buckets in flight was never emptied")),
+    (every_bucket_at_the_last_gradient, re.compile(r"started bucket 1 \(\d+ numbers\) only once every gradient was "
+                                                   r"ready, though it was full once \d+ were")),
     (never_waits, "never called wait() on the handle"),
-    (last_bucket_never_sent, "The last bucket, not full when the backward ended (56 numbers), was never sent"),
+    (last_bucket_never_sent, re.compile(r"The last bucket, not full when the backward ended \(\d+ numbers\), was "
+                                        r"never sent")),
     (no_copy_back, "gradients are still its own, not the average: the averaged buckets never reached p.grad"),
-    (four_bytes_a_number, "not the buckets. With bucket_nbytes = 480 bytes (60 float64 numbers)"),
+    (four_bytes_a_number, re.compile(r"not the buckets.*With bucket_nbytes = \d+ bytes \(\d+ float64 numbers\)")),
     (rank_dependent_buckets, "the ranks' buckets went out in different orders or sizes"),
     (torch_ddp, "called torch.nn.parallel.DistributedDataParallel"),
     (labkit_bucketed, "called labkit.parallel's BucketedDDP"),
@@ -539,8 +550,221 @@ def test_wrong_bucket_rules_are_named_at_an_exact_limit(attach, named):
 ])
 def test_wrong_solutions_are_rejected_naming_the_mistake(attach, named):
     verdict = check_bucketed_ddp_hook(attach, record=False)
-    assert not verdict and named in verdict.message, verdict
-    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank), "), verdict
+    assert not verdict and _says(verdict.message, named), verdict
+    assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict
+
+
+def _says(message: str, named) -> bool:
+    """Whether the verdict names the mistake: a phrase it contains, or a pattern it matches (where a number in it
+    depends on what the grading drew)."""
+    return bool(named.search(message)) if isinstance(named, re.Pattern) else named in message
+
+
+# ---- rows of the classes of issue 27 (fixed parameters, state across calls, counting is not checking, ready-made
+# helpers out of the guard's sight): each wrong one refused on every draw ------------------------------------
+
+_STATE = weakref.WeakKeyDictionary()  # state kept across calls, rightly: per model
+
+
+def state_per_model_on_a_global(model, bucket_nbytes):
+    """Right: the buckets and handles on a module-level dictionary, keyed by the model, so each model has its own."""
+    state = _STATE.setdefault(model, {"bucket": [], "in_flight": []})
+
+    def hook(p):
+        state["bucket"].append(p)
+        if nbytes(q.grad for q in state["bucket"]) >= bucket_nbytes:
+            _send(state["bucket"], state["in_flight"])
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return _finish(state["bucket"], state["in_flight"], send_rest=True)
+
+
+def _send(bucket, in_flight):
+    flat = torch.cat([q.grad.reshape(-1) for q in bucket])
+    in_flight.append((dist.all_reduce(flat, async_op=True), flat, list(bucket)))
+    bucket.clear()
+
+
+def bucket_limit_written_in(model, bucket_nbytes):
+    """The notebook's 480 bytes written in, whatever bucket_nbytes says."""
+    return closures(model, 480)
+
+
+_KEPT_PARAMETERS = []
+
+
+def parameters_kept_on_a_global(model, bucket_nbytes):
+    """The parameters listed once, on the first attach, and kept on a global: a later model gets no hooks."""
+    if not _KEPT_PARAMETERS:
+        _KEPT_PARAMETERS.extend(model.parameters())
+    bucket, in_flight = [], []
+
+    def hook(p):
+        bucket.append(p)
+        if nbytes(q.grad for q in bucket) >= bucket_nbytes:
+            _send(bucket, in_flight)
+
+    for p in _KEPT_PARAMETERS:
+        p.register_post_accumulate_grad_hook(hook)
+    return _finish(bucket, in_flight, send_rest=True)
+
+
+class ListsInTheClassBody:
+    """The bucket and the handles in flight as lists in the class body, which every instance shares; finish()
+    then binds a fresh list to the instance, so the class's keeps the first step's buckets for the next model."""
+
+    bucket = []
+    in_flight = []
+
+    def __init__(self, model, bucket_nbytes):
+        self.cap = bucket_nbytes
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(self.ready)
+
+    def ready(self, p):
+        self.bucket.append(p)
+        if nbytes(q.grad for q in self.bucket) >= self.cap:
+            _send(self.bucket, self.in_flight)
+
+    def finish(self):
+        if self.bucket:
+            _send(self.bucket, self.in_flight)
+        for work, flat, params in self.in_flight:
+            work.wait()
+            for p, piece in zip(params, (flat / n()).split([p.numel() for p in params]), strict=True):
+                p.grad.copy_(piece.view_as(p))
+        self.in_flight = []
+
+
+def lists_in_the_class_body(model, bucket_nbytes):
+    return ListsInTheClassBody(model, bucket_nbytes).finish
+
+
+def bucket_filled_after_its_all_reduce(model, bucket_nbytes):
+    """The flat bucket allocated, its all_reduce started, and only then the gradients copied in."""
+    bucket, in_flight = [], []
+
+    def hook(p):
+        bucket.append(p)
+        if nbytes(q.grad for q in bucket) >= bucket_nbytes:
+            flat = torch.zeros(sum(q.numel() for q in bucket), dtype=torch.float64)
+            work = dist.all_reduce(flat, async_op=True)
+            torch.cat([q.grad.reshape(-1) for q in bucket], out=flat)
+            in_flight.append((work, flat, list(bucket)))
+            bucket.clear()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return _finish(bucket, in_flight, send_rest=True)
+
+
+_ROUNDS = itertools.count()  # the same on every rank: each rank's finish is called as often
+
+
+def averages_through_the_store(model, bucket_nbytes):
+    """The buckets' all_reduces made on zeros of the right sizes, in the backward; the average exchanged through
+    the rendezvous store in finish(). Counting all_reduces cannot tell; what went into them can."""
+    bucket = []
+
+    def hook(p):
+        bucket.append(p)
+        if nbytes(q.grad for q in bucket) >= bucket_nbytes:
+            _send_zeros()
+
+    def _send_zeros():
+        works.append(dist.all_reduce(torch.zeros(sum(q.numel() for q in bucket), dtype=torch.float64), async_op=True))
+        bucket.clear()
+
+    works = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        if bucket:
+            _send_zeros()
+        for work in works:
+            work.wait()
+        works.clear()
+        store, key = dist.distributed_c10d._get_default_store(), f"ddp-{next(_ROUNDS)}"
+        params = list(model.parameters())
+        store.set(f"{key}-{dist.get_rank()}", pickle.dumps(torch.cat([p.grad.reshape(-1) for p in params]).tolist()))
+        total = sum(torch.tensor(pickle.loads(store.get(f"{key}-{r}")), dtype=torch.float64) for r in range(n()))
+        for p, piece in zip(params, (total / n()).split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(piece.view_as(p))
+
+    return finish
+
+
+def _quietly(f, *args):
+    try:
+        f(*args)
+    except Exception:  # noqa: BLE001 - the thread swallows what it raised
+        pass
+
+
+def labkit_bucketed_in_a_thread(model, bucket_nbytes):
+    """labkit's BucketedDDP built in a thread of its own, whose error is swallowed, then the right hooks."""
+    thread = threading.Thread(target=_quietly, args=(BucketedDDP, model))
+    thread.start()
+    thread.join()
+    return closures(model, bucket_nbytes)
+
+
+def labkit_average_in_a_subprocess(model, bucket_nbytes):
+    """finish() runs labkit's average_gradients in a forked subprocess (which inherits what the grader refuses)."""
+    def finish():
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+            pool.submit(average_gradients, model).result()
+
+    return finish
+
+
+NEW_WRONG = [  # (class of issue 27, solution, what its verdict names)
+    ("fixed parameters", bucket_limit_written_in, re.compile(r"not the buckets.*With bucket_nbytes = \d+ bytes")),
+    ("state across calls", parameters_kept_on_a_global, "something was kept from an earlier attach"),
+    ("state across calls", lists_in_the_class_body, "changed the gradients of the model of an earlier attach: "
+                                                    "something was kept from an earlier attach"),
+    ("counting is not checking", bucket_filled_after_its_all_reduce, "whose values are not its gradients"),
+    ("counting is not checking", averages_through_the_store, "whose values are not its gradients"),
+    ("ready-made out of sight", labkit_bucketed_in_a_thread,
+     "called labkit.parallel's BucketedDDP (and caught the error; it still counts)"),
+    ("ready-made out of sight", labkit_average_in_a_subprocess, "called labkit.parallel's average_gradients"),
+]
+
+
+@pytest.mark.parametrize(("attach", "named"), [row[1:] for row in NEW_WRONG],
+                         ids=[f"{row[0]}: {row[1].__name__}" for row in NEW_WRONG])
+def test_new_wrong_solutions_are_refused_on_every_draw(attach, named):
+    for _ in range(DRAWS):
+        verdict = check_bucketed_ddp_hook(attach, record=False)
+        assert not verdict and _says(verdict.message, named), verdict
+        assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict
+
+
+def test_right_solutions_pass_on_every_draw():
+    for attach in (closures, state_per_model_on_a_global):
+        for _ in range(DRAWS):
+            verdict = check_bucketed_ddp_hook(attach, record=False)
+            assert verdict, verdict
+
+
+def test_every_draw_makes_every_mistake_show():
+    """Sizes never the notebook's; the bucket size leaves a last bucket for finish() (first case) or is filled
+    exactly by the first two gradients (second); both cases' right buckets differ from one per parameter."""
+    rng = random.Random(0)
+    for _ in range(100):
+        first, second = draw_cases(rng)
+        for case in (first, second):
+            assert (case["features"], case["hidden"]) != (6, 8) and 2 <= case["steps"] <= 4, case
+            named = case["named"]
+            ready = list(range(len(named)))[::-1]
+            at_least, _ = expected_buckets(ready, case["bucket_nbytes"], named)
+            assert len(at_least) < len(named), case
+        assert sum(named[i][1] for i in ready[:2]) * 8 == second["bucket_nbytes"], second
+        named = first["named"]
+        at_least, _ = expected_buckets(list(range(len(named)))[::-1], first["bucket_nbytes"], named)
+        assert sum(named[i][1] for i in at_least[-1]) * 8 < first["bucket_nbytes"], first
 
 
 def test_the_guard_goes_away_after_a_graded_run():
