@@ -66,8 +66,8 @@ def draw_cases() -> list[tuple[int, int, int]]:
     DRAWN's larger pipelines' stages shuffled together (m < p last: their messages are the hardest), drawn afresh
     each time so that an order cannot lean on the calls before it."""
     deep = (random.choice(DRAWN["deep_stages"]), random.choice(DRAWN["microbatches"]))
-    drawn = [deep] + [(random.choice(DRAWN["stages"]), random.choice(DRAWN["microbatches"]))
-                      for _ in range(DRAWN["cases"] - 1)]
+    shallow = [(p, m) for p in DRAWN["stages"] for m in DRAWN["microbatches"]]
+    drawn = [deep] + random.sample(shallow, DRAWN["cases"] - 1)  # distinct: each stage is asked once
     calls = [(r, p, m) for p, m in GRID + drawn if (p, m) != FIRST_CASE for r in range(p)]
     random.shuffle(calls)
     calls.sort(key=lambda call: call[2] < call[1])  # stable: shuffled within m >= p and within m < p

@@ -3,6 +3,7 @@ that names the mistake, and right ones written in different ways (divmod, a torc
 all accepted. No processes: the grader compares numbers with labkit.parallel.mesh_layout, which notebook 13 checks
 against the real Mesh (torch's DeviceMesh) on real ranks."""
 
+import functools
 import itertools
 import math
 import re
@@ -61,7 +62,26 @@ def enumerated_groups(rank, dp, pp, tp):
             for k, axis in enumerate(("dp", "pp", "tp"))}
 
 
-RIGHT = {"divmod": (divmod_coordinates, divmod_groups), "torch mesh tensor": (tensor_coordinates, tensor_groups),
+@functools.cache
+def cached_coordinates(rank, dp, pp, tp):
+    """Right, memoized on every argument: state across calls keyed on all the answer depends on (issue 27)."""
+    return divmod_coordinates(rank, dp, pp, tp)
+
+
+def groups_by_loops(rank, dp, pp, tp):
+    """Right, with loops over each axis's own size (not a fixed range)."""
+    d, p, t = divmod_coordinates(rank, dp, pp, tp)
+    groups = {"dp": [], "pp": [], "tp": []}
+    for i in range(dp * pp * tp):
+        other = divmod_coordinates(i, dp, pp, tp)
+        for k, axis in enumerate(("dp", "pp", "tp")):
+            if all(other[j] == (d, p, t)[j] for j in range(3) if j != k):
+                groups[axis].append(i)
+    return groups
+
+
+RIGHT = {"cached, loops": (cached_coordinates, groups_by_loops),
+         "divmod": (divmod_coordinates, divmod_groups), "torch mesh tensor": (tensor_coordinates, tensor_groups),
          "enumeration": (enumerated_coordinates, enumerated_groups)}
 
 

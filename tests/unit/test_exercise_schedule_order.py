@@ -6,6 +6,7 @@ import inspect
 import sys
 import threading
 from collections import deque
+from functools import cache
 
 import pytest
 from torch.distributed.pipelining import schedules
@@ -61,7 +62,14 @@ def per_index(stage, stages, microbatches):
             yield "B", k - microbatches
 
 
-@pytest.mark.parametrize("fn", [phases, two_queues, per_index])
+@cache
+def cached_on_every_argument(stage, stages, microbatches):
+    """Right, memoized on all three arguments (a tuple, so that a caller cannot change the cached answer): state
+    across calls that is keyed on everything the answer depends on is fine (issue 27)."""
+    return tuple(phases(stage, stages, microbatches))
+
+
+@pytest.mark.parametrize("fn", [phases, two_queues, per_index, cached_on_every_argument])
 def test_right_orders_written_differently_pass(fn):
     verdict = check_1f1b_order(fn)
     assert verdict and isinstance(verdict, Verdict), verdict
