@@ -16,8 +16,12 @@ Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 
 
 `check_mesh_coordinates(coordinates, groups)` compares both with `labkit.parallel.mesh_layout` (the same layout,
 computed without processes; notebook 13 checks it against the real Mesh) on every rank of all 64 shapes with 1 to
-4 ranks per axis, notebook 13's 2 x 2 x 2 first, then the smaller worlds first. The first mistake is reported,
-named where the grader recognises it: another axis order (tp outermost, pp and tp swapped, ...), an axis's formula
+4 ranks per axis and of three larger shapes drawn afresh at each grading, each with one axis of 5 to 8 ranks
+(`draw_shapes`: a search over range(4) shows). Notebook 13's 2 x 2 x 2 is asked first, rank by rank; the other
+calls come in a shuffled order, so that an answer cannot lean on the calls before it (a table filled in the
+grader's old order). The first mistake, on the first shape (in the order above) and rank that show it, is
+reported, named where the grader recognises it: another axis order (tp outermost, pp and tp swapped, ...), an
+axis's formula
 (which one the student's numbers follow, on every shape: world_size where a product of sizes belongs, a missing
 modulo, the wrong axis's size), coordinates or ranks counted from 1, true division; groups without the rank,
 unsorted, holding ranks off the mesh or ranks that differ on another axis too, or stepping by the wrong stride.
@@ -33,6 +37,7 @@ import functools
 import itertools
 import math
 import operator
+import random
 import sys
 import time
 from typing import NamedTuple
@@ -43,11 +48,14 @@ from labkit.exercises.verdict import Verdict
 from labkit.parallel.mesh import AXES, Mesh, mesh_layout
 from labkit.plan import ParallelLayout
 
-__all__ = ["LAYOUT", "SHAPES", "TIMEOUT_SECONDS", "check_mesh_coordinates"]
+__all__ = ["DRAWN", "LAYOUT", "SHAPES", "TIMEOUT_SECONDS", "check_mesh_coordinates", "draw_shapes"]
 
 # (dp, pp, tp): notebook 13's mesh first, then every shape of 1 to 4 ranks per axis, the smaller worlds first
 SHAPES = [(2, 2, 2)] + sorted((shape for shape in itertools.product(range(1, 5), repeat=3) if shape != (2, 2, 2)),
                               key=lambda shape: (math.prod(shape), shape))
+# The larger shapes drawn at each grading: per axis one shape where that axis is long (past range(4)) and the
+# other two short, so that the world stays small (at most 8 x 3 x 3 = 72 ranks) and a grading fast.
+DRAWN = {"long": range(5, 9), "short": range(1, 4)}
 LAYOUT = "rank = (dp_i * pp + pp_j) * tp + tp_k"  # the notebook's statement of the layout; inverting it is the task
 _SIZES = {"1": (), "tp": ("tp",), "pp": ("pp",), "dp": ("dp",), "pp * tp": ("pp", "tp"), "dp * tp": ("dp", "tp"),
           "dp * pp": ("dp", "pp"), "world_size": AXES}  # the sizes a student's formula may divide by or take modulo
@@ -62,15 +70,36 @@ class _Stopped(BaseException):
 
 
 class _Budget(NamedTuple):
-    """The time the student's calls have together: `seconds` in all, until time.monotonic() reaches `deadline`."""
+    """The time the student's calls have together: `seconds` in all, until time.monotonic() reaches `deadline`,
+    for the `ranks` calls of one grading."""
 
     seconds: float
     deadline: float
+    ranks: int
+
+
+def draw_shapes() -> list[tuple[int, int, int]]:
+    """The shapes of one grading: SHAPES (notebook 13's first), then one drawn shape per axis with that axis long
+    (DRAWN), drawn afresh each time."""
+    drawn = []
+    for k in range(len(AXES)):
+        shape = [random.choice(DRAWN["short"]) for _ in AXES]
+        shape[k] = random.choice(DRAWN["long"])
+        drawn.append(tuple(shape))
+    return SHAPES + sorted(drawn, key=lambda shape: (math.prod(shape), shape))
+
+
+def _calls(shapes: list[tuple[int, int, int]]) -> list[tuple[tuple[int, int, int], int]]:
+    """(shape, rank) for every rank of every shape: the first shape's ranks in order, the rest shuffled."""
+    rest = [(shape, rank) for shape in shapes[1:] for rank in range(math.prod(shape))]
+    random.shuffle(rest)
+    return [(shapes[0], rank) for rank in range(math.prod(shapes[0]))] + rest
 
 
 @graded("mesh_coordinates")
 def check_mesh_coordinates(coordinates, groups=None, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
-    """Grade `coordinates(rank, dp, pp, tp)` and `groups(rank, dp, pp, tp)` on every rank of 64 mesh shapes;
+    """Grade `coordinates(rank, dp, pp, tp)` and `groups(rank, dp, pp, tp)` on every rank of 64 mesh shapes and
+    three larger ones drawn for this grading, in a shuffled order;
     `timeout_seconds`: the seconds all their calls may take together (an endless loop is stopped, not waited for).
 
     >>> right = lambda rank, dp, pp, tp: (rank // (pp * tp), rank // tp % pp, rank % tp)
@@ -84,15 +113,18 @@ def check_mesh_coordinates(coordinates, groups=None, *, timeout_seconds: float =
             return Verdict(False, f"pass your functions themselves, e.g. check_mesh_coordinates(coordinates, "
                                   f"groups); {name} is {type(fn).__name__}.")
     seconds = checked_timeout("timeout_seconds", timeout_seconds)
-    budget = _Budget(seconds, time.monotonic() + seconds)
+    shapes = draw_shapes()
+    budget = _Budget(seconds, time.monotonic() + seconds, sum(map(math.prod, shapes)))
     try:
-        problem = _coordinates_problem(coordinates, budget) or (_groups_problem(groups, budget) if groups else None)
+        problem = (_coordinates_problem(coordinates, shapes, budget)
+                   or (_groups_problem(groups, shapes, budget) if groups else None))
     except _Stopped as stopped:
         problem = str(stopped)
     if problem:
         return Verdict(False, problem[0].upper() + problem[1:])
-    checked = (f"on every rank of all {len(SHAPES)} shapes from 1 x 1 x 1 to 4 x 4 x 4 "
-               f"({sum(math.prod(shape) for shape in SHAPES):,} ranks)")
+    larger = ", ".join(" x ".join(map(str, shape)) for shape in shapes[len(SHAPES):])
+    checked = (f"on every rank of all {len(SHAPES)} shapes from 1 x 1 x 1 to 4 x 4 x 4 and of {larger} (drawn for "
+               f"this grading), asked in a shuffled order ({budget.ranks:,} ranks)")
     if groups is None:
         return Verdict(False, f"Your coordinates are right {checked}. Now write groups(rank, dp, pp, tp) and pass "
                               "both: check_mesh_coordinates(coordinates, groups).")
@@ -119,7 +151,7 @@ def _watched_call(fn, name: str, rank: int, shape: tuple[int, int, int], budget:
                            f"coordinates and groups from the rank and the sizes yourself ({LAYOUT}).")
         if time.monotonic() > budget.deadline:
             raise _Stopped(f"{_call(name, rank, shape)} was still running when the {budget.seconds:g} s for all the "
-                           f"{sum(map(math.prod, SHAPES)):,} ranks' calls ran out, and was stopped: an endless loop? "
+                           f"{budget.ranks:,} ranks' calls ran out, and was stopped: an endless loop? "
                            "Each call needs only a few divisions (or a loop over the world's ranks).")
         return trace
 
@@ -133,6 +165,12 @@ def _watched_call(fn, name: str, rank: int, shape: tuple[int, int, int], budget:
     finally:
         sys.settrace(previous)
     return answer, None
+
+
+def _first(problems: dict, shapes: list[tuple[int, int, int]]) -> str:
+    """The problem of the first (shape, rank) in the grading's order, whatever order the calls came in: the
+    smallest case reads best."""
+    return problems[min(problems, key=lambda call: (shapes.index(call[0]), call[1]))]
 
 
 def _call(name: str, rank: int, shape: tuple[int, int, int]) -> str:
@@ -158,18 +196,19 @@ def _whole(value) -> int | str:
 
 # ---- coordinates ---------------------------------------------------------------------------------------------
 
-def _coordinates_problem(coordinates, budget: _Budget) -> str | None:
+def _coordinates_problem(coordinates, shapes: list[tuple[int, int, int]], budget: _Budget) -> str | None:
     """What is wrong with `coordinates` on the first shape it gets wrong, or None."""
-    answers = {}
-    for shape in SHAPES:
-        answers[shape] = []
-        for rank in range(math.prod(shape)):
-            answer, problem = _watched_call(coordinates, "coordinates", rank, shape, budget)
-            triple = problem or _triple(answer)
-            if isinstance(triple, str):
-                return triple if problem else f"{_call('coordinates', rank, shape)} returned {answer!r}: {triple}"
-            answers[shape].append(triple)
-    wrong = next((shape for shape in SHAPES if answers[shape] != _reference(shape)[0]), None)
+    answers, problems = {shape: [None] * math.prod(shape) for shape in shapes}, {}
+    for shape, rank in _calls(shapes):
+        answer, problem = _watched_call(coordinates, "coordinates", rank, shape, budget)
+        triple = problem or _triple(answer)
+        if isinstance(triple, str):
+            problems[shape, rank] = (triple if problem else
+                                     f"{_call('coordinates', rank, shape)} returned {answer!r}: {triple}")
+        answers[shape][rank] = triple
+    if problems:
+        return _first(problems, shapes)
+    wrong = next((shape for shape in shapes if answers[shape] != _reference(shape)[0]), None)
     return None if wrong is None else _coordinates_mistake(answers, wrong)
 
 
@@ -295,18 +334,19 @@ def _unexplained(got: list[tuple[int, int, int]], shape: tuple[int, int, int]) -
 
 # ---- groups --------------------------------------------------------------------------------------------------
 
-def _groups_problem(groups, budget: _Budget) -> str | None:
+def _groups_problem(groups, shapes: list[tuple[int, int, int]], budget: _Budget) -> str | None:
     """What is wrong with `groups` on the first rank and axis it gets wrong, or None."""
-    answers = {}
-    for shape in SHAPES:
-        answers[shape] = []
-        for rank in range(math.prod(shape)):
-            answer, problem = _watched_call(groups, "groups", rank, shape, budget)
-            read = problem or _read_groups(answer)
-            if isinstance(read, str):
-                return read if problem else f"{_call('groups', rank, shape)} returned {_short(answer)}: {read}"
-            answers[shape].append(read)
-    for shape in SHAPES:
+    answers, problems = {shape: [None] * math.prod(shape) for shape in shapes}, {}
+    for shape, rank in _calls(shapes):
+        answer, problem = _watched_call(groups, "groups", rank, shape, budget)
+        read = problem or _read_groups(answer)
+        if isinstance(read, str):
+            problems[shape, rank] = (read if problem else
+                                     f"{_call('groups', rank, shape)} returned {_short(answer)}: {read}")
+        answers[shape][rank] = read
+    if problems:
+        return _first(problems, shapes)
+    for shape in shapes:
         for rank, (mine, theirs) in enumerate(zip(answers[shape], _reference(shape)[1], strict=True)):
             axis = next((axis for axis in AXES if mine[axis] != theirs[axis]), None)
             if axis:
@@ -377,7 +417,7 @@ def _stride_problem(answers: dict, shape: tuple[int, int, int], rank: int, axis:
     mine, want = answers[shape][rank][axis], _reference(shape)[1][rank][axis]
     stride = _stride(mine)
     if stride and len(mine) == len(want) and stride != _stride(want):
-        strides = {(s, r): _stride(answers[s][r][axis]) for s in SHAPES for r in range(math.prod(s))}
+        strides = {(s, r): _stride(answers[s][r][axis]) for s in answers for r in range(math.prod(s))}
         name = next((name for name in _SIZES
                      if all(found is None or found == _size(name, s) for (s, _), found in strides.items())), None)
         followed = f"{name} = {stride}" if name and name != "1" else f"{stride}"

@@ -7,33 +7,42 @@ m - 1. Two other spellings are accepted, since the notebook shows both: labkit.p
 came back.
 
 `check_1f1b_order(fn)` compares the order with `schedule("1f1b", p, m)[r]` for every stage of p = 1 to 6 stages and
-m = 1 to 9 micro-batches (m < p included), and checks that a stage never holds more than min(p - r, m)
-micro-batches' activations (`peak_in_flight`). 1F1B (PipeDream-Flush; Narayanan et al. 2021, "Efficient
+m = 1 to 9 micro-batches (m < p included) and of a few larger pipelines drawn afresh at each grading (`draw_cases`:
+m from 11 up, where actions sorted as text, "F10" before "F2", go wrong; one of them with more than 6 stages), and
+checks that a stage never holds more than min(p - r, m) micro-batches' activations (`peak_in_flight`). After the
+first case (stage 0 to 3 of 4 with 8, whose messages read best) the calls come in a shuffled order, so an order
+that depends on the calls before it (a table filled for the old fixed range, a cache keyed on the first call, answers
+replayed in a remembered order) shows. 1F1B (PipeDream-Flush; Narayanan et al. 2021, "Efficient
 Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", section 2.2): stage r runs
 min(p - r - 1, m) warm-up forwards, then one forward and one backward in turn, then the remaining backwards
 (the cool-down), every kind in micro-batch order. The first case that goes wrong is reported, with the
 mistake named where the grader recognises it: GPipe's order, a warm-up one too long or short, a warm-up counted
 from the last stage, backwards in reverse order, a missing cool-down, duplicated or missing micro-batches,
-m < p, a backward before its forward, and exceptions. Calling a ready-made schedule (labkit's `schedule`, which
-the grader compares with, or torch.distributed.pipelining's) is refused: a tracer sees the call.
+m < p, a backward before its forward, and exceptions. Calling a ready-made schedule is refused: labkit's
+`schedule` (which the grader compares with) refuses to run while the student's function runs, in any thread and
+from a copy of its text (labkit._refusals), and a tracer sees calls into torch.distributed.pipelining's.
 """
 
 from __future__ import annotations
 
 import operator
+import random
 import re
 import sys
 from pathlib import Path
 
+from labkit._refusals import refusing
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.parallel.pipeline import Action, peak_in_flight, schedule
 
-__all__ = ["CASES", "REFERENCE_SOLUTION", "check_1f1b_order"]
+__all__ = ["DRAWN", "FIRST_CASE", "GRID", "REFERENCE_SOLUTION", "check_1f1b_order", "draw_cases"]
 
-# (p, m): a typical pipeline first (its messages read best), then every other p and m, m < p last.
-CASES = [(4, 8)] + sorted(((p, m) for p in range(1, 7) for m in range(1, 10) if (p, m) != (4, 8)),
-                          key=lambda case: (case[1] < case[0], case))
+FIRST_CASE = (4, 8)  # (p, m) graded first, stage by stage: a typical pipeline, whose messages read best
+GRID = [(p, m) for p in range(1, 7) for m in range(1, 10)]  # every small pipeline, m < p included
+# The larger pipelines drawn at each grading: m from 11 (where "F10" sorts before "F2" as text) up to a bound that
+# keeps a grading well under a second, and one of them deeper than the grid.
+DRAWN = {"cases": 4, "microbatches": range(11, 33), "stages": range(2, 7), "deep_stages": range(7, 10)}
 
 REFERENCE_SOLUTION = '''
 def one_f_one_b(stage, stages, microbatches):
@@ -46,15 +55,29 @@ def one_f_one_b(stage, stages, microbatches):
     return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]  # cool-down
 '''
 
-# Where ready-made schedules live: labkit's (the grader's reference) and torch.distributed.pipelining's.
-_READY_MADE = (schedule.__code__.co_filename, str(Path("torch", "distributed", "pipelining")))
+_READY_MADE_SCHEDULE = "labkit.parallel.pipeline's schedule"  # as schedule() refuses itself (refuse_while_graded)
+_TORCH_SCHEDULES = str(Path("torch", "distributed", "pipelining"))  # torch's ready-made schedules, seen by a tracer
 _ACTION_TEXT = re.compile(r"([FB])(\d+)")
 _FORMAT = 'write each action as ("F", i) or ("B", i) (an Action("F", i) or the string "F3" also work)'
 
 
+def draw_cases() -> list[tuple[int, int, int]]:
+    """The (stage, stages, microbatches) calls of one grading: FIRST_CASE's stages in order, then the grid's and
+    DRAWN's larger pipelines' stages shuffled together (m < p last: their messages are the hardest), drawn afresh
+    each time so that an order cannot lean on the calls before it."""
+    deep = (random.choice(DRAWN["deep_stages"]), random.choice(DRAWN["microbatches"]))
+    shallow = [(p, m) for p in DRAWN["stages"] for m in DRAWN["microbatches"]]
+    drawn = [deep] + random.sample(shallow, DRAWN["cases"] - 1)  # distinct: each stage is asked once
+    calls = [(r, p, m) for p, m in GRID + drawn if (p, m) != FIRST_CASE for r in range(p)]
+    random.shuffle(calls)
+    calls.sort(key=lambda call: call[2] < call[1])  # stable: shuffled within m >= p and within m < p
+    return [(r, *FIRST_CASE) for r in range(FIRST_CASE[0])] + calls
+
+
 @graded("one_f_one_b")
 def check_1f1b_order(fn) -> Verdict:
-    """Grade `fn(stage, stages, microbatches)`: stage r's 1F1B actions, for every r of p = 1-6 and m = 1-9.
+    """Grade `fn(stage, stages, microbatches)`: stage r's 1F1B actions, for every r of p = 1-6 and m = 1-9 and of
+    larger pipelines drawn for this grading (draw_cases), called in a shuffled order.
 
     >>> namespace = {}
     >>> exec(REFERENCE_SOLUTION, namespace)
@@ -67,30 +90,32 @@ def check_1f1b_order(fn) -> Verdict:
     if not callable(fn):
         return Verdict(False, f"pass your function itself, e.g. check_1f1b_order(one_f_one_b), "
                               f"not {type(fn).__name__}.")
-    for p, m in CASES:
-        for r in range(p):
-            problem = _case_problem(fn, r, p, m)
-            if problem:
-                return Verdict(False, f"Stage {r} of {p} with {m} micro-batch{'es' if m > 1 else ''}: {problem}")
+    calls = draw_cases()
+    for r, p, m in calls:
+        problem = _case_problem(fn, r, p, m)
+        if problem:
+            return Verdict(False, f"Stage {r} of {p} with {m} micro-batch{'es' if m > 1 else ''}: {problem}")
+    larger = sorted({(p, m) for _, p, m in calls if m > 9})
     return Verdict(True, "your order is 1F1B's on every stage of 1 to 6 stages with 1 to 9 micro-batches (fewer "
-                         "micro-batches than stages too): min(p - r - 1, m) warm-up forwards, one forward and one "
-                         "backward in turn, then the cool-down, and no stage holds more than min(p - r, m) "
-                         "micro-batches' activations.")
+                         f"micro-batches than stages too) and of {', '.join(f'{p} x {m}' for p, m in larger)} "
+                         "(stages x micro-batches, drawn for this grading), called in a shuffled order: "
+                         "min(p - r - 1, m) warm-up forwards, one forward and one backward in turn, then the "
+                         "cool-down, and no stage holds more than min(p - r, m) micro-batches' activations.")
 
 
 def _case_problem(fn, r: int, p: int, m: int) -> str | None:
     """What is wrong with fn's order for stage r of p with m micro-batches, or None."""
-    try:
-        returned = _without_ready_made(fn, r, p, m)
-    except _ReadyMade as refused:
-        return (f"fn({r}, {p}, {m}) calls {refused}, a ready-made schedule: build the order yourself from the "
+    returned, ready_made = _without_ready_made(fn, r, p, m)
+    if ready_made:
+        return (f"fn({r}, {p}, {m}) calls {ready_made}, a ready-made schedule: build the order yourself from the "
                 "warm-up, the steady state and the cool-down.")
-    except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
-        return f"fn({r}, {p}, {m}) (stage={r}, stages={p}, microbatches={m}) raised {type(error).__name__}: {error}"
+    if isinstance(returned, Exception):
+        return (f"fn({r}, {p}, {m}) (stage={r}, stages={p}, microbatches={m}) raised {type(returned).__name__}: "
+                f"{returned}")
     got, problem = _actions(returned)
     if problem:
         return f"fn({r}, {p}, {m}) returned {_shown(returned)}: {problem}"
-    want = [(action.kind, action.microbatch) for action in schedule("1f1b", p, m)[r]]
+    want = [(action.kind, action.microbatch) for action in schedule("1f1b", p, m)[r]]  # outside the refusal
     for find in (_count_problem, _order_problem, _dependency_problem, _warmup_problem, _in_flight_problem):
         problem = find(got, r, p, m)
         if problem:
@@ -103,24 +128,31 @@ def _case_problem(fn, r: int, p: int, m: int) -> str | None:
 
 
 class _ReadyMade(BaseException):
-    """The student's function called a ready-made schedule. A BaseException: their `except Exception` cannot
-    swallow it."""
+    """The student's function called torch's ready-made schedules. A BaseException: their `except Exception`
+    cannot swallow it."""
 
 
-def _without_ready_made(fn, r: int, p: int, m: int):
-    """fn(r, p, m) (a generator run to its end), stopped with _ReadyMade if it calls into labkit's or torch's
-    schedules: a tracer (sys.settrace) sees every Python call's file."""
+def _without_ready_made(fn, r: int, p: int, m: int) -> tuple[object, str | None]:
+    """What fn(r, p, m) returned (a generator run to its end) or raised, and the ready-made schedule it called, if
+    any: labkit's refuses to run meanwhile (wherever it runs; reported even if fn caught the ForbiddenCall), and a
+    tracer (sys.settrace) stops a call into torch's schedules."""
     def trace(frame, event, arg):
         filename = frame.f_code.co_filename
-        if event == "call" and (filename == _READY_MADE[0] or _READY_MADE[1] in filename):
+        if event == "call" and _TORCH_SCHEDULES in filename:
             raise _ReadyMade(f"{frame.f_globals.get('__name__', Path(filename).stem)}.{frame.f_code.co_name}()")
     previous = sys.gettrace()
-    sys.settrace(trace)
-    try:
-        returned = fn(r, p, m)
-        return list(returned) if hasattr(returned, "__next__") else returned
-    finally:
-        sys.settrace(previous)
+    with refusing((_READY_MADE_SCHEDULE,)) as made:
+        sys.settrace(trace)
+        try:
+            returned = fn(r, p, m)
+            returned = list(returned) if hasattr(returned, "__next__") else returned
+        except _ReadyMade as refused:
+            return None, str(refused)
+        except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
+            returned = error
+        finally:
+            sys.settrace(previous)
+    return returned, f"{_READY_MADE_SCHEDULE}()" if made else None
 
 
 def _actions(returned) -> tuple[list[tuple[str, int]], str | None]:

@@ -1,6 +1,9 @@
 """The grader of notebook 11's "your turn": ZeRO-1's step, which the student writes, run on real ranks.
 
-`check_sharded_step(fn)` calls `fn(param, grad, lr)` on 2, 3 and 4 ranks. `param` is the model's flat 1-D
+`check_sharded_step(fn)` calls `fn(param, grad, lr)` on 2, 3 and 4 ranks: the fixed STEP_CASES, then two runs
+drawn afresh at each grading (`draw_runs`: world size, dtype, sizes, lr and the inputs' values), in each of which
+the same ranks call fn twice, on fresh inputs of another size and lr, so that a step that keeps state from its
+first call, hard-codes lr or a dtype, or leans on the fixed inputs, shows. `param` is the model's flat 1-D
 parameter vector, the same on every rank; `grad` is this rank's gradient, different on every rank
 (`step_inputs`); both live on labkit.device(). The step is the heart of ZeRO-1 (Rajbhandari et al., "ZeRO:
 Memory Optimizations Toward Training Trillion Parameter Models", SC 2020, sections 5.1 and 7): rank r owns
@@ -10,15 +13,16 @@ slice r of `shard_sizes(numel, N)` (labkit.plan.counts, the cut of labkit.parall
 2. updates only its own slice of `param` with SGD (slice -= lr * averaged gradient slice);
 3. all-gathers the updated slices, so that every rank's `param` is the whole updated vector again.
 
-A solution passes only if, on every case (sizes that N divides, sizes it does not, fewer elements than ranks,
-float32 and float64), on every rank:
+A solution passes only if, on every call (sizes that N divides, sizes it does not, fewer elements than ranks,
+float32 and float64, several lr), on every rank:
 
 - `param` ends equal to full SGD on the averaged gradient computed in one process, in its own memory, in its
   own dtype, on its own device (the step works in place; returning a new tensor fails);
 - every collective it started with async_op=True it waited for (work.wait()) before the step returned;
 - its collectives are a reduce-scatter and an all-gather (or one broadcast of each slice from its owner): no
-  all_reduce, which would hand every rank the whole gradient, and what it sent into the all-gather is its own
-  updated slice, not gradients (every rank updating the whole vector gives the right values, but is not sharded);
+  all_reduce, which would hand every rank the whole gradient; what it sent into the reduce-scatter toward rank d
+  is slice d of its own gradient, and what it sent into the all-gather is its own updated slice, not gradients
+  (every rank updating the whole vector gives the right values, but is not sharded);
 - its traffic is ZeRO-1's, exactly what DDP's ring all-reduce moves: per rank, the reduce-scatter sends every
   slice but the one it completes and the all-gather every slice but the one it receives last, as the ring of
   notebook 03 does (`ring_nbytes_per_rank`): 2(N-1)/N x S bytes when N divides the size. gloo's all_gather
@@ -36,6 +40,8 @@ and `labkit.exercises.step_nbytes`.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 import labkit
@@ -43,7 +49,7 @@ from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.progress import graded
-from labkit.exercises.step_guard import StepOutcome, attempt_step, calls_of_last_attempt
+from labkit.exercises.step_guard import StepCase, StepOutcome, attempt_step, calls_of_last_attempt
 from labkit.exercises.step_nbytes import step_traffic
 from labkit.exercises.step_values import wrong_step
 from labkit.exercises.verdict import Verdict
@@ -51,11 +57,17 @@ from labkit.launch.errors import NoReply
 from labkit.parallel.flat_shards import FlatLayout
 from labkit.plan.counts import shard_sizes
 
-__all__ = ["STEP_CASES", "check_sharded_step", "padded", "unpad_into"]
+__all__ = ["DRAWN", "STEP_CASES", "check_sharded_step", "draw_runs", "padded", "unpad_into"]
 
 # (world_size, numel, dtype): sizes N divides first, then sizes it does not, fewer elements than ranks, float64
 STEP_CASES = [(3, 6, torch.float32), (2, 4, torch.float32), (4, 8, torch.float32), (3, 7, torch.float32),
               (4, 10, torch.float32), (2, 5, torch.float32), (4, 2, torch.float32), (3, 5, torch.float64)]
+# Drawn at each grading: two runs of two calls each, on two different world sizes, one float32 and one float64
+# (so that a hard-coded dtype shows whichever it is), sizes and lr of each call its own. No lr is 0.1 (the fixed
+# cases'), nor a power of two (a float32 buffer in a float64 step would round invisibly), nor 0.1 / N for N = 2 to 4
+# (a hard-coded 0.1 would then read as gradients summed, not averaged).
+DRAWN = {"world_size": (2, 3, 4), "dtype": (torch.float32, torch.float64), "numel": tuple(range(5, 15)),
+         "lr": (0.03, 0.07, 0.15, 0.2, 0.3, 0.4), "calls": 2}
 ALLOWED = "dist.reduce_scatter (or reduce_scatter_tensor) and dist.all_gather (or all_gather_into_tensor, or " \
           "one dist.broadcast of each slice from its owner)"
 PADDING_HINT = ("gloo's all_gather wants every rank's tensor the same size, and when N does not divide numel the "
@@ -111,39 +123,80 @@ def check_sharded_step(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdi
     if not callable(fn):
         return Verdict(False, f"pass your function itself, e.g. check_sharded_step(sharded_sgd_step), not "
                               f"{type(fn).__name__}.")
-    for world_size, numel, dtype in STEP_CASES:
-        problem = _case_problem(fn, world_size, numel, dtype, timeout_seconds)
+    for steps in [[StepCase(*case)] for case in STEP_CASES] + draw_runs():
+        problem = _case_problem(fn, steps, timeout_seconds)
         if problem:
-            element_size = torch.empty(0, dtype=dtype).element_size()
-            return Verdict(False, f"On {world_size} ranks, with {numel} {str(dtype).removeprefix('torch.')} "
-                                  f"parameters (S = {numel * element_size} bytes; shard_sizes({numel}, {world_size})"
-                                  f" = {shard_sizes(numel, world_size)}), {problem}")
+            return Verdict(False, problem)
     return Verdict(True, "your sharded step gives full SGD's answer on the averaged gradient on 2, 3 and 4 ranks, "
                          "for sizes that N divides, sizes it does not and fewer elements than ranks, in float32 and "
-                         "float64. Each rank updated only its own slice, and sent what DDP's all-reduce sends: a "
+                         "float64, with inputs and lr drawn for this grading, called more than once on the same "
+                         "ranks. Each rank updated only its own slice, reduce-scattered its own gradient and "
+                         "all-gathered its updated slice, and sent what DDP's all-reduce sends: a "
                          "reduce-scatter and an all-gather, 2(N-1)/N x S bytes per rank. ZeRO-1 keeps the "
                          "optimizer state of that slice only, 1/N of it, for the same traffic.")
 
 
-def _case_problem(fn, world_size: int, numel: int, dtype: torch.dtype, timeout_seconds: float) -> str | None:
-    """What is wrong with fn on one case, or None. A step that left collectives unmatched stops the pool, or the
-    next case's collectives would meet them."""
+def draw_runs() -> list[list[StepCase]]:
+    """The drawn runs of one grading (DRAWN): each a list of calls on the same ranks, every call with its own size,
+    lr and inputs; the two runs on different world sizes and dtypes."""
+    world_sizes, dtypes = random.sample(DRAWN["world_size"], 2), random.sample(DRAWN["dtype"], 2)
+    runs = []
+    for world_size, dtype in zip(world_sizes, dtypes, strict=True):
+        numels, lrs = random.sample(DRAWN["numel"], DRAWN["calls"]), random.sample(DRAWN["lr"], DRAWN["calls"])
+        runs.append([StepCase(world_size, numel, dtype, lr, random.getrandbits(31))
+                     for numel, lr in zip(numels, lrs, strict=True)])
+    return runs
+
+
+def _described(steps: list[StepCase], k: int | None) -> str:
+    """'On 3 ranks, with 6 float32 parameters (S = 24 bytes; shard_sizes(6, 3) = [2, 2, 2])', with the call's lr
+    and place when the inputs were drawn; k None: every call of the run."""
+    case = steps[k or 0]
+    dtype = str(case.dtype).removeprefix("torch.")
+    if k is None and len(steps) > 1:
+        sizes = " and ".join(f"{c.numel} (lr = {c.lr:g})" for c in steps)
+        return f"On {case.world_size} ranks, in {len(steps)} calls with {sizes} {dtype} parameters"
+    element_size = torch.empty(0, dtype=case.dtype).element_size()
+    drawn = "" if case.draw is None else (f", drawn values, lr = {case.lr:g}; call {k + 1 if k else 1} of "
+                                          f"{len(steps)} on these ranks, each on fresh inputs")
+    return (f"On {case.world_size} ranks, with {case.numel} {dtype} parameters (S = {case.numel * element_size} "
+            f"bytes; shard_sizes({case.numel}, {case.world_size}) = {shard_sizes(case.numel, case.world_size)}"
+            f"{drawn})")
+
+
+def _case_problem(fn, steps: list[StepCase], timeout_seconds: float) -> str | None:
+    """What is wrong with fn in one run of calls on the same ranks, or None, the case described. A step that left
+    collectives unmatched stops the pool, or the next run's collectives would meet them."""
+    world_size = steps[0].world_size
     try:
-        outcomes = labkit.run(attempt_step, fn, numel, dtype, world_size=world_size, timeout=timeout_seconds)
+        runs = labkit.run(attempt_step, fn, steps, world_size=world_size, timeout=timeout_seconds)
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
-        return _hang_message(hang, world_size, timeout_seconds)
+        return f"{_described(steps, None)}, {_hang_message(hang, world_size, timeout_seconds)}"
     except labkit.RankError as error:
         if not (error.pool_stopped or any(f.kind == NoReply.DIED for f in error.failures)):
             try:
                 _stop_pool_if_out_of_step(world_size, labkit.run(calls_of_last_attempt, world_size=world_size))
             except labkit.RankError:
                 pass  # then labkit has stopped the pool itself
-        return _error_message(error)
-    _stop_pool_if_out_of_step(world_size, [[call.kind for call in o.calls] for o in outcomes])
+        return f"{_described(steps, None)}, {_error_message(error)}"
+    _stop_pool_if_out_of_step(world_size, [[call.kind for o in run for call in o.calls] for run in runs])
+    for k, case in enumerate(steps):
+        outcomes = [run[k] for run in runs if len(run) > k]
+        if len(outcomes) < world_size:
+            break  # a call before this one was refused; reported below
+        problem = _step_problem(outcomes, case)
+        if problem:
+            return f"{_described(steps, k)}, {problem}"
+    problem = next((forbidden_message(rank, run[-1].forbidden[0], True, _why_forbidden)
+                    for rank, run in enumerate(runs) if run[-1].forbidden), None)
+    return f"{_described(steps, len(runs[0]) - 1)}, {problem}" if problem else None
+
+
+def _step_problem(outcomes: list[StepOutcome], case: StepCase) -> str | None:
+    """What is wrong with one call on every rank: a refused call, an unwaited one, the values, the traffic."""
     problem = next((forbidden_message(rank, o.forbidden[0], True, _why_forbidden)
                     for rank, o in enumerate(outcomes) if o.forbidden), None)
-    return problem or _unwaited_message(outcomes) or wrong_step(outcomes, numel, dtype) \
-        or step_traffic(outcomes, numel, dtype)
+    return problem or _unwaited_message(outcomes) or wrong_step(outcomes, case) or step_traffic(outcomes, case)
 
 
 def _unwaited_message(outcomes: list[StepOutcome]) -> str | None:

@@ -23,8 +23,9 @@ STACK_MAP = {"NCCL": "communicates", "TensorRT-LLM": "optimizes", "Triton": "ser
 def check_stack_map(answers: Mapping[str, str]) -> Verdict:
     """Grade a matching of NVIDIA components to what they do, e.g. {"NCCL": "...", "NeMo": "...", ...}.
 
-    Case, spaces and hyphens in names ("tensorrt llm") and case and spaces in answers do not count; anything
-    else must be exact: every component once, each answer one of the choices, all of them right."""
+    Case, spaces, hyphens, underscores and dots in names ("tensorrt llm", "TensorRT_LLM") and case and spaces in
+    answers do not count; anything else must be exact: every component once, each answer one of the choices, all
+    of them right."""
     choices = sorted(STACK_MAP.values())
     if not isinstance(answers, Mapping):
         return Verdict(False, f"pass a dict that maps each component to what it does, like "
@@ -82,6 +83,11 @@ def _normalized(text: str) -> str:
     return " ".join(unicodedata.normalize("NFKC", text).split()).casefold()
 
 
+# What may separate the words of a component's name: how people spell it in code, docs and package names.
+_NAME_SEPARATORS = str.maketrans("-_.", "   ")
+
+
 def _name_key(name: str) -> str:
-    """'tensorrt llm', 'TensorRT-LLM' and ' TENSORRT-llm' all name the same component."""
-    return "".join(_normalized(name).replace("-", " ").split())
+    """'tensorrt llm', 'TensorRT-LLM', 'TensorRT_LLM' and ' tensorrt.llm' all name the same component; the letters
+    themselves must match, so 'TensorRT' or 'NeMo Guardrails' names none."""
+    return "".join(_normalized(name).translate(_NAME_SEPARATORS).split())

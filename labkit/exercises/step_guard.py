@@ -13,20 +13,41 @@ for is named as such.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 import labkit
 from labkit.checks import whole
 from labkit.exercises._kit._group_call import GroupCall, Kind, flat_tensors, wrap_group_method
-from labkit.exercises.average_guard import watch_waits
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import Guard
+from labkit.exercises.wait_watch import watch_waits
 
-__all__ = ["LR", "Collective", "StepGuard", "StepOutcome", "attempt_step", "calls_of_last_attempt", "step_inputs"]
+__all__ = ["LR", "Collective", "StepCase", "StepGuard", "StepOutcome", "attempt_step", "calls_of_last_attempt",
+           "step_inputs"]
 
-LR = 0.1  # not a power of two, so that a float32 buffer inside a float64 step shows in the result
+LR = 0.1  # the fixed cases' lr: not a power of two, so that a float32 buffer inside a float64 step shows
+
+
+@dataclass(frozen=True)
+class StepCase:
+    """One call of the student's step: on `world_size` ranks, `numel` parameters of `dtype`, learning rate `lr`;
+    `draw` None for the fixed inputs of step_inputs, else the seed of inputs drawn for this grading (the same on
+    every rank, each rank's gradient its own)."""
+
+    world_size: int
+    numel: int
+    dtype: torch.dtype = torch.float32
+    lr: float = LR
+    draw: int | None = None
+
+    def inputs(self, rank: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s (param, grad) for this call."""
+        return step_inputs(rank, self.numel, self.dtype, device, draw=self.draw)
+
+    def resized(self, numel: int) -> StepCase:
+        return replace(self, numel=numel)
 
 # What it may call, counted: the process group's method, and the kind it is recorded as; the torch.distributed
 # functions that reach them stay on too (every other way to communicate is switched off, send/recv included).
@@ -38,8 +59,10 @@ _STEP_ALLOWED = (*_COUNTED, "all_reduce", "all_gather", "all_gather_into_tensor"
                  "_all_gather_base")
 
 
-def step_inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32, device=None):
+def step_inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32, device=None, draw: int | None = None):
     """Rank r's (param, grad): param is [1, 2, ..., numel] on every rank, grad is (r + 1)^2 x [numel, ..., 2, 1].
+    With `draw` (a seed), param and the gradients' shape are drawn from it instead (the same on every rank): a
+    step cannot lean on the fixed values.
 
     Squares, so that no rank's gradient equals the average over 2, 3 or 4 ranks and every mistake shows.
 
@@ -47,8 +70,13 @@ def step_inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32, devic
     (tensor([1., 2., 3.]), tensor([12.,  8.,  4.]))
     """
     rank, numel = whole("rank", rank, minimum=0), whole("numel", numel, minimum=0)
-    param = torch.arange(1, numel + 1, dtype=dtype, device=device)
-    return param, (rank + 1) ** 2 * param.flip(0)
+    param = torch.arange(1, numel + 1, dtype=torch.float64)
+    shape = param.flip(0)
+    if draw is not None:  # values in [0.5, numel + 1.5): no zero, so that every element's update shows
+        generator = torch.Generator().manual_seed(draw)
+        param = param + torch.rand(numel, generator=generator, dtype=torch.float64) - 0.5
+        shape = shape + torch.rand(numel, generator=generator, dtype=torch.float64) - 0.5
+    return param.to(dtype=dtype, device=device), ((rank + 1) ** 2 * shape).to(dtype=dtype, device=device)
 
 
 @dataclass
@@ -66,6 +94,7 @@ class Collective:
     world_size: int
     root: int | None = None  # a broadcast's source
     contribution: list[float] | None = None
+    chunks: list[list[float]] | None = None  # a reduce_scatter's input: the values this rank sent toward each rank
     waited: bool = True  # False for one started with async_op=True whose handle the step never waited for, ...
     future: bool = False  # ... and whether it took the handle's future (work.get_future())
 
@@ -139,8 +168,11 @@ def _collective(kind: str, method: str, group, args: tuple, kwargs: dict) -> Col
     element_size = first[0].element_size()
     nbytes = [t.numel() * element_size for t in first]
     if kind == "reduce_scatter":  # (outputs, input lists) or (output, input)
+        pieces = second if method == "reduce_scatter" else \
+            [piece for t in second for piece in t.detach().flatten().chunk(world_size)]
         chunks = [t.numel() * element_size for t in second] if method == "reduce_scatter" else nbytes * world_size
-        return Collective(kind, chunks, element_size, rank, world_size)
+        return Collective(kind, chunks, element_size, rank, world_size,
+                          chunks=[t.detach().flatten().tolist() for t in pieces])
     if kind == "all_gather":  # (output lists, inputs) or (output, input): the input is this rank's contribution
         chunks = nbytes if method == "allgather" else [sum(t.numel() for t in second) * element_size] * world_size
         return Collective(kind, chunks, element_size, rank, world_size,
@@ -166,20 +198,33 @@ class StepOutcome:
     forbidden: list[str] = field(default_factory=list)  # what it called that is switched off
 
 
-_last_calls: list[Collective] = []  # on a rank: the collectives of the last graded step
+_last_calls: list[Collective] = []  # on a rank: the collectives of the last graded steps
 
 
-def attempt_step(fn, numel: int, dtype: torch.dtype = torch.float32) -> StepOutcome:
-    """On a rank: call fn(param, grad, LR) on this rank's inputs under a StepGuard; what happened, for the grader."""
+def attempt_step(fn, steps: list[StepCase]) -> list[StepOutcome]:
+    """On a rank: call fn(param, grad, lr) once per case of `steps`, in turn, each on this rank's fresh inputs under
+    a StepGuard (a step that keeps state from one call to the next shows); what each call left, for the grader. It
+    stops after a call that called something switched off."""
     global _last_calls
-    param, grad = step_inputs(labkit.rank(), numel, dtype, device=labkit.device())
+    _last_calls = []
+    outcomes = []
+    for case in steps:
+        outcomes.append(_attempt_one(fn, case))
+        if outcomes[-1].forbidden:
+            break
+    return outcomes
+
+
+def _attempt_one(fn, case: StepCase) -> StepOutcome:
+    """One call of fn under a StepGuard, its collectives added to _last_calls even if it raises."""
+    param, grad = case.inputs(labkit.rank(), device=labkit.device())
     memory, came = param.data_ptr(), _placement(param)
     guard = StepGuard()
     try:
         with guard:
-            returned = fn(param, grad, LR)
+            returned = fn(param, grad, case.lr)
     finally:
-        _last_calls = guard.calls
+        _last_calls.extend(guard.calls)
     returned = returned.detach().flatten().tolist() if isinstance(returned, torch.Tensor) and returned is not param \
         else None
     return StepOutcome(param.detach().flatten().tolist(), returned, param.data_ptr() == memory, _placement(param),

@@ -4,7 +4,9 @@ ZeRO-1's step (Rajbhandari et al., "ZeRO", SC 2020, section 7) moves what DDP's 
 the reduce-scatter sends every slice but the one it completes and the all-gather every slice but the one it
 receives last (`ring_nbytes_per_rank`), 2(N-1)/N x S bytes when N divides the size; padding every slice to the
 largest, for gloo's all_gather, allows up to 2(N-1) x the largest slice. No all-reduce, and what each rank sends
-into the all-gather is its own updated slice.
+into the all-gather is its own updated slice, and what it sends into the reduce-scatter toward each rank is that
+rank's slice of its own gradient (divided by N or not; padded with zeros or not): counting the messages is not
+checking them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from labkit.checks import whole
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
-from labkit.exercises.step_guard import Collective, StepOutcome, step_inputs
+from labkit.exercises.step_guard import Collective, StepCase, StepOutcome
 from labkit.exercises.step_values import element_span, reference_step, shown_values, values_close
 from labkit.plan.counts import shard_sizes
 
@@ -34,10 +36,10 @@ def step_nbytes_bounds(numel: int, world_size: int, element_size: int = 4) -> li
     return [(fewest, most) for fewest in ring_nbytes_per_rank(numel, world_size, element_size)]
 
 
-def step_traffic(outcomes: list[StepOutcome], numel: int, dtype: torch.dtype) -> str | None:
-    """No all-reduce; each rank's bytes those of a reduce-scatter plus an all-gather; each rank's all-gather
-    input its own updated slice (so that it updated only that)."""
-    world_size = len(outcomes)
+def step_traffic(outcomes: list[StepOutcome], case: StepCase) -> str | None:
+    """No all-reduce; each rank's bytes those of a reduce-scatter plus an all-gather; each rank's reduce-scatter
+    input its own gradient, and its all-gather input its own updated slice (so that it updated only that)."""
+    numel, world_size, dtype = case.numel, case.world_size, case.dtype
     element_size = torch.empty(0, dtype=dtype).element_size()
     for rank, outcome in enumerate(outcomes):
         reduced = [c for c in outcome.calls if c.kind == "all_reduce"]
@@ -48,10 +50,31 @@ def step_traffic(outcomes: list[StepOutcome], numel: int, dtype: torch.dtype) ->
         sent = sum(c.sent_nbytes() for c in outcome.calls)
         if not bounds[rank][0] <= sent <= bounds[rank][1]:
             return _bytes_message(rank, outcome, sent, bounds[rank], numel * element_size)
-    for rank, outcome in enumerate(outcomes):
-        problem = _contribution_problem(rank, outcome, numel, world_size, dtype)
+    for find in (_contribution_problem, _scattered_problem):  # another split is best told by the all-gather's
+        problem = next((p for rank, outcome in enumerate(outcomes) if (p := find(rank, outcome, case))), None)
         if problem:
             return problem
+    return None
+
+
+def _scattered_problem(rank: int, outcome: StepOutcome, case: StepCase) -> str | None:
+    """What rank `rank` sent into its reduce-scatter toward each rank d must be slice d of its own gradient (or
+    that divided by N, for AVG done by hand), then zeros if padded: the sum the owner receives is then the sum of
+    the ranks' gradients, made by this collective, not values obtained elsewhere."""
+    sizes, dtype = shard_sizes(case.numel, case.world_size), case.dtype
+    grad = case.inputs(rank)[1]
+    for call in (c for c in outcome.calls if c.kind == "reduce_scatter" and c.chunks is not None):
+        for owner, (sent, size) in enumerate(zip(call.chunks, sizes, strict=False)):
+            start = sum(sizes[:owner])
+            piece, sent = grad[start:start + size], torch.tensor(sent, dtype=dtype)
+            if sent.numel() >= size and not sent[size:].any() and any(
+                    values_close(sent[:size], want, dtype).all() for want in (piece, piece / case.world_size)):
+                continue
+            return (f"rank {rank} sent {shown_values(sent)} into its reduce-scatter toward rank {owner}, whose slice "
+                    f"of rank {rank}'s gradient, {element_span(start, start + size)}, is {shown_values(piece)}. "
+                    "The reduce-scatter is what sums the gradients over the ranks: each rank sends every owner that "
+                    "owner's slice of its own gradient (padded with zeros or divided by N if you like), and the "
+                    "owner receives their sum.")
     return None
 
 
@@ -83,18 +106,18 @@ def _bytes_message(rank: int, outcome: StepOutcome, sent: int, bounds: tuple[int
             f"rank, what DDP's all-reduce sends; {allowed} bytes from rank {rank} here.{hint}")
 
 
-def _contribution_problem(rank: int, outcome: StepOutcome, numel: int, world_size: int,
-                          dtype: torch.dtype) -> str | None:
+def _contribution_problem(rank: int, outcome: StepOutcome, case: StepCase) -> str | None:
     """What rank `rank` sent into the all-gather (or broadcast as the root) must be its updated slice: then it
     updated that slice, and no rank needed the others' gradients."""
+    numel, world_size, dtype = case.numel, case.world_size, case.dtype
     sizes = shard_sizes(numel, world_size)
     start, size = sum(sizes[:rank]), sizes[rank]
     sent = torch.tensor([x for c in outcome.calls if c.contribution is not None for x in c.contribution],
                         dtype=dtype)
-    expected = reference_step(numel, world_size, dtype)[start:start + size]
+    expected = reference_step(case)[start:start + size]
     if sent.numel() >= size and sent.numel() <= max(sizes) and values_close(sent[:size], expected, dtype).all():
         return None
-    average = (sum(step_inputs(r, numel, dtype)[1] for r in range(world_size)) / world_size)[start:start + size]
+    average = (sum(case.inputs(r)[1] for r in range(world_size)) / world_size)[start:start + size]
     if sent.numel() >= size and values_close(sent[:size], average, dtype).all():
         return (f"rank {rank} sent its slice of the averaged gradient into the all-gather, not its updated "
                 "parameters: then every rank holds the whole averaged gradient and updates the whole vector. Right "

@@ -7,9 +7,11 @@ steps often leave (unchanged, summed, its own gradient, ...), element by element
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from labkit.exercises.step_guard import LR, StepOutcome, step_inputs
+from labkit.exercises.step_guard import StepCase, StepOutcome
 from labkit.plan.counts import shard_sizes
 
 __all__ = ["TOLERANCES", "element_span", "reference_step", "shown_values", "values_close", "wrong_step"]
@@ -17,16 +19,16 @@ __all__ = ["TOLERANCES", "element_span", "reference_step", "shown_values", "valu
 TOLERANCES = {torch.float32: 1e-6, torch.float64: 1e-12}  # relative; roundings of right solutions differ by ulps
 
 
-def reference_step(numel: int, world_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The answer, in one process: torch.optim.SGD's step (param - LR x gradient) on the gradient averaged over
-    `world_size` ranks.
+def reference_step(case: StepCase) -> torch.Tensor:
+    """The answer, in one process: torch.optim.SGD's step (param - lr x gradient) on the gradient averaged over
+    the case's ranks.
 
-    >>> reference_step(3, 2)    # the average gradient is 2.5 x [3, 2, 1]
+    >>> reference_step(StepCase(world_size=2, numel=3))    # lr 0.1; the average gradient is 2.5 x [3, 2, 1]
     tensor([0.2500, 1.5000, 2.7500])
     """
-    param = torch.nn.Parameter(step_inputs(0, numel, dtype)[0])
-    param.grad = torch.stack([step_inputs(r, numel, dtype)[1] for r in range(world_size)]).mean(0)
-    torch.optim.SGD([param], lr=LR).step()
+    param = torch.nn.Parameter(case.inputs(0)[0])
+    param.grad = torch.stack([case.inputs(r)[1] for r in range(case.world_size)]).mean(0)
+    torch.optim.SGD([param], lr=case.lr).step()
     return param.detach()
 
 
@@ -45,21 +47,21 @@ def values_close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) 
     return torch.isclose(got, expected, rtol=TOLERANCES[dtype], atol=TOLERANCES[dtype])
 
 
-def wrong_step(outcomes: list[StepOutcome], numel: int, dtype: torch.dtype) -> str | None:
+def wrong_step(outcomes: list[StepOutcome], case: StepCase) -> str | None:
     """The first rank whose param is not full SGD on the averaged gradient, in its own memory, and why."""
-    expected = reference_step(numel, len(outcomes), dtype)
+    expected = reference_step(case)
     for rank, outcome in enumerate(outcomes):
-        problem = _contract_problem(rank, outcome, expected, dtype)
+        problem = _contract_problem(rank, outcome, expected, case)
         if problem:
             return problem
     for rank, outcome in enumerate(outcomes):
-        got = torch.tensor(outcome.param, dtype=dtype)
-        if not values_close(got, expected, dtype).all():
-            return _wrong_values(rank, got, outcomes, numel, dtype)
+        got = torch.tensor(outcome.param, dtype=case.dtype)
+        if not values_close(got, expected, case.dtype).all():
+            return _wrong_values(rank, got, outcomes, case)
     return None
 
 
-def _contract_problem(rank: int, outcome: StepOutcome, expected: torch.Tensor, dtype: torch.dtype) -> str | None:
+def _contract_problem(rank: int, outcome: StepOutcome, expected: torch.Tensor, case: StepCase) -> str | None:
     """param must be updated in place: in its own memory, dtype and device, with its numel elements."""
     if not outcome.same_memory:
         now = "" if outcome.placement == outcome.came else \
@@ -69,28 +71,30 @@ def _contract_problem(rank: int, outcome: StepOutcome, expected: torch.Tensor, d
                 "every view of it see the update.")
     if len(outcome.param) != expected.numel():
         return f"rank {rank} ended with {len(outcome.param)} elements in param instead of {expected.numel()}."
+    dtype = case.dtype
     got = torch.tensor(outcome.param, dtype=dtype)
     returned = torch.tensor(outcome.returned or [], dtype=dtype)
     if returned.shape == expected.shape and values_close(returned, expected, dtype).all() \
             and not values_close(got, expected, dtype).all():
-        state = "unchanged" if torch.equal(got, step_inputs(0, expected.numel(), dtype)[0]) else shown_values(got)
+        state = "unchanged" if torch.equal(got, case.inputs(0)[0]) else shown_values(got)
         return (f"rank {rank} returned the updated parameters in a new tensor, but its param is {state}: the step "
                 "works in place, like an optimizer's step(), so that param itself holds the result.")
     return None
 
 
-def _candidates(rank: int, numel: int, world_size: int, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+def _candidates(rank: int, case: StepCase) -> list[tuple[str, torch.Tensor]]:
     """What a wrong step's elements often hold, each named for a message, in the order they are tried."""
-    param, _ = step_inputs(0, numel, dtype)
-    grads = [step_inputs(r, numel, dtype)[1] for r in range(world_size)]
+    numel, world_size, lr = case.numel, case.world_size, case.lr
+    param, _ = case.inputs(0)
+    grads = [case.inputs(r)[1] for r in range(world_size)]
     owner = torch.repeat_interleave(torch.arange(world_size), torch.tensor(shard_sizes(numel, world_size)))
     owners_own = torch.stack(grads)[owner, torch.arange(numel)] if numel else param
     return [
-        ("right", reference_step(numel, world_size, dtype)),
+        ("right", reference_step(case)),
         ("unchanged", param),
-        ("summed", param - LR * sum(grads)),
-        ("own", param - LR * grads[rank]),
-        ("owner's own", param - LR * owners_own),
+        ("summed", param - lr * sum(grads)),
+        ("own", param - lr * grads[rank]),
+        ("owner's own", param - lr * owners_own),
         ("gradient", sum(grads) / world_size),
     ]
 
@@ -104,12 +108,12 @@ def _categories(got: torch.Tensor, candidates: list[tuple[str, torch.Tensor]], d
     return found
 
 
-def _wrong_values(rank: int, got: torch.Tensor, outcomes: list[StepOutcome], numel: int, dtype: torch.dtype) -> str:
+def _wrong_values(rank: int, got: torch.Tensor, outcomes: list[StepOutcome], case: StepCase) -> str:
     """Why rank `rank`'s param is wrong: a mistake that explains every element, else the first wrong elements."""
-    world_size = len(outcomes)
+    numel, world_size, dtype = case.numel, case.world_size, case.dtype
     sizes = shard_sizes(numel, world_size)
     start = sum(sizes[:rank])
-    candidates = _candidates(rank, numel, world_size, dtype)
+    candidates = _candidates(rank, case)
     found = _categories(got, candidates, dtype)
     mine = set(range(start, start + sizes[rank]))
     disagree = " After the step the ranks disagree." if len({tuple(o.param) for o in outcomes}) > 1 else ""
@@ -131,14 +135,40 @@ def _wrong_values(rank: int, got: torch.Tensor, outcomes: list[StepOutcome], num
                      and values_close(got, values, dtype).all()), None)
     if explains:
         return f"rank {rank}: {everywhere[explains]}"
-    return _first_wrong_elements(rank, got, found, numel, world_size, dtype)
+    return _other_lr(rank, got, case) or _float32_inside(rank, got, case) or \
+        _first_wrong_elements(rank, got, found, case)
 
 
-def _first_wrong_elements(rank: int, got: torch.Tensor, found: list[str], numel: int, world_size: int,
-                          dtype: torch.dtype) -> str:
+def _other_lr(rank: int, got: torch.Tensor, case: StepCase) -> str | None:
+    """A param moved by the averaged gradient times one factor on every element, but not lr: a hard-coded lr, or
+    one kept from an earlier call."""
+    param = case.inputs(0)[0].double()
+    average = sum(case.inputs(r)[1].double() for r in range(case.world_size)) / case.world_size
+    if not case.numel or not average.abs().min() > 0:
+        return None
+    factors = (param - got.double()) / average
+    factor = factors.mean().item()
+    if not torch.allclose(factors, torch.full_like(factors, factor), rtol=1e-4, atol=1e-6) or \
+            math.isclose(factor, case.lr, rel_tol=1e-4):
+        return None
+    return (f"rank {rank}: its param moved by {factor:.6g} x the averaged gradient, but lr is {case.lr:g} in this "
+            "call: take lr from the step's argument (an lr written into the step, or kept from an earlier call?).")
+
+
+def _float32_inside(rank: int, got: torch.Tensor, case: StepCase) -> str | None:
+    """A float64 param right to float32's precision only: a float32 buffer inside the step."""
+    if case.dtype != torch.float64 or not values_close(got, reference_step(case), torch.float32).all():
+        return None
+    return (f"rank {rank}: its float64 param is right only to float32's precision (about 7 digits): part of the "
+            "step ran in a float32 buffer. Make every buffer like the tensor it holds a piece of (torch.empty_like, "
+            "param.new_zeros), in its dtype and on its device.")
+
+
+def _first_wrong_elements(rank: int, got: torch.Tensor, found: list[str], case: StepCase) -> str:
     """The first run of wrong elements of one kind, and whose slice they are in."""
+    numel, world_size = case.numel, case.world_size
     sizes = shard_sizes(numel, world_size)
-    expected = reference_step(numel, world_size, dtype)
+    expected = reference_step(case)
     first = next(i for i, c in enumerate(found) if c != "right")
     stop = next((i for i in range(first, numel) if found[i] != found[first]), numel)
     owner, last_owner = (next(r for r in range(world_size) if sum(sizes[:r + 1]) > i) for i in (first, stop - 1))

@@ -12,8 +12,8 @@ from processes import alive_after
 
 import labkit
 from labkit.exercises import ForbiddenCall, Verdict, check_sharded_step, ring_nbytes_per_rank, step_inputs
-from labkit.exercises.sharded_step import padded, unpad_into
-from labkit.exercises.step_guard import LR, Collective, StepGuard, StepOutcome
+from labkit.exercises.sharded_step import DRAWN, draw_runs, padded, unpad_into
+from labkit.exercises.step_guard import LR, Collective, StepCase, StepGuard, StepOutcome
 from labkit.exercises.step_nbytes import step_nbytes_bounds
 from labkit.exercises.step_values import TOLERANCES, reference_step, wrong_step
 from labkit.plan.counts import shard_sizes
@@ -77,25 +77,46 @@ def test_bad_arguments_are_refused_by_name_before_any_rank_starts(call, error, m
                                                              (5, 3, torch.float64)])
 def test_the_reference_is_torch_s_sgd_step_on_the_averaged_gradient(numel, world_size, dtype):
     """torch.optim.SGD's answer, which is the formula's up to a rounding (the grader's tolerance)."""
+    case = StepCase(world_size, numel, dtype)
     param, _ = step_inputs(0, numel, dtype)
     average = sum(step_inputs(r, numel, dtype)[1] for r in range(world_size)) / world_size
     tolerance = TOLERANCES[dtype]
-    torch.testing.assert_close(reference_step(numel, world_size, dtype), param - LR * average, rtol=tolerance,
-                               atol=tolerance)
-    assert not torch.allclose(reference_step(numel, world_size, dtype), param - LR * average * world_size)
+    torch.testing.assert_close(reference_step(case), param - LR * average, rtol=tolerance, atol=tolerance)
+    assert not torch.allclose(reference_step(case), param - LR * average * world_size)
 
 
-def test_no_rank_s_gradient_is_the_average_so_every_mistake_shows():
+@pytest.mark.parametrize("draw", [None, 1, 2**31 - 1])
+def test_no_rank_s_gradient_is_the_average_so_every_mistake_shows(draw):
     for world_size in (2, 3, 4):
-        grads = [step_inputs(r, 5)[1] for r in range(world_size)]
+        grads = [step_inputs(r, 5, draw=draw)[1] for r in range(world_size)]
         average = sum(grads) / world_size
         assert not any(torch.allclose(g, average) for g in grads)
+        assert all((g.abs() > 0.1).all() for g in grads), "no zero: every element's update shows"
+
+
+def test_drawn_inputs_are_the_same_on_every_rank_but_the_gradient_and_differ_per_draw():
+    params = [step_inputs(r, 7, torch.float64, draw=5)[0] for r in range(3)]
+    assert all(torch.equal(p, params[0]) for p in params)
+    assert not torch.equal(step_inputs(0, 7, draw=5)[0], step_inputs(0, 7, draw=6)[0])
+    assert not torch.equal(step_inputs(0, 7, draw=5)[0], step_inputs(0, 7)[0])
+
+
+def test_each_grading_draws_two_runs_of_calls_with_their_own_sizes_dtype_and_lr():
+    for _ in range(20):
+        runs = draw_runs()
+        assert len(runs) == 2 and len({run[0].world_size for run in runs}) == 2
+        assert {run[0].dtype for run in runs} == {torch.float32, torch.float64}, "a hard-coded dtype always shows"
+        for run in runs:
+            assert len(run) == DRAWN["calls"] >= 2 and len({c.world_size for c in run}) == 1
+            assert len({c.numel for c in run}) == len(run) and len({c.lr for c in run}) == len(run)
+            assert all(c.lr != LR and c.draw is not None for c in run), "lr is never the fixed cases' constant"
+            assert all(not any(abs(LR - c.lr * n) < 1e-12 for n in (1, 2, 3, 4)) for c in run), "0.1 never N x lr"
 
 
 def test_wrong_elements_in_several_slices_are_not_said_to_be_in_one():
     """A param left all zeros on 3 ranks: the run of wrong elements covers every slice, and the message says so."""
     outcomes = [StepOutcome([0.0] * 6, None, True, "float32 on cpu", "float32 on cpu") for _ in range(3)]
-    message = wrong_step(outcomes, 6, torch.float32)
+    message = wrong_step(outcomes, StepCase(3, 6))
     assert "on rank 0, elements 0 to 5 hold [0, 0, 0, 0, 0, 0]" in message, message
     assert "They span the slices of ranks 0 to 2." in message and "rank 0's slice" not in message, message
 
@@ -212,3 +233,100 @@ def test_a_collective_left_unmatched_is_reported_and_its_ranks_replaced():
     assert not verdict and "a broadcast of 4 bytes from rank 0" in verdict.message, verdict
     assert set(labkit.run(rank_pids, world_size=3)).isdisjoint(pids)  # the pool was replaced
     assert check_sharded_step(notebook_11_solution)
+
+
+# ---- issue 27: honest mistakes that fixed lr, dtype, sizes and inputs, one call per pool, and counting let pass --
+
+def lr_hard_coded(param, grad, lr):
+    """The notebook's solution with the lr it was tried with written in: right only where lr is 0.1."""
+    notebook_11_solution(param, grad, 0.1)
+
+
+def float32_scratch(param, grad, lr):
+    """The notebook's solution on float32 scratch rows, copied back: right in float32, rounded in float64."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    grads = padded(grad, n).view(n, -1).float()
+    params = padded(param, n).view(n, -1).float()
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads))
+    params[rank].sub_(lr * my_grad / n)
+    dist.all_gather(list(params), params[rank].clone())
+    unpad_into(param, params.to(param.dtype), n)
+
+
+class CachedRows:
+    """Padded rows made on the first call and kept on the class, to save allocations: stale on every later call
+    (the ranks' processes, and so the class, outlive one call and one grading)."""
+
+    rows = None
+
+    @classmethod
+    def step(cls, param, grad, lr):
+        rank, n = dist.get_rank(), dist.get_world_size()
+        if cls.rows is None:
+            cls.rows = padded(param, n).view(n, -1)
+        params, grads = cls.rows, padded(grad, n).view(n, -1)
+        my_grad = torch.empty_like(grads[rank])
+        dist.reduce_scatter(my_grad, list(grads))
+        params[rank].sub_(lr * my_grad / n)
+        dist.all_gather(list(params), params[rank].clone())
+        unpad_into(param, params, n)
+
+
+def averaged_from_the_fixed_inputs(param, grad, lr):
+    """The averaged gradient computed from labkit's step_inputs for every rank, with a reduce-scatter of zeros and
+    the right all-gather around it: right traffic, right values on the fixed inputs, and no gradient summed."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    average = sum(step_inputs(r, param.numel(), param.dtype, param.device)[1] for r in range(n)) / n
+    zeros = padded(torch.zeros_like(grad), n).view(n, -1)
+    dist.reduce_scatter(torch.empty_like(zeros[rank]), list(zeros))
+    params = padded(param, n).view(n, -1)
+    params[rank].sub_(lr * padded(average, n).view(n, -1)[rank])
+    dist.all_gather(list(params), params[rank].clone())
+    unpad_into(param, params, n)
+
+
+def scattered_from_a_scratch_copy(param, grad, lr):
+    """A reduce-scatter of a scratch copy whose values come from elsewhere (this rank's gradient times N, an
+    'average' computed as if every rank's were the same), the right count and bytes."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    scratch = padded(grad * 0, n).view(n, -1)
+    dist.reduce_scatter(torch.empty_like(scratch[rank]), list(scratch))
+    params = padded(param, n).view(n, -1)
+    params[rank].sub_(lr * padded(grad, n).view(n, -1)[rank])
+    dist.all_gather(list(params), params[rank].clone())
+    unpad_into(param, params, n)
+
+
+ISSUE_27_WRONG = [  # (wrong step, what its verdict must say on every draw)
+    (lr_hard_coded, "its param moved by 0.1 x the averaged gradient, but lr is"),
+    (float32_scratch, "its float64 param is right only to float32's precision"),
+    (CachedRows.step, "rank "),  # stale rows: wrong values or a size error, whichever call meets them first
+    (averaged_from_the_fixed_inputs, "into its reduce-scatter toward rank 0, whose slice of rank 0's gradient"),
+    (scattered_from_a_scratch_copy, "the gradients were never summed over the ranks"),
+]
+GRADINGS = 2  # each issue-27 row is graded on this many fresh draws: it must be refused on every one
+
+
+@pytest.mark.parametrize(("mistake", "phrase"), ISSUE_27_WRONG, ids=lambda x: getattr(x, "__qualname__", "phrase"))
+def test_mistakes_that_fixed_cases_and_counting_let_pass_are_refused_on_every_draw(mistake, phrase):
+    for _ in range(GRADINGS):
+        verdict = check_sharded_step(mistake, record=False)
+        assert not verdict and phrase in verdict.message and "rank " in verdict.message, verdict
+
+
+def right_with_its_own_buffers_each_call(param, grad, lr):
+    """Right, written differently: slices of param itself and ReduceOp.AVG, a fresh buffer per call, the lr given."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sizes = shard_sizes(param.numel(), n)
+    params, grads = param.split(sizes), grad.split(sizes)
+    my_grad = torch.empty_like(grads[rank])
+    dist.reduce_scatter(my_grad, list(grads), op=dist.ReduceOp.AVG)
+    params[rank].add_(my_grad, alpha=-lr)
+    for owner in range(n):
+        dist.broadcast(params[owner], src=owner)
+
+
+def test_right_steps_pass_on_drawn_inputs_called_more_than_once():
+    verdict = check_sharded_step(right_with_its_own_buffers_each_call, record=False)
+    assert verdict and "called more than once on the same ranks" in verdict.message, verdict

@@ -3,17 +3,20 @@ that names the mistake, and right ones written in different ways (divmod, a torc
 all accepted. No processes: the grader compares numbers with labkit.parallel.mesh_layout, which notebook 13 checks
 against the real Mesh (torch's DeviceMesh) on real ranks."""
 
+import functools
 import itertools
 import math
+import re
 import sys
 import time
+from collections import deque
 
 import numpy as np
 import pytest
 import torch
 
 from labkit.exercises import Verdict
-from labkit.exercises.mesh_coordinates import SHAPES, check_mesh_coordinates
+from labkit.exercises.mesh_coordinates import DRAWN, SHAPES, check_mesh_coordinates, draw_shapes
 from labkit.parallel import Mesh, mesh_layout
 from labkit.plan import ParallelLayout
 
@@ -59,7 +62,26 @@ def enumerated_groups(rank, dp, pp, tp):
             for k, axis in enumerate(("dp", "pp", "tp"))}
 
 
-RIGHT = {"divmod": (divmod_coordinates, divmod_groups), "torch mesh tensor": (tensor_coordinates, tensor_groups),
+@functools.cache
+def cached_coordinates(rank, dp, pp, tp):
+    """Right, memoized on every argument: state across calls keyed on all the answer depends on (issue 27)."""
+    return divmod_coordinates(rank, dp, pp, tp)
+
+
+def groups_by_loops(rank, dp, pp, tp):
+    """Right, with loops over each axis's own size (not a fixed range)."""
+    d, p, t = divmod_coordinates(rank, dp, pp, tp)
+    groups = {"dp": [], "pp": [], "tp": []}
+    for i in range(dp * pp * tp):
+        other = divmod_coordinates(i, dp, pp, tp)
+        for k, axis in enumerate(("dp", "pp", "tp")):
+            if all(other[j] == (d, p, t)[j] for j in range(3) if j != k):
+                groups[axis].append(i)
+    return groups
+
+
+RIGHT = {"cached, loops": (cached_coordinates, groups_by_loops),
+         "divmod": (divmod_coordinates, divmod_groups), "torch mesh tensor": (tensor_coordinates, tensor_groups),
          "enumeration": (enumerated_coordinates, enumerated_groups)}
 
 
@@ -72,6 +94,17 @@ def test_right_solutions_written_differently_pass(name):
 
 def test_the_shapes_are_every_mesh_of_1_to_4_ranks_per_axis_notebook_12s_first():
     assert SHAPES[0] == (2, 2, 2) and sorted(SHAPES) == list(itertools.product(range(1, 5), repeat=3))
+
+
+def test_each_grading_adds_a_shape_with_each_axis_past_4_drawn_afresh():
+    draws = [draw_shapes() for _ in range(20)]
+    for shapes in draws:
+        assert shapes[:len(SHAPES)] == SHAPES
+        drawn = shapes[len(SHAPES):]
+        for k in range(3):  # a search over range(4) on any one axis shows
+            assert any(shape[k] in DRAWN["long"] and shape[k] > 4 for shape in drawn), (k, drawn)
+        assert all(math.prod(shape) <= 72 for shape in drawn), "the world stays small: a grading stays fast"
+    assert len({tuple(shapes) for shapes in draws}) > 1, "drawn afresh"
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -132,13 +165,72 @@ WRONG_COORDINATES = {
 }
 
 
+# ---- issue 27: honest mistakes that the old fixed shapes (every axis up to 4, always in one order) let pass ------
+
+GRADINGS = 3  # each of these is graded on this many fresh draws: it must be refused on every one
+
+
+def searched_in_range_4(rank, dp, pp, tp):
+    """A search for the rank's place over range(4) on each axis: the grid's sizes, not the mesh's."""
+    for d, p, t in itertools.product(range(4), repeat=3):
+        if d < dp and p < pp and t < tp and (d * pp + p) * tp + t == rank:
+            return d, p, t
+    return None
+
+
+def groups_in_range_4(rank, dp, pp, tp):
+    """Each group built over range(4) of its axis, capped at the axis's size as the student thought of it."""
+    d, p, t = divmod_coordinates(rank, dp, pp, tp)
+    at = lambda d, p, t: (d * pp + p) * tp + t  # noqa: E731
+    return {"dp": [at(i, p, t) for i in range(min(dp, 4))], "pp": [at(d, j, t) for j in range(min(pp, 4))],
+            "tp": [at(d, p, k) for k in range(min(tp, 4))]}
+
+
+TABLE = {(r, *shape): divmod_coordinates(r, *shape) for shape in SHAPES for r in range(math.prod(shape))}
+
+
+def cached_per_rank():
+    """A cache keyed on the rank alone: right for the first shape asked, stale for every other."""
+    seen = {}
+    return lambda rank, dp, pp, tp: seen.setdefault(rank, divmod_coordinates(rank, dp, pp, tp))
+
+
+def replayed_in_an_earlier_order():
+    """Right coordinates recorded during one grading, handed back one per call in the order they were asked."""
+    asked = []
+    check_mesh_coordinates(lambda *call: asked.append(call) or divmod_coordinates(*call), divmod_groups,
+                           record=False)
+    answers = deque(divmod_coordinates(*call) for call in asked)
+    return lambda rank, dp, pp, tp: answers.popleft() if answers else (0, 0, 0)
+
+
+WRONG_COORDINATES.update({
+    "a search over range(4)": (searched_in_range_4, ["returned None: return three numbers"]),
+    "a table for the 64 shapes": (lambda r, dp, pp, tp: TABLE[r, dp, pp, tp], ["raised KeyError"]),
+    # stale answers: the verdict shows the first rank whose place they miss (which one depends on the draw)
+    "a cache keyed on the rank": (cached_per_rank, ["is at (dp", "your coordinates("]),
+    "answers replayed in an earlier order": (replayed_in_an_earlier_order, ["is at (dp", "your coordinates("]),
+})
+MADE_PER_GRADING = {"a cache keyed on the rank", "answers replayed in an earlier order"}  # fresh state each time
+
+
 @pytest.mark.parametrize("name", WRONG_COORDINATES)
 def test_wrong_coordinates_are_rejected_with_their_mistake_named(name):
-    fn, words = WRONG_COORDINATES[name]
-    verdict = check_mesh_coordinates(fn, divmod_groups)
-    assert not verdict and repr(verdict).startswith("Not yet. "), verdict
-    for word in words:
-        assert word in verdict.message, (name, word, verdict.message)
+    for _ in range(GRADINGS if name in WRONG_COORDINATES_ISSUE_27 else 1):
+        fn, words = WRONG_COORDINATES[name]
+        verdict = check_mesh_coordinates(fn() if name in MADE_PER_GRADING else fn, divmod_groups)
+        assert not verdict and repr(verdict).startswith("Not yet. "), verdict
+        for word in words:
+            assert word in verdict.message, (name, word, verdict.message)
+
+
+WRONG_COORDINATES_ISSUE_27 = {"a search over range(4)", "a table for the 64 shapes", *MADE_PER_GRADING}
+
+
+def test_a_search_over_range_4_is_refused_on_a_drawn_shape_past_4():
+    verdict = check_mesh_coordinates(searched_in_range_4, divmod_groups)
+    shape = tuple(int(n) for n in re.search(r"coordinates\(\d+, (\d+), (\d+), (\d+)\)", verdict.message).groups())
+    assert max(shape) > 4 and shape not in SHAPES, verdict
 
 
 # ---- wrong groups ----------------------------------------------------------------------------------------
@@ -202,13 +294,17 @@ WRONG_GROUPS = {
 }
 
 
+WRONG_GROUPS["groups over range(4)"] = (groups_in_range_4, ["ranks; a group on"])  # "Yours holds 4 ranks; ... = 5"
+
+
 @pytest.mark.parametrize("name", WRONG_GROUPS)
 def test_wrong_groups_are_rejected_with_their_mistake_named(name):
-    fn, words = WRONG_GROUPS[name]
-    verdict = check_mesh_coordinates(divmod_coordinates, fn)
-    assert not verdict and repr(verdict).startswith("Not yet. "), verdict
-    for word in words:
-        assert word in verdict.message, (name, word, verdict.message)
+    for _ in range(GRADINGS if name == "groups over range(4)" else 1):
+        fn, words = WRONG_GROUPS[name]
+        verdict = check_mesh_coordinates(divmod_coordinates, fn)
+        assert not verdict and repr(verdict).startswith("Not yet. "), verdict
+        for word in words:
+            assert word in verdict.message, (name, word, verdict.message)
 
 
 def test_other_arguments_are_refused_showing_what_came_back():
@@ -233,8 +329,8 @@ def test_an_endless_loop_is_stopped_within_the_timeout():
         started = time.monotonic()
         verdict = check_mesh_coordinates(divmod_coordinates, fn, timeout_seconds=0.5)
         assert not verdict and time.monotonic() - started < 5, verdict
-        assert "Your groups(0, 2, 2, 2) was still running when the 0.5 s for all the 1,000 ranks' calls ran out, " \
-               "and was stopped: an endless loop?" in verdict.message
+        assert re.search(r"Your groups\(0, 2, 2, 2\) was still running when the 0\.5 s for all the 1,[0-9]{3} ranks' "
+                         r"calls ran out, and was stopped: an endless loop\?", verdict.message), verdict
 
 
 def test_the_ready_made_mesh_is_refused_too():

@@ -2,14 +2,20 @@
 the mistake, and right orders written in different ways (and returned in each accepted spelling), all accepted.
 No processes: the grader compares lists."""
 
+import inspect
+import sys
+import threading
 from collections import deque
+from functools import cache
 
 import pytest
 from torch.distributed.pipelining import schedules
 
 from labkit.exercises import Verdict, check_1f1b_order
-from labkit.exercises.schedule_order import CASES, REFERENCE_SOLUTION
+from labkit.exercises.schedule_order import DRAWN, FIRST_CASE, GRID, REFERENCE_SOLUTION, draw_cases
 from labkit.parallel.pipeline import Action, schedule
+
+GRADINGS = 3  # a wrong row is graded this many times, each on a fresh draw: it must be refused on every one
 
 
 def order(warmup, m, backwards=None, cooldown=True):
@@ -56,7 +62,14 @@ def per_index(stage, stages, microbatches):
             yield "B", k - microbatches
 
 
-@pytest.mark.parametrize("fn", [phases, two_queues, per_index])
+@cache
+def cached_on_every_argument(stage, stages, microbatches):
+    """Right, memoized on all three arguments (a tuple, so that a caller cannot change the cached answer): state
+    across calls that is keyed on everything the answer depends on is fine (issue 27)."""
+    return tuple(phases(stage, stages, microbatches))
+
+
+@pytest.mark.parametrize("fn", [phases, two_queues, per_index, cached_on_every_argument])
 def test_right_orders_written_differently_pass(fn):
     verdict = check_1f1b_order(fn)
     assert verdict and isinstance(verdict, Verdict), verdict
@@ -69,9 +82,19 @@ def test_the_folded_reference_solution_passes():
     assert check_1f1b_order(namespace["one_f_one_b"]), check_1f1b_order(namespace["one_f_one_b"])
 
 
-def test_the_cases_cover_every_stage_count_and_micro_batch_count():
-    assert CASES[0] == (4, 8) and sorted(CASES) == [(p, m) for p in range(1, 7) for m in range(1, 10)]
-    assert all(m < p for p, m in CASES[CASES.index((2, 1)):]), "m < p comes last: its messages are the hardest"
+def test_each_grading_covers_the_grid_and_larger_pipelines_drawn_afresh_in_a_shuffled_order():
+    draws = [draw_cases() for _ in range(20)]
+    for calls in draws:
+        assert calls[:4] == [(r, *FIRST_CASE) for r in range(4)], "the first case reads best: graded first"
+        cases = {(p, m) for _, p, m in calls}
+        assert set(GRID) <= cases and all(sorted(r for r, q, k in calls if (q, k) == case) == list(range(case[0]))
+                                          for case in cases), "every stage of every case, once"
+        larger = [(p, m) for p, m in cases if m > 9]
+        assert larger and all(m in DRAWN["microbatches"] and m >= 11 for _, m in larger), "text order shows at 11"
+        assert any(p > 6 for p, _ in larger), "a pipeline deeper than the grid"
+        first_short = next(k for k, (_, p, m) in enumerate(calls) if m < p)
+        assert all(m < p for _, p, m in calls[first_short:]), "m < p comes last: its messages are the hardest"
+    assert len({tuple(calls) for calls in draws}) == len(draws), "the order and the larger cases are drawn afresh"
 
 
 # ---- wrong solutions, each with the words its message must have ------------------------------------------
@@ -98,30 +121,129 @@ WRONG = {
     "missing micro-batch": (lambda r, p, m: [a for a in order(min(p - r - 1, m), m) if a[1] != m - 1],
                             ["F7 never runs"]),
     "m < p": (lambda r, p, m: order(p - r - 1, m),
-              ["Stage 0 of 3 with 1 micro-batch:", "it runs F1, but micro-batches run from 0 to m - 1 = 0",
-               "m = 1 < p = 3", "the warm-up runs out of micro-batches, of which there are m = 1"]),
+              ["but micro-batches run from 0 to m - 1", "the warm-up runs out of micro-batches, of which there are"]),
     "backward first": (lambda r, p, m: [a for i in range(m) for a in (("B", i), ("F", i))] if r == p - 1
                        else order(min(p - r - 1, m), m),
                        ["Stage 3 of 4", "runs B0 before F0", "activations its forward saved"]),
     "raises": (lambda r, p, m: order(list(range(m + 1))[p - r - 1], m),
-               ["Stage 0 of 3 with 1 micro-batch:",
-                "fn(0, 3, 1) (stage=0, stages=3, microbatches=1) raised IndexError: list index out of range"]),
+               ["(stage=", "raised IndexError: list index out of range"]),
     "bad format": (lambda r, p, m: [f"forward {i}" for i in range(m)],
                    ["action 0 is 'forward 0' (str)", '("F", i)']),
     "the course's schedule": (lambda r, p, m: schedule("1f1b", p, m)[r],
-                              ["fn(0, 4, 8) calls labkit.parallel.pipeline.schedule.schedule(), a ready-made"]),
+                              ["fn(0, 4, 8) calls labkit.parallel.pipeline's schedule(), a ready-made"]),
     "torch's schedule": (lambda r, p, m: schedules._format_pipeline_order({}) or order(min(p - r - 1, m), m),
                          ["calls torch.distributed.pipelining.schedules._format_pipeline_order(), a ready-made"]),
 }
 
 
+# ---- issue 27: honest mistakes that the old fixed grid (p <= 6, m <= 9, always in one order) let pass ----------
+
+def sorted_as_text(stage, stages, microbatches):
+    """Right phases, each sorted as the strings "F3": "F10" sorts before "F2", wrong from m = 11."""
+    warmup = min(stages - stage - 1, microbatches)
+    forwards = sorted(f"F{i}" for i in range(microbatches))
+    backwards = sorted(f"B{i}" for i in range(microbatches))
+    actions = forwards[:warmup]
+    for i in range(microbatches - warmup):
+        actions += [forwards[warmup + i], backwards[i]]
+    return actions + backwards[microbatches - warmup:]
+
+
+TABLE = {(r, p, m): phases(r, p, m) for p in range(1, 7) for m in range(1, 10) for r in range(p)}  # the old range
+
+
+def cached_per_stage():
+    """A cache keyed on the stage alone: right for the first pipeline asked, stale for every other."""
+    remembered = {}
+
+    def fn(stage, stages, microbatches):
+        if stage not in remembered:
+            remembered[stage] = phases(stage, stages, microbatches)
+        return remembered[stage]
+    return fn
+
+
+def replayed_in_an_earlier_order():
+    """Right answers recorded during one grading, handed back one per call in the order they were asked."""
+    asked = []
+    check_1f1b_order(lambda r, p, m: asked.append((r, p, m)) or phases(r, p, m), record=False)
+    answers = deque(phases(*call) for call in asked)
+    return lambda r, p, m: answers.popleft()
+
+
+def in_a_thread(stage, stages, microbatches):
+    """The course's schedule, computed in a thread of its own, out of a tracer's sight."""
+    box = []
+
+    def compute():
+        try:
+            box.append(schedule("1f1b", stages, microbatches)[stage])
+        except Exception:  # noqa: BLE001 - a thread's error is lost to its caller, as it would be in the notebook
+            pass
+    thread = threading.Thread(target=compute)
+    thread.start()
+    thread.join()
+    return box[0] if box else phases(stage, stages, microbatches)
+
+
+def tracer_off(stage, stages, microbatches):
+    """The course's schedule after switching off whatever tracer watches."""
+    sys.settrace(None)
+    return schedule("1f1b", stages, microbatches)[stage]
+
+
+def from_its_text(stage, stages, microbatches):
+    """A copy of the course's schedule made from its source text, exec'd in its own module's namespace."""
+    module = sys.modules[schedule.__module__]
+    namespace = dict(vars(module))
+    exec(inspect.getsource(module), namespace)  # every function anew, the course's file out of sight
+    return namespace["schedule"]("1f1b", stages, microbatches)[stage]
+
+
+def caught(stage, stages, microbatches):
+    """The course's schedule, its refusal caught and the student's own (right) order returned instead."""
+    try:
+        return schedule("1f1b", stages, microbatches)[stage]
+    except Exception:  # noqa: BLE001 - the honest 'fallback' that hides the refusal
+        return phases(stage, stages, microbatches)
+
+
+WRONG.update({
+    "sorted as text": (sorted_as_text, ["runs its forwards out of micro-batch order"]),
+    "a table for the old range": (lambda r, p, m: TABLE[r, p, m], ["raised KeyError"]),
+    "a cache keyed on the stage": (cached_per_stage, ["Yours:"]),
+    "answers replayed in an earlier order": (replayed_in_an_earlier_order, ["Yours:"]),
+    "the course's schedule in a thread": (in_a_thread, ["calls labkit.parallel.pipeline's schedule(), a ready-made"]),
+    "the course's schedule, tracer off": (tracer_off, ["calls labkit.parallel.pipeline's schedule(), a ready-made"]),
+    "the course's schedule from its text": (from_its_text,
+                                            ["calls labkit.parallel.pipeline's schedule(), a ready-made"]),
+    "the course's schedule, refusal caught": (caught, ["calls labkit.parallel.pipeline's schedule(), a ready-made"]),
+})
+MADE_PER_GRADING = {"a cache keyed on the stage", "answers replayed in an earlier order"}  # fresh state each time
+
+
 @pytest.mark.parametrize("name", WRONG)
 def test_wrong_orders_are_rejected_with_their_mistake_named(name):
-    fn, words = WRONG[name]
-    verdict = check_1f1b_order(fn)
-    assert not verdict and repr(verdict).startswith("Not yet. "), verdict
-    for word in words:
-        assert word in verdict.message, (name, word, verdict.message)
+    for _ in range(GRADINGS):
+        fn, words = WRONG[name]
+        fn = fn() if name in MADE_PER_GRADING else fn
+        verdict = check_1f1b_order(fn)
+        assert not verdict and repr(verdict).startswith("Not yet. "), verdict
+        for word in words:
+            assert word in verdict.message, (name, word, verdict.message)
+
+
+def test_the_text_sorted_order_is_refused_where_m_reaches_11_and_right_below():
+    assert sorted_as_text(0, 4, 10) == phases(0, 4, 10) and sorted_as_text(0, 4, 11) != phases(0, 4, 11)
+    verdict = check_1f1b_order(sorted_as_text)
+    assert "micro-batches: it runs its forwards out of micro-batch order" in verdict.message
+    assert int(verdict.message.split(" with ")[1].split()[0]) >= 11, verdict
+
+
+@pytest.mark.parametrize("fn", [tracer_off, caught, WRONG["raises"][0]])
+def test_the_course_s_schedule_runs_again_once_grading_ends(fn):
+    check_1f1b_order(fn, record=False)
+    assert [str(a) for a in schedule("1f1b", 2, 2)[0]] == ["F0", "F1", "B0", "B1"]
 
 
 def test_other_returns_are_refused_showing_what_came_back():

@@ -22,6 +22,30 @@ def test_the_lesson_s_map_passes_with_any_case_and_spacing():
     assert check_stack_map(renamed)
 
 
+@pytest.mark.parametrize("spelling", ["TensorRT_LLM", "tensorrt.llm", "TENSORRT-llm", "Tensor RT LLM", "TensorRTLLM",
+                                      "tensorrt_llm "])
+def test_a_component_spelled_as_in_code_or_package_names_passes(spelling):
+    """Issue 27 (right refused): underscores and dots separate words as hyphens and spaces do."""
+    others = {name: verb for name, verb in STACK_MAP.items() if name not in ("TensorRT-LLM", "NeMo")}
+    assert check_stack_map({**others, spelling: "optimizes", "ne.mo": "builds"})
+
+
+@pytest.mark.parametrize(("spelling", "phrase"), [
+    ("TensorRT", "'TensorRT' is not one of the components"),  # a word short: another product
+    ("TensorRT_LLM_X", "'TensorRT_LLM_X' is not one of the components"),
+    ("Triton_Inference_Server", "'Triton_Inference_Server' is not one of the components"),
+    ("N_I_M_S", "'N_I_M_S' is not one of the components"),
+    ("rapids.ai", "'rapids.ai' is not one of the components"),
+])
+def test_separators_do_not_make_a_wrong_name_right(spelling, phrase):
+    """Issue 27: forgiving separators must not forgive letters."""
+    assert_rejected({**STACK_MAP, spelling: "optimizes"}, phrase)
+
+
+def test_two_spellings_of_one_component_are_answered_twice():
+    assert_rejected({**STACK_MAP, "tensorrt_llm": "optimizes"}, "TensorRT-LLM is answered twice")
+
+
 def test_wrong_answers_are_named_without_the_right_ones():
     verdict = check_stack_map({**STACK_MAP, "NCCL": "builds", "NeMo": "communicates"})
     assert not verdict and "4 of 6 right" in verdict.message and "NCCL, NeMo" in verdict.message

@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from labkit._refusals import refuse_while_graded
 from labkit.checks import choice, flag, whole
 
 __all__ = ["KINDS", "Action", "Message", "communication_plan", "peak_in_flight", "schedule"]
@@ -55,6 +56,7 @@ def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list
     F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3
     F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3
     """
+    refuse_while_graded("labkit.parallel.pipeline's schedule")  # notebook 06 asks for one stage's order: graded
     kind, p, m, v = _checked(kind, stages, microbatches, chunks)
     return [_interleaved(r, p, m, v) if kind == "interleaved" else _one_chunk(kind, r, p, m) for r in range(p)]
 
@@ -84,6 +86,7 @@ def _warmup(kind: str, r: int, p: int, m: int, v: int) -> int:
 
 def _one_chunk(kind: str, r: int, p: int, m: int) -> list[Action]:
     """Stage r's GPipe or 1F1B order: warm-up forwards, then one forward and one backward, then backwards."""
+    refuse_while_graded("labkit.parallel.pipeline's schedule")
     warmup = _warmup(kind, r, p, m, 1)
     actions = [Action("F", i) for i in range(warmup)]
     for i in range(m - warmup):  # steady state: one forward, one backward
