@@ -42,6 +42,7 @@ import sys
 import time
 from typing import NamedTuple
 
+from labkit._refusals import ForbiddenCall, refusing
 from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
@@ -114,12 +115,18 @@ def check_mesh_coordinates(coordinates, groups=None, *, timeout_seconds: float =
                                   f"groups); {name} is {type(fn).__name__}.")
     seconds = checked_timeout("timeout_seconds", timeout_seconds)
     shapes = draw_shapes()
+    for shape in shapes:
+        _reference(shape)  # the course's layout computed (and cached) before it refuses to run (below)
     budget = _Budget(seconds, time.monotonic() + seconds, sum(map(math.prod, shapes)))
     try:
-        problem = (_coordinates_problem(coordinates, shapes, budget)
-                   or (_groups_problem(groups, shapes, budget) if groups else None))
+        with refusing(tuple(_READY_MADE.values())) as refused:
+            problem = (_coordinates_problem(coordinates, shapes, budget)
+                       or (_groups_problem(groups, shapes, budget) if groups else None))
     except _Stopped as stopped:
         problem = str(stopped)
+    if refused and not (problem and refused[0] in problem):  # refused in a thread of the student's, or caught
+        problem = (f"your functions called {refused[0]} (and caught the error; it still counts), the course's own "
+                   f"layout: compute the coordinates and groups from the rank and the sizes yourself ({LAYOUT}).")
     if problem:
         return Verdict(False, problem[0].upper() + problem[1:])
     larger = ", ".join(" x ".join(map(str, shape)) for shape in shapes[len(SHAPES):])
@@ -144,7 +151,8 @@ def _reference(shape: tuple[int, int, int]) -> tuple[list[tuple[int, ...]], list
 
 def _watched_call(fn, name: str, rank: int, shape: tuple[int, int, int], budget: _Budget):
     """fn(rank, *shape), and the problem if it raised. A tracer (sys.settrace) stops it with _Stopped when it calls
-    the course's own layout, or when the budget's deadline has passed."""
+    the course's own layout, or when the budget's deadline has passed; the layout also refuses itself where it runs
+    (labkit._refusals: in a thread of the student's, after a sys.settrace(None) of its own)."""
     def trace(frame, event, arg):
         if event == "call" and frame.f_code in _READY_MADE:
             raise _Stopped(f"your {name} calls {_READY_MADE[frame.f_code]}, the course's own layout: compute the "
@@ -159,6 +167,9 @@ def _watched_call(fn, name: str, rank: int, shape: tuple[int, int, int], budget:
     sys.settrace(trace)
     try:
         answer = fn(rank, *shape)
+    except ForbiddenCall as refused:  # the course's layout refused itself where it ran (labkit._refusals)
+        raise _Stopped(f"your {name} calls {refused.spelling}, the course's own layout: compute the coordinates and "
+                       f"groups from the rank and the sizes yourself ({LAYOUT}).") from None
     except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
         return None, (f"{_call(name, rank, shape)} (rank={rank}, dp={shape[0]}, pp={shape[1]}, tp={shape[2]}) "
                       f"raised {type(error).__name__}: {error}")

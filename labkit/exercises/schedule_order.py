@@ -36,24 +36,13 @@ from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.parallel.pipeline import Action, peak_in_flight, schedule
 
-__all__ = ["DRAWN", "FIRST_CASE", "GRID", "REFERENCE_SOLUTION", "check_1f1b_order", "draw_cases"]
+__all__ = ["DRAWN", "FIRST_CASE", "GRID", "check_1f1b_order", "draw_cases"]
 
 FIRST_CASE = (4, 8)  # (p, m) graded first, stage by stage: a typical pipeline, whose messages read best
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 10)]  # every small pipeline, m < p included
 # The larger pipelines drawn at each grading: m from 11 (where "F10" sorts before "F2" as text) up to a bound that
 # keeps a grading well under a second, and one of them deeper than the grid.
 DRAWN = {"cases": 4, "microbatches": range(11, 33), "stages": range(2, 7), "deep_stages": range(7, 10)}
-
-REFERENCE_SOLUTION = '''
-def one_f_one_b(stage, stages, microbatches):
-    """Stage `stage` of `stages`: warm-up forwards, then one forward and one backward in turn, then the
-    remaining backwards (the cool-down)."""
-    warmup = min(stages - stage - 1, microbatches)  # the later stages send the first gradients back sooner
-    actions = [("F", i) for i in range(warmup)]
-    for i in range(microbatches - warmup):  # steady state: one forward, one backward
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]  # cool-down
-'''
 
 _READY_MADE_SCHEDULE = "labkit.parallel.pipeline's schedule"  # as schedule() refuses itself (refuse_while_graded)
 _TORCH_SCHEDULES = str(Path("torch", "distributed", "pipelining"))  # torch's ready-made schedules, seen by a tracer
@@ -79,10 +68,6 @@ def check_1f1b_order(fn) -> Verdict:
     """Grade `fn(stage, stages, microbatches)`: stage r's 1F1B actions, for every r of p = 1-6 and m = 1-9 and of
     larger pipelines drawn for this grading (draw_cases), called in a shuffled order.
 
-    >>> namespace = {}
-    >>> exec(REFERENCE_SOLUTION, namespace)
-    >>> check_1f1b_order(namespace["one_f_one_b"])
-    Correct! ...
     >>> check_1f1b_order(lambda stage, stages, microbatches: [("F", i) for i in range(microbatches)]
     ...                  + [("B", i) for i in range(microbatches)])
     Not yet. Stage 0 of 4 with 8 micro-batches: it runs all 8 forwards before any backward: GPipe's order...

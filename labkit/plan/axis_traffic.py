@@ -65,6 +65,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from labkit._refusals import refuse_while_graded
 from labkit.checks import choice, finite_result, flag, number, shown, whole
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes, ring_reduce_scatter_bytes
@@ -148,6 +149,7 @@ class ParallelLayout:
 
     def place(self, rank: int) -> dict[str, int]:
         """Global rank `rank`'s coordinate on each axis."""
+        refuse_while_graded("labkit.plan.ParallelLayout(...).place")
         rank = whole("rank", rank, minimum=0)
         if rank >= self.world_size:
             raise ValueError(f"rank={shown(rank)}: this layout has {self.world_size} ranks; pass 0 to "

@@ -208,3 +208,14 @@ def test_the_rule_stops_the_pool_when_messages_do_not_pair_up():
     assert OWNER.kept_pool(2) is not None
     stop_if_out_of_step(2, unpaired)
     assert OWNER.kept_pool(2) is None
+
+
+def test_ranks_started_while_the_kernel_refuses_do_not_keep_refusing():
+    """An in-process grader (06, 13) refuses in the kernel; ranks (and a fork server) started meanwhile serve
+    every later call, and must not keep refusing once it is done (labkit passes the kernel's environment on)."""
+    from labkit._refusals import refusing
+
+    labkit.shutdown()  # every pool and the fork server: the next call starts them afresh, here inside the window
+    with refusing((READY_MADE,)):
+        labkit.run(os.getpid, world_size=2)
+    assert labkit.run(os.environ.get, "LABKIT_REFUSED", world_size=2) == [None, None]

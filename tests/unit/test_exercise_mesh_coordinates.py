@@ -361,3 +361,43 @@ def test_the_grader_restores_a_tracer_that_was_set():
         assert sys.gettrace() is tracer
     finally:
         sys.settrace(None)
+
+
+def _layout_in_a_thread(rank, dp, pp, tp):
+    """The course's layout computed in a thread of the student's, out of the tracer's sight."""
+    import threading
+
+    from labkit.exercises import ForbiddenCall
+    from labkit.parallel import mesh_layout
+    found = []
+
+    def look_up():
+        try:
+            found.append(mesh_layout(dp * pp * tp, dp, pp, tp)[rank])
+        except ForbiddenCall:
+            pass  # the student's thread swallows the refusal; the grader still reports it
+
+    thread = threading.Thread(target=look_up)
+    thread.start()
+    thread.join()
+    place = found[0] if found else None
+    return tuple(place.coordinate[a] for a in ("dp", "pp", "tp")) if place else (0, 0, 0)
+
+
+def _layout_after_settrace_none(rank, dp, pp, tp):
+    import sys
+
+    from labkit.parallel import mesh_layout
+    sys.settrace(None)
+    place = mesh_layout(dp * pp * tp, dp, pp, tp)[rank]
+    return tuple(place.coordinate[a] for a in ("dp", "pp", "tp"))
+
+
+@pytest.mark.parametrize("fn", [_layout_in_a_thread, _layout_after_settrace_none])
+def test_the_course_layout_is_refused_where_it_runs(fn):
+    """Issue 27, ready-made helpers reached around the tracer: mesh_layout refuses itself while graded."""
+    verdict = check_mesh_coordinates(fn, record=False)
+    assert not verdict and "labkit.parallel.mesh_layout" in verdict.message and "course's own layout" in \
+        verdict.message, verdict
+    from labkit.parallel import mesh_layout
+    assert mesh_layout(4, tp=2)[1].coordinate["tp"] == 1  # and works again once the grader is done

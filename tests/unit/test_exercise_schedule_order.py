@@ -12,10 +12,23 @@ import pytest
 from torch.distributed.pipelining import schedules
 
 from labkit.exercises import Verdict, check_1f1b_order
-from labkit.exercises.schedule_order import DRAWN, FIRST_CASE, GRID, REFERENCE_SOLUTION, draw_cases
+from labkit.exercises.schedule_order import DRAWN, FIRST_CASE, GRID, draw_cases
 from labkit.parallel.pipeline import Action, schedule
 
 GRADINGS = 3  # a wrong row is graded this many times, each on a fresh draw: it must be refused on every one
+
+# The course's answer, kept here and in notebook 06's solution cell, not in the package (issue 27: reference
+# solutions are not shipped as importable text, which graded code could exec out of the grader's sight).
+REFERENCE_SOLUTION = '''
+def one_f_one_b(stage, stages, microbatches):
+    """Stage `stage` of `stages`: warm-up forwards, then one forward and one backward in turn, then the
+    remaining backwards (the cool-down)."""
+    warmup = min(stages - stage - 1, microbatches)  # the later stages send the first gradients back sooner
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(microbatches - warmup):  # steady state: one forward, one backward
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(microbatches - warmup, microbatches)]  # cool-down
+'''
 
 
 def order(warmup, m, backwards=None, cooldown=True):

@@ -192,7 +192,7 @@ def test_groups_is_a_leaf():
 
 
 @pytest.mark.parametrize("module, partner", [("labkit.comm.simulator", "labkit.comm"),
-                                             ("labkit.exercises.guard", "labkit.exercises.average_guard"),
+                                             ("labkit.exercises.guard", "labkit.exercises.average"),
                                              ("labkit.launch.cells", "labkit")])
 def test_three_more_cycles_of_issue_27_stay_broken(module, partner):
     """Each module whose deferred import closed a cycle (with groups.py's, the four of issue 27) no longer

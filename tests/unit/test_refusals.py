@@ -64,3 +64,4 @@ def test_only_what_was_switched_off_is_refused_and_nesting_restores():
             with pytest.raises(ForbiddenCall):
                 helper()
         assert helper() == "done"
+
