@@ -358,7 +358,7 @@ def check_fixed_training(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Ver
         >>> def train(model, x, y, steps, lr):        # the notebook's stub, not yet filled in
         ...     raise NotImplementedError("your turn")
         >>> check_fixed_training(train, record=False)
-        Not yet. On 3 ranks (a batch of 12 rows, 4 per rank; steps=4, lr=0.12), your function raised ...
+        Not yet. On 3 ranks (a batch of ... rows, ... per rank; steps=..., lr=...), your function raised ...
     """
     return grade(SPEC, fn, timeout_seconds=timeout_seconds)
 
