@@ -17,7 +17,6 @@
     mesh_coordinates  check_mesh_coordinates (notebook 13): a rank's (dp, pp, tp) coordinates and its three
                       groups, against torch's DeviceMesh layout, no processes
     guard       on each rank while a grader runs: collectives switched off, messages counted
-    wait_watch  which collectives graded code waited for (handles, futures), for every guard
     diagnosis   what is wrong with a wrong answer: its values, its traffic (`ring_nbytes_per_rank`)
     verdict     Verdict, the grade every grader returns
     schedule_order  check_1f1b_order (notebook 06): the student's 1F1B action order for stage r of p with m

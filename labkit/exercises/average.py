@@ -17,7 +17,7 @@ if, on every case, on every rank:
   or a forked subprocess too), reduced the gradients rather than the parameters, with ReduceOp.SUM (or AVG), and
   waited for every async_op=True handle: handle.wait(), a loop on handle.is_completed(), or its future's wait()
   (handle.get_future().wait(), torch.futures.wait_all); taking the future, chaining then() on it, or a loop on its
-  done() or value(), does not wait (on GPUs done() is True once the all_reduce is queued: `wait_watch.WaitWatch`);
+  done() or value(), does not wait (on GPUs done() is True once the all_reduce is queued: _kit/_wait_watch.py);
 - what every all_reduce took in is this rank's gradients of this call (one, or several flattened together, as
   they are or already divided by N): counting that an all_reduce was made is not checking that it averaged the
   gradients (a scratch tensor all-reduced while the average came from elsewhere fails);
@@ -57,11 +57,11 @@ from labkit.exercises._kit._messages import first_failure, hang_message
 from labkit.exercises._kit._record import Call, Recorder
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._kit._stack import outermost_caller
+from labkit.exercises._kit._wait_watch import FUTURE_POLLS
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.guard import Guard
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
-from labkit.exercises.wait_watch import FUTURE_POLLS
 from labkit.models import mlp
 
 __all__ = ["AVERAGE_CASES", "BATCH", "LR", "MODELS", "READY_MADE", "STEPS", "TOLERANCE", "AverageGuard",

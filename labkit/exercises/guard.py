@@ -47,7 +47,7 @@ from labkit.exercises._kit._messages import (
     where_ranks_waited,
 )
 from labkit.exercises._kit._record import Recorder
-from labkit.exercises.wait_watch import WaitWatch
+from labkit.exercises._kit._wait_watch import WaitWatch
 
 __all__ = ["CALLS", "DTYPES", "POINT_TO_POINT", "READY_MADE", "ForbiddenCall", "Guard", "Outcome",
            "RefusedOperator", "WrongDtype", "attempt", "drawn_input", "first_failure", "forbidden_message",
@@ -254,7 +254,7 @@ class Guard(Interceptor):
 
     def watch_waits(self) -> None:
         """From now until the guard ends, note which posted messages' handles graded code waits for, however it
-        waits (labkit.exercises.wait_watch.WaitWatch: wait(), is_completed(), the handle's future)."""
+        waits (labkit.exercises._kit._wait_watch.WaitWatch: wait(), is_completed(), the handle's future)."""
         WaitWatch(self.posted).install(self)
 
     def unwaited(self) -> list[tuple[str, int]]:

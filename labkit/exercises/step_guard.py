@@ -7,7 +7,7 @@ in ProcessGroup.send and .recv (`labkit.exercises.guard`), and converted to the 
 algorithm (`Collective.sent_nbytes`). Calls that would move data past that count raise `ForbiddenCall` while the
 step is graded: point-to-point messages, object collectives, reduce/gather/scatter/all_to_all, coalesced forms,
 the backend's methods and the c10d operators under torch.ops (functional collectives). Each collective's handle
-is watched (`labkit.exercises.wait_watch.watch_waits`), so that one started with async_op=True and never waited
+is watched (`labkit.exercises._kit._wait_watch.watch_waits`), so that one started with async_op=True and never waited
 for is named as such.
 """
 
@@ -20,9 +20,9 @@ import torch
 import labkit
 from labkit.checks import whole
 from labkit.exercises._kit._group_call import GroupCall, Kind, flat_tensors, wrap_group_method
+from labkit.exercises._kit._wait_watch import watch_waits
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
 from labkit.exercises.guard import Guard
-from labkit.exercises.wait_watch import watch_waits
 
 __all__ = ["LR", "Collective", "StepCase", "StepGuard", "StepOutcome", "attempt_step", "calls_of_last_attempt",
            "step_inputs"]

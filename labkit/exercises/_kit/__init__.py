@@ -8,6 +8,7 @@
     _store       on a rank: the last attempt's calls and refusals, kept as they happen
     _messages    the sentences every grader shares (refused, hang, unwaited, not a function) and reading a
                  RankError (which failure, which forbidden call)
+    _wait_watch  which collectives graded code waited for (handles, futures): the one wait watcher
     _stack       is the course's own answer on the call stack? (the outermost ready-made frame)
     _runner      one grading loop driven by an exercise's `Spec`, with one rule after a RankError
 

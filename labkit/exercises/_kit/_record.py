@@ -2,8 +2,8 @@
 makes them.
 
 A guard's callback (labkit.exercises._kit._group_call) sees each ProcessGroup call as a `GroupCall`; the
-recorder turns it into a `Call`, keeps its work handle for the wait watcher (labkit.exercises.wait_watch), and puts
-it in the last-attempt store (labkit.exercises._kit._store) as it is made, so a run that raises still says what
+recorder turns it into a `Call`, keeps its work handle for the wait watcher (_kit/_wait_watch.py), and puts it
+in the last-attempt store (labkit.exercises._kit._store) as it is made, so a run that raises still says what
 each rank had made. What one grader alone needs about a call (which operator made it, whether backward() was
 running) goes in `facts`, named by that grader.
 """
@@ -82,7 +82,7 @@ class Recorder:
     def watch_waits(self, interceptor) -> None:
         """Mark a call waited only when graded code waits for its handle or its future (WaitWatch), for the
         interceptor's time: call it in the guard's install."""
-        from labkit.exercises.wait_watch import WaitWatch
+        from labkit.exercises._kit._wait_watch import WaitWatch
 
         WaitWatch(self.works).install(interceptor)
 

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-__all__ = ["FUTURE_POLLS", "WaitWatch", "watch_waits"]
+__all__: list[str] = []
 
 FUTURE_POLLS = ("A loop on the future's done(), or reading its value(), is no wait either: on GPUs done() is True as "
                 "soon as the all_reduce is queued, and value() does not synchronise (torch.futures docs), so only "
