@@ -77,6 +77,7 @@ from labkit.exercises.average import (
     OutOfStep,
     average_batch,
     made_of_gradients,
+    reference_run,
     sgd_step,
 )
 from labkit.exercises.progress import graded
@@ -151,18 +152,9 @@ def _weights(model: torch.nn.Module) -> list[list[float]]:
 
 
 def one_process_run(case: Case) -> tuple[list[list[list[float]]], list[list[list[float]]]]:
-    """One process trained on the whole batch, each of the case's models in turn: every step's gradients (the
-    models one after the other), and each model's parameters at the end."""
-    (x, y), grads, finals = _case_batch(case), [], []
-    for seed in case["seeds"]:
-        model = _case_model(case, seed)
-        for _ in range(case["steps"]):
-            model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            grads.append(_grads(model))
-            sgd_step(model, case["lr"])
-        finals.append(_weights(model))
-    return grads, finals
+    """One process trained on the whole batch, each of the case's models (this grader's) in turn: every step's
+    gradients (the models one after the other), and each model's parameters at the end."""
+    return reference_run(case, _case_model)
 
 
 def ddp_reference(case: Case) -> tuple[list[list[list[float]]], list[list[list[float]]]]:

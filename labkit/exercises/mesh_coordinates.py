@@ -205,20 +205,27 @@ def _whole(value) -> int | str:
         return f"{value!r} ({type(value).__name__}), not a whole number"
 
 
+def _answers(fn, name: str, read, show, shapes: list[tuple[int, int, int]], budget: _Budget):
+    """fn's answer for every rank of every shape, called in the grading's shuffled order and read by `read` (which
+    returns the answer, or a str saying what is wrong with it); and the problem of the first call, in shape order,
+    that raised or gave an unreadable answer (`show` prints that answer), or None."""
+    answers, problems = {shape: [None] * math.prod(shape) for shape in shapes}, {}
+    for shape, rank in _calls(shapes):
+        answer, problem = _watched_call(fn, name, rank, shape, budget)
+        taken = problem or read(answer)
+        if isinstance(taken, str):
+            problems[shape, rank] = taken if problem else f"{_call(name, rank, shape)} returned {show(answer)}: {taken}"
+        answers[shape][rank] = taken
+    return answers, (_first(problems, shapes) if problems else None)
+
+
 # ---- coordinates ---------------------------------------------------------------------------------------------
 
 def _coordinates_problem(coordinates, shapes: list[tuple[int, int, int]], budget: _Budget) -> str | None:
     """What is wrong with `coordinates` on the first shape it gets wrong, or None."""
-    answers, problems = {shape: [None] * math.prod(shape) for shape in shapes}, {}
-    for shape, rank in _calls(shapes):
-        answer, problem = _watched_call(coordinates, "coordinates", rank, shape, budget)
-        triple = problem or _triple(answer)
-        if isinstance(triple, str):
-            problems[shape, rank] = (triple if problem else
-                                     f"{_call('coordinates', rank, shape)} returned {answer!r}: {triple}")
-        answers[shape][rank] = triple
-    if problems:
-        return _first(problems, shapes)
+    answers, problem = _answers(coordinates, "coordinates", _triple, repr, shapes, budget)
+    if problem:
+        return problem
     wrong = next((shape for shape in shapes if answers[shape] != _reference(shape)[0]), None)
     return None if wrong is None else _coordinates_mistake(answers, wrong)
 
@@ -347,16 +354,9 @@ def _unexplained(got: list[tuple[int, int, int]], shape: tuple[int, int, int]) -
 
 def _groups_problem(groups, shapes: list[tuple[int, int, int]], budget: _Budget) -> str | None:
     """What is wrong with `groups` on the first rank and axis it gets wrong, or None."""
-    answers, problems = {shape: [None] * math.prod(shape) for shape in shapes}, {}
-    for shape, rank in _calls(shapes):
-        answer, problem = _watched_call(groups, "groups", rank, shape, budget)
-        read = problem or _read_groups(answer)
-        if isinstance(read, str):
-            problems[shape, rank] = (read if problem else
-                                     f"{_call('groups', rank, shape)} returned {_short(answer)}: {read}")
-        answers[shape][rank] = read
-    if problems:
-        return _first(problems, shapes)
+    answers, problem = _answers(groups, "groups", _read_groups, _short, shapes, budget)
+    if problem:
+        return problem
     for shape in shapes:
         for rank, (mine, theirs) in enumerate(zip(answers[shape], _reference(shape)[1], strict=True)):
             axis = next((axis for axis in AXES if mine[axis] != theirs[axis]), None)
