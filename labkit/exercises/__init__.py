@@ -1,7 +1,8 @@
 """The course's exercises in one place: the graders of the "your turn" cells, the review quiz and the stack map.
 
     allreduce   check_naive_allreduce, check_ring_allreduce (notebooks 02 and 03): the student's AllReduce on
-                2, 3 and 4 real ranks, against torch's answer and the algorithm's traffic
+                2, 3 and 4 real ranks, against torch's answer and the algorithm's traffic (its rank side, the
+                guard that switches collectives off and counts messages, in the same file; rank_input)
     average     check_average_gradients (notebook 01): the student's gradient average after backward() on 2, 3
                 and 4 real ranks, against one process trained on the whole batch (its rank side in the same file)
     ddp_hook    check_bucketed_ddp_hook (notebook 04): the student's bucketed DDP from post-accumulate-grad hooks,
@@ -16,8 +17,7 @@
                 labkit.widgets.zoo_diagnosis); bug_zoo_fix: check_fixed_training, the student's repair of one
     mesh_coordinates  check_mesh_coordinates (notebook 13): a rank's (dp, pp, tp) coordinates and its three
                       groups, against torch's DeviceMesh layout, no processes
-    guard       on each rank while a grader runs: collectives switched off, messages counted
-    diagnosis   what is wrong with a wrong answer: its values, its traffic (`ring_nbytes_per_rank`)
+    diagnosis   what is wrong with a wrong AllReduce: its values, its traffic (`ring_nbytes_per_rank`)
     verdict     Verdict, the grade every grader returns
     schedule_order  check_1f1b_order (notebook 06): the student's 1F1B action order for stage r of p with m
                     micro-batches, against labkit.parallel.pipeline's schedule for many (p, m, r), no processes
@@ -35,15 +35,15 @@
 The widgets that show the quiz, the flashcards and the stack map are in `labkit.widgets`.
 """
 
+from labkit._refusals import ForbiddenCall
 from labkit.exercises._kit._messages import where_ranks_waited
 from labkit.exercises.accumulation import check_no_sync_accumulation
-from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, check_ring_allreduce
+from labkit.exercises.allreduce import TIMEOUT_SECONDS, check_naive_allreduce, check_ring_allreduce, rank_input
 from labkit.exercises.atomic_save import check_atomic_save
 from labkit.exercises.average import check_average_gradients
 from labkit.exercises.bug_zoo_fix import check_fixed_training
 from labkit.exercises.ddp_hook import check_bucketed_ddp_hook
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
-from labkit.exercises.guard import ForbiddenCall, rank_input
 from labkit.exercises.megatron import check_megatron_f_g
 from labkit.exercises.mesh_coordinates import check_mesh_coordinates
 from labkit.exercises.progress import show_progress

@@ -16,8 +16,8 @@ every rank:
 - it called no collective. The exercise is built from dist.send/dist.recv, dist.isend/dist.irecv or
   dist.batch_isend_irecv. The last is allowed: it posts a list of those same isend/irecv together, each
   counted as one message (on gloo it is exactly a loop of them; NCCL ring code uses it to post a step's
-  send and receive at once). The guard that switches collectives off and counts messages is in
-  `labkit.exercises.guard`;
+  send and receive at once). The guard that switches collectives off and counts messages is
+  `AllReduceGuard`, below, on the kit's `Guard`;
 - it waited for the handle of every dist.isend and dist.irecv it posted (work.wait(), or each request that
   dist.batch_isend_irecv returns): the guard keeps the handles, so an unwaited message still arrives instead
   of being lost with its dropped handle (on gloo the ranks would hang), and names the rank that left them;
@@ -33,41 +33,55 @@ every rank:
 
 Each grader is a `Spec` of the graders' kit (`NAIVE_SPEC`, `RING_SPEC`), run by its runner
 (labkit.exercises._kit._runner.grade: the cases, the ready-made helpers refused, refusals and errors told, the one
-rule after a RankError), with the rank-side attempt of labkit.exercises.guard and the checks of
+rule after a RankError; the NCCL order is its final check), with the rank-side attempt below and the checks of
 labkit.exercises.diagnosis.
+
+On a rank, while fn runs, an `AllReduceGuard` is on, and always removed afterwards (the kit's Interceptor), even
+when fn raises, or is interrupted after a hang (a rank that does not stop is killed with its pool). Besides what
+the kit's Guard switches off (torch.distributed's collectives: functions, ProcessGroup and Backend methods, the
+c10d operators), it switches off labkit.comm's transport, and counts messages in ProcessGroup.send and
+ProcessGroup.recv, where dist.send, dist.isend and dist.batch_isend_irecv all arrive, once per message, with a
+copy of what each send carries and t's dtype enforced (a message of another dtype raises WrongDtype before it is
+posted, where gloo would kill the receiving rank). Data moved any other way (the rendezvous store, files, sockets)
+is not counted, so such a solution fails the traffic check, or, if it sends the right messages from a scratch
+copy, the check of what they carried. The handle each message returns is kept (a dropped, unwaited isend can lose
+its message on gloo, and the run then hangs) and watched. The messages are also kept in the order NCCL would run
+them (`Outcome.posts`: one group per dist.batch_isend_irecv call, one per message posted on its own).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
+import sys
 from collections import Counter
 
 import torch
 
 import labkit
+from labkit.checks import whole
 from labkit.comm.stream_model import stream_deadlock
-from labkit.exercises._kit._group_call import Kind
-from labkit.exercises._kit._messages import hang_message
+from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._guard import Guard
+from labkit.exercises._kit._messages import first_failure, hang_message
+from labkit.exercises._kit._record import Recorder
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._kit._store import LastAttempt
-from labkit.exercises.diagnosis import hub_contents, hub_traffic, ring_contents, ring_traffic, unmatched, wrong_values
-from labkit.exercises.guard import (
-    DTYPES,
-    POINT_TO_POINT,
-    READY_MADE,
-    WrongDtype,
-    attempt,
-    drawn_input,
-    first_failure,
-    stop_pool,
+from labkit.exercises._kit._wait_watch import WaitWatch
+from labkit.exercises.diagnosis import (
+    Outcome,
+    hub_contents,
+    hub_traffic,
+    ring_contents,
+    ring_traffic,
+    unmatched,
+    wrong_values,
 )
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 
-__all__ = ["NAIVE_SPEC", "NAIVE_WORLD_SIZES", "RING_CASES", "RING_SPEC", "TIMEOUT_SECONDS", "check_naive_allreduce",
-           "check_ring_allreduce", "naive_cases", "ring_cases"]
+__all__ = ["DTYPES", "NAIVE_WORLD_SIZES", "READY_MADE", "RING_CASES", "TIMEOUT_SECONDS", "AllReduceGuard",
+           "check_naive_allreduce", "check_ring_allreduce", "drawn_input", "naive_cases", "rank_input", "ring_cases"]
 
 TIMEOUT_SECONDS = 10.0  # per case; a right solution needs milliseconds, so a wait this long is a hang
 # Three ranks first: on two, left and right are the same rank, and so are hub and leaf.
@@ -77,6 +91,16 @@ NAIVE_LARGEST = 12  # the naive cases' sizes: distinct, drawn from 1..12 (a solu
 # elements than ranks (empty chunks)
 RING_CASES = [(3, "divides"), (2, "divides"), (4, "divides"), (3, "not"), (2, "not"), (4, "not"), (4, "fewer")]
 _DRAW = random.SystemRandom()  # not the student's random.seed: a seeded notebook must not fix the grader's draws
+DTYPES = (torch.float32, torch.float64, torch.float16)  # what t may be: a solution must not depend on it
+_CALLS = 2  # calls of the student's function per case, each on new values: a result kept from a call fails the next
+_LARGEST_INPUT = 100  # inputs are whole numbers 1..100: every sum of them (4 ranks, even added twice) is exact in
+# float16 (exact to 2048), in any order of addition, so a right answer is exactly right whatever the algorithm
+# READY_MADE: labkit.comm's helpers that do the exercise; each refuses itself while graded (labkit._refusals), in
+# any thread or subprocess, where the guard's switched-off transport would not see it
+READY_MADE = tuple(f"labkit.comm's {name}" for name in (
+    "naive_allreduce", "ring_allreduce", "tree_allreduce", "ring_reduce_scatter", "ring_allgather", "broadcast",
+    "reduce"))
+_POINT_TO_POINT = "dist.send/dist.recv (or dist.isend/dist.irecv, dist.batch_isend_irecv)"
 
 
 def naive_cases() -> list[Case]:
@@ -108,10 +132,161 @@ def _case(world_size: int, numel: int, dtype) -> Case:
     return Case(world_size, {"numel": numel, "dtype": dtype, "seed": _DRAW.randrange(1 << 62)})
 
 
+# ==== on a rank: the inputs, the guard, the attempt ================================================================
+
+def rank_input(rank: int, numel: int, device=None) -> torch.Tensor:
+    """Rank r's input: (r + 1) x [1, 2, ..., numel]. Distinct per rank, so every mistake shows.
+
+    >>> rank_input(1, 3)
+    tensor([2., 4., 6.])
+    """
+    rank, numel = whole("rank", rank, minimum=0), whole("numel", numel, minimum=0)
+    return (rank + 1) * torch.arange(1.0, numel + 1, device=device)
+
+
+def drawn_input(seed: int, rank: int, numel: int, dtype: torch.dtype = torch.float32, call: int = 0,
+                device=None) -> torch.Tensor:
+    """Rank r's input on call `call` of one case: whole numbers 1..100 drawn from `seed`, which the grader draws
+    afresh for each case (so no solution can recompute another rank's input), in `dtype`.
+
+    Positive, so that no mistake hides behind a zero (an input added twice changes every element); whole, so that
+    every sum of them is exact in each of DTYPES."""
+    generator = torch.Generator().manual_seed(hash((seed, rank, call)) & 0x7FFF_FFFF_FFFF_FFFF)
+    drawn = torch.randint(1, _LARGEST_INPUT + 1, (numel,), generator=generator)
+    return drawn.to(dtype=dtype, device=device)
+
+
+class WrongDtype(RuntimeError):
+    """Raised on a rank, before the message is posted, when graded code sends or receives a tensor of another dtype
+    than t's (gloo would kill the receiving rank over the size mismatch). Its arguments: ("send" or "recv", peer,
+    the message's dtype, t's dtype), read by the grader from a rank's Failure."""
+
+    def __str__(self) -> str:
+        verb, peer, got, wanted = self.args
+        return f"a {verb} {'to' if verb == 'send' else 'from'} rank {peer} of a {got} tensor, but t is {wanted}"
+
+
+class AllReduceGuard(Guard):
+    """While graded code runs on a rank: every collective (labkit.comm's transport too) off, point-to-point
+    messages counted (module docstring), in ProcessGroup.send and ProcessGroup.recv, once per message."""
+
+    def __init__(self, keep_values: bool = False, dtype: torch.dtype | None = None):
+        """`keep_values`: copy what each send carries into `sent_values` (the graders check contents, not only
+        sizes); `dtype`: the dtype every message must have (t's), else WrongDtype before it is posted."""
+        super().__init__()
+        self.keep_values, self.dtype = keep_values, dtype
+        self.recorder = Recorder()  # every message as the kit's Call (peer, bytes, values kept), with its handle
+        self.sends: list[tuple[int, int]] = []
+        self.recvs: list[tuple[int, int]] = []
+        self.posted = self.recorder.works  # (handle, Call) per watched message, kept alive
+        self.posts: list[tuple] = []  # the messages as NCCL would run them: groups of ("send"/"recv", peer)
+        self._batch = None  # the frame of the dist.batch_isend_irecv call that posted the last message
+
+    def install(self) -> None:
+        """Every collective (labkit.comm's too) off, send and recv counted."""
+        from labkit.comm.torch_transport import TorchTransport
+
+        self.on_exit(setattr, self, "_batch", None)
+        self.switch_off_torch_distributed(point_to_point=True)
+        for name in ("_post_send", "_post_recv"):
+            self.switch_off(TorchTransport, name, "a labkit.comm collective")
+        self._count(self.sends, Kind.SEND)
+        self._count(self.recvs, Kind.RECV)
+
+    def _count(self, messages: list[tuple[int, int]], kind: Kind) -> None:
+        """Record (peer, nbytes) for each ProcessGroup.send or .recv (tensors, peer, tag), then post it."""
+        def counted(call: GroupCall):
+            peer, tensors = int(call.args[1]), call.tensors
+            wrong = next((t.dtype for t in tensors if self.dtype is not None and t.dtype != self.dtype), None)
+            if wrong is not None:
+                raise WrongDtype(str(kind), peer, str(wrong).removeprefix("torch."),
+                                 str(self.dtype).removeprefix("torch."))
+            messages.append((peer, sum(t.numel() * t.element_size() for t in tensors)))
+            # kept in the last-attempt store too (after an error the grader reads what was posted); a send's values
+            # copied now, as the algorithm had them when it sent
+            record = self.recorder.record(call, keep_values=self.keep_values and kind == Kind.SEND)
+            batch = _batch_call()
+            self._note_post(str(kind), peer, batch)
+            work = call.proceed()
+            if not (tensors[0].is_cuda and batch is not None):
+                self.recorder.launched(work, record)
+            return work
+
+        wrap_group_method(self, kind, counted)
+
+    def _note_post(self, verb: str, peer: int, batch) -> None:
+        """Add a message to `posts`: to the last group if it comes from the same dist.batch_isend_irecv call
+        (`batch`, that call's frame, kept so that a later call cannot take its identity), else as a group of
+        its own (NCCL runs an unbatched send or receive as one operation on the stream)."""
+        if batch is not None and batch is self._batch:
+            self.posts[-1] += ((verb, peer),)
+        else:
+            self.posts.append(((verb, peer),))
+        self._batch = batch
+
+    def watch_waits(self) -> None:
+        """From now until the guard ends, note which posted messages' handles graded code waits for, however it
+        waits (the kit's WaitWatch: wait(), is_completed(), the handle's future)."""
+        WaitWatch(self.posted).install(self)
+
+    def unwaited(self) -> list[tuple[str, int]]:
+        """("send" or "recv", peer) of each posted message whose handle graded code never waited for."""
+        return [(str(message.kind), message.peer) for _, message in self.posted if not message.waited]
+
+    @property
+    def sent_values(self) -> list[list[float]]:
+        """The values each send carried, in order (with keep_values)."""
+        return [call.values for call in self.recorder.calls if call.kind == Kind.SEND and call.values is not None]
+
+
+def _batch_call():
+    """The frame of the dist.batch_isend_irecv call on this thread's stack, or None. Its messages are one group
+    (on NCCL one ncclGroupStart/End, and one handle, the one it returns: the handles of the single messages are
+    torch's, not graded code's)."""
+    frame = sys._getframe(2)
+    while frame is not None and not (frame.f_code.co_name == "batch_isend_irecv"
+                                     and frame.f_code.co_filename.endswith("distributed_c10d.py")):
+        frame = frame.f_back
+    return frame
+
+
+_last_handles: list = []  # on a rank: the last graded call's message handles, kept until the next call
+
+
+def _attempt(fn, case: Case) -> list[Outcome]:
+    """On a rank: call fn _CALLS times, each on new drawn values of the case's size and dtype, under a fresh guard
+    (the kit's runner has labkit.comm's ready-made helpers refuse themselves meanwhile, READY_MADE); what each call
+    left, for the grader."""
+    return [_attempt_once(fn, case, call) for call in range(_CALLS)]
+
+
+def _attempt_once(fn, case: Case, call: int) -> Outcome:
+    """One call of fn on this rank's input for call `call` of `case` (numel, dtype and seed drawn)."""
+    global _last_handles
+    t = drawn_input(case["seed"], labkit.rank(), case["numel"], case["dtype"], call, device=labkit.device())
+    memory = t.data_ptr()
+    guard = AllReduceGuard(keep_values=True, dtype=t.dtype)
+    try:
+        with guard:
+            guard.watch_waits()
+            returned = fn(t)
+    finally:
+        _last_handles = [work for work, _ in guard.posted]  # an unwaited message still arrives
+    if isinstance(returned, torch.Tensor) and returned is not t:
+        returned = returned.detach().double().tolist()
+    else:
+        returned = None
+    return Outcome(t.double().tolist(), returned, t.data_ptr() == memory, guard.sends, guard.recvs, guard.forbidden,
+                   guard.unwaited(), guard.posts, guard.sent_values)
+
+
+# ==== the grading: the checks of what each rank's calls left, and the messages =====================================
+
+
 @graded("naive_allreduce")
 def check_naive_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     """Grade `fn(t)`: an AllReduce (sum, in place) through the hub, rank 0, built from send and recv."""
-    return _grade(NAIVE_SPEC, fn, timeout_seconds)
+    return grade(NAIVE_SPEC, fn, timeout_seconds=timeout_seconds)
 
 
 @graded("ring_allreduce")
@@ -119,17 +294,7 @@ def check_ring_allreduce(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Ver
     """Grade `fn(t)`: a ring AllReduce (sum, in place) from send/recv, also on sizes that N does not divide.
 
     In a ring every rank sends only to its right neighbour, rank + 1: one chunk per step, 2(N-1) steps."""
-    return _grade(RING_SPEC, fn, timeout_seconds)
-
-
-def _grade(spec: Spec, fn, timeout_seconds: float) -> Verdict:
-    """The kit's runner on `spec`, with one addition: an order that would hang on NCCL is told once every case is
-    right on gloo (a problem gloo shows, in a later case, is the one to fix first), from the first case it showed
-    in."""
-    deferred: list[str] = []
-    order = functools.partial(_order_check, ring=spec is RING_SPEC, deferred=deferred)
-    verdict = grade(dataclasses.replace(spec, checks=(*spec.checks, order)), fn, timeout_seconds=timeout_seconds)
-    return Verdict(False, deferred[0]) if verdict and deferred else verdict
+    return grade(RING_SPEC, fn, timeout_seconds=timeout_seconds)
 
 
 def _passed(what: str, how: str):
@@ -157,7 +322,7 @@ def _unwaited_check(outcomes: list[list], case: Case) -> str | None:
     """A handle never waited, on any call: said, and the pool stopped, whatever its messages did."""
     problem = next(filter(None, map(_unwaited_message, _by_call(outcomes))), None)
     if problem:
-        stop_pool(case.world_size)
+        labkit.shutdown(world_size=case.world_size)
     return problem
 
 
@@ -177,12 +342,11 @@ def _calls_check(outcomes: list[list], case: Case, ring: bool) -> str | None:
     return None
 
 
-def _order_check(outcomes: list[list], case: Case, ring: bool, deferred: list[str]) -> None:
-    """Whether the first call's messages, in the order each rank posted them, would also complete on NCCL: if not,
-    the problem is kept in `deferred` (told by _grade once every case passed on gloo)."""
-    problem = _nccl_order_message([o.posts for o in _by_call(outcomes)[0]], ring)
-    if problem and not deferred:
-        deferred.append(f"{_describe(case)}, {problem}")
+def _order_check(outcomes: list[list], case: Case, ring: bool) -> str | None:
+    """Whether the first call's messages, in the order each rank posted them, would also complete on NCCL. The
+    spec's final check: told once every case is right on gloo (a problem gloo shows, in a later case, is the one
+    to fix first), from the first case it shows in."""
+    return _nccl_order_message([o.posts for o in _by_call(outcomes)[0]], ring)
 
 
 def _call_problem(outcomes: list, inputs: list, ring: bool, earlier) -> str | None:
@@ -199,7 +363,7 @@ def _on_error(error: labkit.RankError, attempts: list[LastAttempt] | None, case:
     left unmatched (read from their last attempts) stop the pool too."""
     wrong = next((f for f in sorted(error.failures, key=lambda f: (f.time, f.rank)) if f.raised(WrongDtype)), None)
     if wrong is not None:
-        stop_pool(case.world_size)
+        labkit.shutdown(world_size=case.world_size)
         return _dtype_message(wrong.rank, *wrong.exception_args)
     if attempts is not None:
         _stop_pool_if_unmatched(case.world_size, [_messages_of(attempt) for attempt in attempts])
@@ -236,7 +400,7 @@ def _call(verb: str) -> str:
 def _stop_pool_if_unmatched(world_size: int, messages: list[tuple[list, list]]) -> None:
     """Stop the pool of `world_size` ranks if their sends and receives did not match (a message left waiting)."""
     if unmatched(messages):
-        stop_pool(world_size)
+        labkit.shutdown(world_size=world_size)
 
 
 def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float, ring: bool) -> str:
@@ -301,7 +465,7 @@ def _why_forbidden(spelling: str, name: str) -> str:
     if "labkit.comm" in spelling:
         return ("labkit.comm's collectives (ring_allreduce, naive_allreduce, tree_allreduce, and the reduce-scatter, "
                 "all-gather, reduce and broadcast they are made of) are the course's own answer, switched off while "
-                f"it is graded, in every thread; this exercise is to write one yourself, from {POINT_TO_POINT}.")
+                f"it is graded, in every thread; this exercise is to write one yourself, from {_POINT_TO_POINT}.")
     if name.startswith("recv_any"):
         return ("A dist.recv without src takes a message from whichever rank sends first, not from the rank the "
                 "algorithm expects.")
@@ -309,7 +473,7 @@ def _why_forbidden(spelling: str, name: str) -> str:
         return ("It sends a pickled Python object in two messages (its size, then its bytes); send the tensor "
                 "itself with dist.send or dist.isend.")
     return (f"That is a ready-made collective, which does the exercise for you. Build the AllReduce from "
-            f"{POINT_TO_POINT}: torch's collectives and labkit.comm's are switched off while it is graded.")
+            f"{_POINT_TO_POINT}: torch's collectives and labkit.comm's are switched off while it is graded.")
 
 
 def _spec(ring: bool) -> Spec:
@@ -319,8 +483,9 @@ def _spec(ring: bool) -> Spec:
                  ("your naive AllReduce", "Every message had rank 0 at one end: each rank sent its tensor to rank 0 "
                   "once and got the sum back into t, in place."))
     return Spec(
-        attempt=attempt, cases=ring_cases if ring else naive_cases,
-        checks=(_unwaited_check, functools.partial(_calls_check, ring=ring)),  # and the NCCL order: _grade
+        attempt=_attempt, cases=ring_cases if ring else naive_cases,
+        checks=(_unwaited_check, functools.partial(_calls_check, ring=ring)),
+        final_checks=(functools.partial(_order_check, ring=ring),),
         describe=_describe, why_forbidden=_why_forbidden,
         on_hang=functools.partial(_hang_message, ring=ring), on_error=_on_error, passed=_passed(what, how),
         example=f"check_{'ring' if ring else 'naive'}_allreduce(my_allreduce)", ready_made=READY_MADE)

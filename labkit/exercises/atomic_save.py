@@ -43,6 +43,7 @@ from pathlib import Path
 
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
+from labkit.exercises._kit._messages import first_failure, where_ranks_waited
 from labkit.exercises.atomic_watch import (
     CAN_KILL,
     TARGET,
@@ -53,7 +54,6 @@ from labkit.exercises.atomic_watch import (
     second_run,
     state_problem,
 )
-from labkit.exercises.guard import first_failure, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 

@@ -40,12 +40,12 @@ import torch.nn.functional as F
 
 import labkit
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._guard import Guard
 from labkit.exercises._kit._messages import first_failure, unwaited_message, where_ranks_waited
 from labkit.exercises._kit._record import Call, Recorder
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._kit._stack import outermost_caller
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.guard import Guard
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.models import mlp

@@ -16,21 +16,40 @@ way (the rendezvous store, a file). So what each send carried is checked too (`h
 the hub receives each rank's own t and sends back the sum; in a ring's reduce-scatter, the message a rank sends at
 step s is the running sum of one chunk over it and the s ranks before it (its own chunk plus what it received at
 the step before), and in the all-gather every message is a fully reduced chunk.
+
+It holds what it reads, `Outcome` (one rank's call), which labkit.exercises.allreduce's rank side fills and its
+checks pass here: the grader imports this module, never the reverse.
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass, field
 
 import torch
 
 from labkit.checks import whole
-from labkit.exercises.guard import Outcome
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import naive_allreduce_bytes, ring_allreduce_bytes
 
-__all__ = ["hub_contents", "hub_traffic", "ring_contents", "ring_nbytes_per_rank", "ring_traffic", "unmatched",
-           "wrong_values"]
+__all__ = ["Outcome", "hub_contents", "ring_contents", "ring_nbytes_per_rank"]
+
+
+@dataclass
+class Outcome:
+    """What one rank's call of the student's AllReduce left behind (labkit.exercises.allreduce's attempt): t's
+    values, what fn returned, and every message it posted (with the values each send carried, `sent_values`,
+    copied as it was posted)."""
+
+    tensor: list[float]
+    returned: list | None  # a tensor fn returned other than t, as a list
+    same_memory: bool  # t still uses the memory it came in
+    sends: list[tuple[int, int]] = field(default_factory=list)  # (dst, nbytes) per message, in order
+    recvs: list[tuple[int, int]] = field(default_factory=list)  # (src, nbytes)
+    forbidden: list[str] = field(default_factory=list)  # what it called that is switched off
+    unwaited: list[tuple[str, int]] = field(default_factory=list)  # ("send" or "recv", peer) never waited
+    posts: list[tuple] = field(default_factory=list)  # groups of ("send"/"recv", peer) as NCCL runs them
+    sent_values: list[list[float]] = field(default_factory=list)  # per send, in order: the values it carried
 
 
 def ring_nbytes_per_rank(numel: int, world_size: int, element_size: int = 4,

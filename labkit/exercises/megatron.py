@@ -61,12 +61,12 @@ import torch.nn.functional as F
 import labkit
 from labkit.exercises._kit import _store
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._guard import Guard
 from labkit.exercises._kit._messages import first_failure, forbidden_message, hang_message
 from labkit.exercises._kit._record import Call
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._kit._wait_watch import FUTURE_POLLS, watch_waits
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.guard import Guard
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 

@@ -46,8 +46,8 @@ import torch
 
 import labkit
 from labkit.checks import timeout_seconds as checked_timeout
+from labkit.exercises._kit._messages import first_failure, forbidden_message, where_ranks_waited
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
-from labkit.exercises.guard import first_failure, forbidden_message, stop_pool, where_ranks_waited
 from labkit.exercises.progress import graded
 from labkit.exercises.step_guard import StepCase, StepOutcome, attempt_step, calls_of_last_attempt
 from labkit.exercises.step_nbytes import step_traffic
@@ -217,7 +217,7 @@ def _stop_pool_if_out_of_step(world_size: int, kinds: list[list[str]]) -> None:
     """Stop the pool of `world_size` ranks if they did not all make the same collectives (a call left waiting,
     async_op=True without wait())."""
     if any(k != kinds[0] for k in kinds):
-        stop_pool(world_size)
+        labkit.shutdown(world_size=world_size)
 
 
 def _hang_message(hang: labkit.RankTimeout, world_size: int, timeout_seconds: float) -> str:

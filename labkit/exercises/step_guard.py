@@ -20,9 +20,9 @@ import torch
 import labkit
 from labkit.checks import whole
 from labkit.exercises._kit._group_call import GroupCall, Kind, flat_tensors, wrap_group_method
+from labkit.exercises._kit._guard import Guard
 from labkit.exercises._kit._wait_watch import watch_waits
 from labkit.exercises.diagnosis import ring_nbytes_per_rank
-from labkit.exercises.guard import Guard
 
 __all__ = ["LR", "Collective", "StepCase", "StepGuard", "StepOutcome", "attempt_step", "calls_of_last_attempt",
            "step_inputs"]

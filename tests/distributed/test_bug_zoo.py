@@ -11,10 +11,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labkit
-from labkit.exercises import Verdict
+from labkit.exercises import Verdict, where_ranks_waited
 from labkit.exercises.bug_zoo import ANSWERS, BATCH, CAUSES, Symptoms, cause_gap, confirmation, reference_run, zoo_run
 from labkit.exercises.bug_zoo_fix import check_fixed_training, draw_cases
-from labkit.exercises.guard import where_ranks_waited
 from labkit.exercises.progress import load_progress
 from labkit.parallel import average_gradients, broadcast_parameters
 from labkit.widgets.zoo_diagnosis import DiagnosisCard, diagnosis_widget

@@ -20,9 +20,17 @@ from labkit.exercises import (
     rank_input,
     ring_nbytes_per_rank,
 )
-from labkit.exercises.allreduce import NAIVE_WORLD_SIZES, RING_CASES, naive_cases, ring_cases
-from labkit.exercises.diagnosis import hub_contents, ring_contents
-from labkit.exercises.guard import DTYPES, READY_MADE, Guard, Outcome, drawn_input
+from labkit.exercises.allreduce import (
+    DTYPES,
+    NAIVE_WORLD_SIZES,
+    READY_MADE,
+    RING_CASES,
+    AllReduceGuard,
+    drawn_input,
+    naive_cases,
+    ring_cases,
+)
+from labkit.exercises.diagnosis import Outcome, hub_contents, ring_contents
 from labkit.plan.traffic import ring_allreduce_bytes
 
 
@@ -118,7 +126,7 @@ def test_the_guard_switches_off_collectives_and_always_restores_them():
                (torch._C._distributed_c10d.Backend, "allreduce"), (TorchTransport, "_post_send")]
     before = {(owner, name): vars(owner)[name] for owner, name in watched}
     with pytest.raises(ValueError, match="the student's own error"):
-        with Guard() as guard:
+        with AllReduceGuard() as guard:
             assert all(vars(owner)[name] is not before[owner, name] for owner, name in watched)
             for call in (lambda: dist.all_reduce(torch.ones(1)), lambda: c10d.all_gather_object([], 1),
                          lambda: torch.ops.c10d.allreduce_([torch.ones(1)]),
@@ -135,7 +143,7 @@ def test_the_guard_switches_off_collectives_and_always_restores_them():
 def count_each_way_of_sending():
     """Rank 0 sends four messages of 12 bytes, each a different way; rank 1 receives them."""
     t = torch.arange(3.0) if labkit.rank() == 0 else torch.empty(3)
-    with Guard() as guard:
+    with AllReduceGuard() as guard:
         if labkit.rank() == 0:
             dist.send(t, 1)
             dist.isend(t, 1).wait()
@@ -163,7 +171,7 @@ def post_in_groups():
     t = torch.arange(3.0)
     peer = 1 - labkit.rank()
     op = dist.isend if labkit.rank() == 0 else dist.irecv
-    with Guard() as guard:
+    with AllReduceGuard() as guard:
         works = dist.batch_isend_irecv([dist.P2POp(op, t, peer)])
         works += dist.batch_isend_irecv([dist.P2POp(op, t, peer)])
         works += dist.batch_isend_irecv([dist.P2POp(op, t, peer), dist.P2POp(op, t.clone(), peer)])
@@ -183,7 +191,7 @@ def guarded_error_then_collectives():
     """On a rank: the guard is gone after the student's code raised inside it, and the group still works."""
     t = rank_input(labkit.rank(), 4, device=labkit.device())
     try:
-        with Guard():
+        with AllReduceGuard():
             raise RuntimeError("the student's code failed")
     except RuntimeError:
         pass

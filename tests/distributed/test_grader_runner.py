@@ -1,10 +1,10 @@
 """The graders' runner (labkit/exercises/_kit/_runner.py) on a toy exercise, "sum a tensor over the ranks with
 dist.all_reduce", written the way every grader is: a `Spec` (cases drawn afresh, a rank-side attempt under a guard
-that records with the kit's `Recorder`, ordered checks) driven by `grade`. This file is also the exemplar a grader
-follows. Checked on real ranks (gloo): a right solution passes on every draw; a wrong value, a refused call
-(raised or caught), a ready-made helper run from another thread, a hang and a rank's own error each get their
-verdict; and the one rule after a RankError: the pool is kept when the ranks made the same calls and stopped
-when they did not."""
+that records with the kit's `Recorder`, ordered checks, a final check told once every case passed) driven by `grade`.
+This file is also the exemplar a grader follows. Checked on real ranks (gloo): a right solution passes on every draw;
+a wrong value, a refused call (raised or caught), a ready-made helper run from another thread, a hang and a rank's
+own error each get their verdict; the final check only once every case passed the others; and the one rule after a
+RankError: the pool is kept when the ranks made the same calls and stopped when they did not."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import torch.distributed as dist
 import labkit
 from labkit._refusals import refuse_while_graded
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._guard import Guard
 from labkit.exercises._kit._messages import hang_message, unwaited_message
 from labkit.exercises._kit._record import Call, Recorder
 from labkit.exercises._kit._runner import Case, Spec, case_problem, grade, stop_if_out_of_step
 from labkit.exercises._kit._store import LastAttempt
-from labkit.exercises.guard import Guard
 from labkit.launch.owner import OWNER
 
 READY_MADE = "the toy's ready_made_sum"
@@ -84,13 +84,21 @@ def calls_problem(outcomes, case) -> str | None:
     return None
 
 
+def one_call_problem(outcomes, case) -> str | None:
+    """The spec's final check: told only once every case is right (the values, the waits), as the AllReduce
+    grader tells an order that would hang on NCCL once every case is right on gloo."""
+    extra = next((r for r, o in enumerate(outcomes) if len(o["calls"]) > 1), None)
+    return None if extra is None else f"rank {extra} made {len(outcomes[extra]['calls'])} all_reduces; one is enough."
+
+
 SPEC = Spec(
     attempt=attempt, cases=draw_cases, checks=(calls_problem, values_problem),
     describe=lambda case: f"On {case.world_size} ranks ({case['numel']} {case['dtype']} elements)",
     why_forbidden=lambda spelling, name: "Only dist.all_reduce is allowed here.",
     on_hang=lambda hang, case, seconds: hang_message(hang, seconds, "a rank waited in an all_reduce alone."),
     on_error=lambda error, attempts, case: f"rank {error.failures[0].rank} raised {error.failures[0].summary}",
-    passed=lambda cases: "every rank holds the sum.", example="grade(SPEC, my_sum)", ready_made=(READY_MADE,))
+    passed=lambda cases: "every rank holds the sum.", example="grade(SPEC, my_sum)", ready_made=(READY_MADE,),
+    final_checks=(one_call_problem,))
 
 
 def right(t):
@@ -108,6 +116,18 @@ def sums_twice(t):
 
 def never_waits(t):
     dist.all_reduce(t, async_op=True)
+
+
+def adds_an_idle_call(t):
+    """Right values in every case, but a second all_reduce (of zeros): only the final check sees it."""
+    dist.all_reduce(t)
+    dist.all_reduce(torch.zeros(1, dtype=t.dtype))
+
+
+def adds_an_idle_call_and_is_wrong_on_two_ranks(t):
+    adds_an_idle_call(t)
+    if dist.get_world_size() == 2:
+        t += 1
 
 
 def broadcasts(t):
@@ -171,6 +191,16 @@ def test_wrong_solutions_get_their_verdict(fn, phrase):
     verdict = grade(SPEC, fn, timeout_seconds=TIMEOUT_SECONDS)
     assert not verdict and phrase in verdict.message, verdict
     assert verdict.message.startswith("On ") or fn == "not a function"
+
+
+def test_a_final_check_is_told_only_once_every_case_passed_the_others():
+    """draw_cases puts 3 ranks first, then 2: the final check's problem shows in the first case, but a problem of
+    the ordinary checks in a later case is the verdict; without one, the final check's, from its first case."""
+    verdict = grade(SPEC, adds_an_idle_call, timeout_seconds=TIMEOUT_SECONDS)
+    assert not verdict and verdict.message.startswith("On 3 ranks") and "all_reduces; one is enough" in \
+        verdict.message, verdict
+    verdict = grade(SPEC, adds_an_idle_call_and_is_wrong_on_two_ranks, timeout_seconds=TIMEOUT_SECONDS)
+    assert not verdict and verdict.message.startswith("On 2 ranks") and "not the sum" in verdict.message, verdict
 
 
 def test_a_hang_is_told_and_the_pool_stopped():

@@ -1,5 +1,5 @@
-"""The graders' shared guard (labkit/exercises/guard.py) against graded code that imports parts of torch for the
-first time: a student's first torch.optim step imports torch._dynamo, and through it FSDP, DTensor and the
+"""The graders' shared guard (labkit/exercises/_kit/_guard.py) against graded code that imports parts of torch for
+the first time: a student's first torch.optim step imports torch._dynamo, and through it FSDP, DTensor and the
 functional collectives, which look up the c10d operators under torch.ops when imported. Each check runs in a
 fresh Python process, the only place where those imports are still to come."""
 
@@ -11,7 +11,8 @@ FIRST_IMPORT_UNDER_THE_GUARD = textwrap.dedent("""
     import sys
     import torch
     import torch.distributed as dist
-    from labkit.exercises.guard import ForbiddenCall, Guard
+    from labkit._refusals import ForbiddenCall
+    from labkit.exercises._kit._guard import Guard
 
     assert "torch._dynamo" not in sys.modules, "the check needs a process that has not imported it yet"
     t = torch.ones(2)

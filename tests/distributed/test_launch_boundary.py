@@ -11,7 +11,8 @@ import torch.distributed as dist
 from processes import alive, alive_after
 
 import labkit
-from labkit.exercises.guard import ForbiddenCall, first_failure, forbidden_spelling, stop_pool
+from labkit._refusals import ForbiddenCall
+from labkit.exercises._kit._messages import first_failure, forbidden_spelling
 from labkit.launch.owner import OWNER
 
 
@@ -93,10 +94,11 @@ def test_shutdown_of_one_world_size_stops_only_its_pool():
     assert labkit.run(os.getpid, world_size=2) != twos  # and the next call starts a fresh one
 
 
-def test_the_graders_stop_pool_stops_its_world_size_at_once():
+def test_shutdown_of_one_world_size_stops_its_ranks_at_once():
+    """What the graders call to stop a pool whose ranks are out of step: no call is run on it."""
     twos, threes = labkit.run(os.getpid, world_size=2), labkit.run(os.getpid, world_size=3)
     start = time.monotonic()
-    stop_pool(3)
+    labkit.shutdown(world_size=3)
     assert time.monotonic() - start < 5  # no call is run: the ranks are stopped
     assert alive_after(threes, 5) == [] and alive(twos) == twos
     assert OWNER.kept_pool(3) is None and OWNER.kept_pool(2).pids() == twos

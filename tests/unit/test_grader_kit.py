@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from labkit._refusals import ForbiddenCall
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
+from labkit.exercises._kit._guard import Guard
 from labkit.exercises._kit._intercept import Interceptor
-from labkit.exercises.guard import ForbiddenCall, Guard
 
 
 def namespace():

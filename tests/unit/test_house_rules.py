@@ -207,7 +207,7 @@ def test_the_rules_catch_what_they_are_for(tmp_path):
 
 
 def test_a_private_module_shares_its_names_within_its_package_only():
-    inside, outside = PACKAGE / "launch" / "pool.py", PACKAGE / "exercises" / "guard.py"
+    inside, outside = PACKAGE / "launch" / "pool.py", PACKAGE / "exercises" / "allreduce.py"
     assert shared_within_package(module_name(inside), "labkit.launch._channels._tag")
     assert shared_within_package(module_name(inside), "labkit.launch._conclude")
     assert not shared_within_package(module_name(outside), "labkit.launch._channels")
@@ -309,7 +309,7 @@ def test_private_modules_are_imported_only_inside_their_package(path):
 
 
 def test_the_private_module_rule_catches_what_it_is_for():
-    text = "from labkit.exercises._kit._intercept import Interceptor\nimport labkit.exercises.guard\n"
+    text = "from labkit.exercises._kit._intercept import Interceptor\nimport labkit.exercises.allreduce\n"
     # paths only, never written: module_name reads which package such a module would belong to
     assert private_module_imports(PACKAGE / "parallel" / "probe.py", text) == \
         ["labkit.exercises._kit._intercept (line 1)"]

@@ -2,6 +2,8 @@
 
     _intercept   one interceptor that wraps or refuses methods (of torch.distributed, a ProcessGroup, a module)
                  for a guard's time, every patch restored by one ExitStack
+    _guard       the base of every grader's guard: torch.distributed's communication switched off but what the
+                 exercise teaches, each refusal noted and raised as ForbiddenCall
     _group_call  one wrapper of ProcessGroup methods, whose callback sees the call's kind (a str enum), tensors
                  and options, read one way
     _record      one record of a call (`Call`) and the `Recorder` that makes them and keeps their handles

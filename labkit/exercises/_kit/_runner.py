@@ -16,7 +16,10 @@ once, so every grader behaves the same:
   order), or their messages do not pair up (each send with its recv), or that cannot be read, the pool of that
   world size is stopped (labkit.shutdown(world_size=...)), so the next case or the next grading starts on ranks
   with no collective or message left unmatched;
-- then the spec's checks, in order: the first problem is the verdict, prefixed by how the case is described.
+- then the spec's checks, in order: the first problem is the verdict, prefixed by how the case is described;
+- once every case has passed, the spec's `final_checks` read each case's outcomes again, in the cases' order: a
+  problem that only matters once the others are fixed (the AllReduce's order that would hang on NCCL, told
+  once every case is right on gloo).
 """
 
 from __future__ import annotations
@@ -59,7 +62,8 @@ class Spec:
     `why_forbidden(spelling, name)` says why a refused call is off here; `on_hang(hang, case, timeout_seconds)`
     and `on_error(error, attempts, case)` word a hang and a rank's own error (`attempts`: each rank's
     LastAttempt, or None when they could not be read); `passed(cases)` is the verdict of a pass; `example` shows
-    how the grader is called, for a solution that is not a function."""
+    how the grader is called, for a solution that is not a function; `final_checks` run once every case has
+    passed `checks`, on each case's outcomes again (module docstring)."""
 
     attempt: Callable
     cases: Callable[[], Sequence[Case]]
@@ -71,6 +75,7 @@ class Spec:
     passed: Callable[[Sequence[Case]], str]
     example: str
     ready_made: tuple[str, ...] = ()
+    final_checks: Sequence[Check] = ()
 
 
 def grade(spec: Spec, *solutions, timeout_seconds: float) -> Verdict:
@@ -79,33 +84,43 @@ def grade(spec: Spec, *solutions, timeout_seconds: float) -> Verdict:
     given = next((s for s in solutions if not callable(s)), None)
     if given is not None or not solutions:
         return Verdict(False, not_callable_message(spec.example, given))
-    cases = list(spec.cases())
+    cases, passed = list(spec.cases()), []
     for case in cases:
-        problem = case_problem(spec, solutions, case, timeout_seconds)
+        problem, outcomes = _run_case(spec, solutions, case, timeout_seconds)
         if problem:
             return Verdict(False, f"{spec.describe(case)}, {problem}")
+        passed.append((case, outcomes))
+    late = next(((case, p) for case, outcomes in passed for check in spec.final_checks
+                 if (p := check(outcomes, case))), None)
+    if late is not None:
+        return Verdict(False, f"{spec.describe(late[0])}, {late[1]}")
     return Verdict(True, spec.passed(cases))
 
 
 def case_problem(spec: Spec, solutions: tuple, case: Case, timeout_seconds: float) -> str | None:
     """What is wrong with the solutions on one case, or None (module docstring)."""
+    return _run_case(spec, solutions, case, timeout_seconds)[0]
+
+
+def _run_case(spec: Spec, solutions: tuple, case: Case, timeout_seconds: float) -> tuple[str | None, list | None]:
+    """One case: (its problem or None, each rank's outcome, or None when a rank failed)."""
     try:
         results = labkit.run(_on_rank, spec.attempt, spec.ready_made, solutions, case, world_size=case.world_size,
                              timeout=timeout_seconds)
     except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
-        return spec.on_hang(hang, case, timeout_seconds)
+        return spec.on_hang(hang, case, timeout_seconds), None
     except labkit.RankError as error:
         attempts = after_error(error, case.world_size)
         first, spelling = first_failure(error)
         if spelling is not None:
-            return forbidden_message(first.rank, spelling, False, spec.why_forbidden)
-        return spec.on_error(error, attempts, case)
+            return forbidden_message(first.rank, spelling, False, spec.why_forbidden), None
+        return spec.on_error(error, attempts, case), None
     outcomes, attempts = [r[0] for r in results], [r[1] for r in results]
     stop_if_out_of_step(case.world_size, attempts)
     for rank, attempt in enumerate(attempts):
         if attempt.refused:
-            return forbidden_message(rank, attempt.refused[0], True, spec.why_forbidden)
-    return next((p for check in spec.checks if (p := check(outcomes, case))), None)
+            return forbidden_message(rank, attempt.refused[0], True, spec.why_forbidden), outcomes
+    return next((p for check in spec.checks if (p := check(outcomes, case))), None), outcomes
 
 
 def after_error(error: labkit.RankError, world_size: int) -> list[_store.LastAttempt] | None:
