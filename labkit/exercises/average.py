@@ -64,10 +64,9 @@ from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.models import mlp
 
-__all__ = ["AVERAGE_CASES", "BATCH", "LR", "MODELS", "READY_MADE", "STEPS", "TOLERANCE", "AverageGuard",
-           "AverageOutcome", "OutOfStep", "attempt_average", "average_batch", "average_model",
-           "check_average_gradients", "draw_case", "made_of_gradients", "ready_made_caller", "reference_run",
-           "sgd_step"]
+__all__ = ["BATCH", "READY_MADE", "AverageGuard", "OutOfStep", "attempt_average", "average_batch",
+           "check_average_gradients", "draw_case", "made_of_gradients", "reference_run", "sgd_step",
+           "with_dead_rank"]  # what ddp_hook.py shares and the tests call; the rest is this file's own
 
 
 # ==== on a rank: the model, the run, the guard =====================================================================
@@ -93,7 +92,15 @@ def draw_case(world_size: int, rng: random.Random) -> Case:
     seeds = rng.sample(range(1, 10 ** 6), MODELS)
     return Case(world_size, {"features": features, "hidden": hidden, "seeds": tuple(seeds),
                              "batch_seed": rng.randrange(10 ** 6), "lr": round(rng.uniform(0.05, 0.5), 3),
-                             "steps": rng.randint(2, 4)})
+                             "steps": rng.randint(2, 4), "dead_rank": None})
+
+
+def with_dead_rank(case: Case, rng: random.Random) -> Case:
+    """`case` with the hidden layer dead on one drawn rank's shard (_case_model, _case_batch): there the first
+    layer's gradients are exactly zero while the other ranks' are not, so a solution that skips a gradient that is
+    zero on its rank ("nothing to average") leaves the other ranks a call behind, as a dead ReLU unit, a class
+    missing from a shard or an unused branch would in real training."""
+    return Case(case.world_size, {**case.drawn, "dead_rank": rng.randrange(case.world_size)})
 
 
 def _numel(features: int, hidden: int, classes: int = 3) -> int:
@@ -109,16 +116,16 @@ def made_of_gradients(values: list[float], grads: list[list[float]], world_size:
 
 
 def _segments(values: list[float], grads: list[list[float]], scale: float) -> bool:
-    """Whether `values` split into whole gradients of `grads` x scale, each used at most once."""
-    position, unused = 0, list(range(len(grads)))
-    while position < len(values):
-        match = next((i for i in unused if grads[i] and _same(values[position:position + len(grads[i])],
-                                                               [scale * x for x in grads[i]])), None)
-        if match is None:
-            return False
-        position += len(grads[match])
-        unused.remove(match)
-    return bool(values)
+    """Whether `values` split into whole gradients of `grads` x scale, each used at most once. A search, not a
+    greedy match: gradients may be equal (all zero where a layer is dead), and the first that fits may not be the
+    one that went in."""
+    def fits(position: int, unused: frozenset[int]) -> bool:
+        if position == len(values):
+            return True
+        return any(fits(position + len(grads[i]), unused - {i}) for i in sorted(unused)
+                   if grads[i] and _same(values[position:position + len(grads[i])], [scale * x for x in grads[i]]))
+
+    return bool(values) and fits(0, frozenset(range(len(grads))))
 
 
 def _same(got: list[float], want: list[float]) -> bool:
@@ -145,11 +152,25 @@ def average_batch(device=None, features: int = 6, seed: int = 7) -> tuple[torch.
 
 
 def _case_model(case: Case, seed: int, device=None) -> torch.nn.Module:
-    return average_model(device, case["features"], case["hidden"], seed)
+    """The case's model; with a dead rank (with_dead_rank), its first layer's weights positive and biases negative,
+    so that the dead rank's inputs, all negative, switch every hidden ReLU off there (relu'(z) = 0 for z < 0)."""
+    model = average_model(device, case["features"], case["hidden"], seed)
+    if case.drawn.get("dead_rank") is not None:
+        first = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        with torch.no_grad():
+            first.weight.abs_()
+            first.bias.abs_().neg_()
+    return model
 
 
 def _case_batch(case: Case, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    return average_batch(device, case["features"], case["batch_seed"])
+    """The case's whole batch; with a dead rank, that rank's rows all negative (_case_model)."""
+    x, y = average_batch(device, case["features"], case["batch_seed"])
+    dead = case.drawn.get("dead_rank")
+    if dead is not None:
+        shard = BATCH // case.world_size
+        x[dead * shard:(dead + 1) * shard] = -x[dead * shard:(dead + 1) * shard].abs()
+    return x, y
 
 
 def reference_run(case: Case, model_of=None) -> tuple[list[list[list[float]]], list[list[list[float]]]]:
@@ -192,6 +213,10 @@ class AverageGuard(Guard):
         named = list(model.named_parameters())
         self._names = [name for name, _ in named]
         self._index = {p.grad.untyped_storage().data_ptr(): i for i, (_, p) in enumerate(named) if p.grad is not None}
+        # The gradients as backward() left them, kept alive while the guard is on: a solution that rebinds p.grad
+        # frees them, and a tensor it allocates next (a clone) could take a freed address on some ranks and not on
+        # others, which _check_in_step and _target would read as a gradient there and a buffer here.
+        self._kept = [p.grad for p in model.parameters()]
 
     @property
     def calls(self) -> list[Call]:
@@ -361,19 +386,23 @@ def check_average_gradients(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> 
 def _draw_cases() -> list[Case]:
     """The cases of one grading, drawn afresh (draw_case)."""
     rng = random.Random()
-    return [draw_case(world_size, rng) for world_size in AVERAGE_CASES]
+    cases = [draw_case(world_size, rng) for world_size in AVERAGE_CASES]
+    return [*cases[:-1], with_dead_rank(cases[-1], rng)]  # the last: most of the catalogue fails before it
 
 
 def _describe(case: Case) -> str:
     """How a verdict starts: the ranks, the batch, and what was drawn for the case."""
     n = case.world_size
     return (f"On {n} ranks (a batch of {BATCH} rows, {BATCH // n} per rank; models of {case['features']} features "
-            f"and {case['hidden']} hidden units, lr {case['lr']:g}, {case['steps']} SGD steps each)")
+            f"and {case['hidden']} hidden units, lr {case['lr']:g}, {case['steps']} SGD steps each"
+            + (f"; the hidden layer dead on rank {case['dead_rank']}'s shard, its gradients zero there"
+               if case.drawn.get("dead_rank") is not None else "") + ")")
 
 
 def _passed(cases) -> str:
     return ("on 2, 3 and 4 ranks, with the model's sizes, the batch, the lr and the number of steps drawn afresh, "
-            f"and {MODELS} models in turn, every all_reduce carried the rank's own gradients, and after your "
+            f"and {MODELS} models in turn (on 4 ranks one rank's hidden layer dead on its shard, its gradients zero), "
+            "every all_reduce carried the rank's own gradients, and after your "
             "function every rank's gradients equal the gradient of the whole batch in one process, at each SGD "
             "step; the replicas stayed identical and equal to one process trained on the whole batch. That is "
             "data parallelism: one all_reduce (SUM) per gradient, then a division by N.")
@@ -434,6 +463,10 @@ def _contents_problem(outcomes, case: Case) -> str | None:
                         "global, a default argument or a class attribute). Work on the model you are given, each "
                         "time.")
             total = sum(len(g) for g in outcome.local[index])
+            if call.numel and call.nbytes != 8 * call.numel:
+                return (f"{where} rank {rank} all-reduced a buffer of {call.nbytes // call.numel}-byte numbers, "
+                        "while the gradients are float64 (8 bytes): the sum lost precision on the way. Make the "
+                        "buffer in the gradients' dtype (torch.cat keeps it; torch.zeros(..., dtype=p.grad.dtype)).")
             return (f"{where} rank {rank} all-reduced a tensor of {call.numel} numbers whose values are not its "
                     f"gradients (this model's gradients hold {total} numbers): an all_reduce of a scratch tensor, "
                     "while the average came from elsewhere (or from sizes written in by hand, which change here), "
@@ -549,7 +582,9 @@ def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
         said = str(first.exception_args[0]).strip().removesuffix(".")
         return (f"{said}: the ranks all-reduced the gradients in different orders. On real "
                 "ranks that sums unrelated tensors, or hangs, or aborts (gloo: 'Received data size doesn't match "
-                "expected size'). Every rank must all-reduce the same gradients in the same order, whatever the rank.")
+                "expected size'). Every rank must all-reduce the same gradients in the same order, whatever the rank "
+                "and whatever its values: a rank that skips a gradient (one that is zero on its shard, say) leaves "
+                "the others a call behind.")
     message = f"rank {first.rank} raised {summary}."
     sizes = [[call.numel for call in attempt.calls] for attempt in attempts] if attempts else None
     if "AVG" in first.summary:

@@ -26,7 +26,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import labkit
 from labkit.exercises import Verdict, check_average_gradients
-from labkit.exercises.average import draw_case
+from labkit.exercises.average import attempt_average, draw_case, with_dead_rank
 from labkit.parallel import BucketedDDP, all_reduce_sum, average_gradients
 
 HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
@@ -152,8 +152,18 @@ def averaged_in_a_thread(model):
     thread.join()
 
 
+def cloned_reduced_and_rebound(model):
+    """Each gradient cloned, the clone all-reduced, then .grad rebound to the clone's average: right. (The grader
+    once knew gradients by their address; the clone could take a freed gradient's address on some ranks only, and
+    the ranks were told they reduced "in different orders".)"""
+    for p in model.parameters():
+        g = p.grad.clone()
+        dist.all_reduce(g)
+        p.grad = g / dist.get_world_size()
+
+
 RIGHT_NEW = [divided_before_the_sum, weights_and_biases_in_two_buckets, world_size_kept_on_a_global,
-             averaged_in_a_thread]
+             averaged_in_a_thread, cloned_reduced_and_rebound]
 
 
 @pytest.mark.parametrize("fn", [loop_all_reduce_div, flatten_unflatten, cat_and_split, async_handles_waited,
@@ -442,6 +452,27 @@ def labkit_average_in_a_subprocess(model):
         pool.submit(average_gradients, model).result()
 
 
+def float32_flat_buffer(model):
+    """One flat buffer made float32 for float64 gradients: the sum loses precision (and the grader says the dtype,
+    not "a scratch tensor")."""
+    grads = [p.grad for p in model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads]).float()
+    dist.all_reduce(flat)
+    for g, piece in zip(grads, (flat / n()).split([g.numel() for g in grads]), strict=True):
+        g.copy_(piece.view_as(g))
+
+
+def skips_zero_gradients(model):
+    """'Nothing to average' where a rank's gradient is all zero: whether a rank joins a collective then depends on
+    its own values, so a rank whose hidden layer is dead on its shard (a dead ReLU, a class missing from a shard)
+    is a call behind the others."""
+    for p in model.parameters():
+        if p.grad is None or not p.grad.any():
+            continue
+        dist.all_reduce(p.grad)
+        p.grad /= n()
+
+
 NEW_WRONG = [  # (class of issue 27, solution, what its verdict names)
     ("fixed parameters", numel_written_in, "sizes written in"),
     ("fixed parameters", split_sizes_written_in, "sizes written in"),
@@ -453,6 +484,7 @@ NEW_WRONG = [  # (class of issue 27, solution, what its verdict names)
      "called labkit.parallel's average_gradients (and caught the error; it still counts)"),
     ("ready-made out of sight", labkit_bucketed_in_a_thread, "called labkit.parallel's BucketedDDP"),
     ("ready-made out of sight", labkit_average_in_a_subprocess, "called labkit.parallel's average_gradients"),
+    ("fixed parameters", float32_flat_buffer, "4-byte numbers, while the gradients are float64"),
 ]
 DRAWS = 2  # gradings per new wrong row: each draws its cases afresh, and each must refuse
 
@@ -475,6 +507,23 @@ def test_every_case_draws_what_a_right_solution_must_not_depend_on():
     assert all(c["features"] * c["hidden"] + 4 * c["hidden"] + 3 != NOTEBOOK_NUMEL for c in cases)
     assert all(len(set(c["seeds"])) == 2 for c in cases)
     assert len({(c["features"], c["hidden"], c["lr"], c["steps"]) for c in cases}) > 100
+
+
+def test_a_rank_that_skips_its_zero_gradients_is_refused_on_every_draw():
+    """The last case kills the hidden layer on one drawn rank's shard (fixed parameters: random data never makes a
+    whole gradient zero on one rank only)."""
+    for _ in range(DRAWS):
+        verdict = check_average_gradients(skips_zero_gradients)
+        assert not verdict and "a rank that skips a gradient" in verdict.message, verdict
+        assert re.match(r"On 4 ranks \(.*the hidden layer dead on rank \d's shard", verdict.message), verdict
+
+
+def test_the_dead_rank_has_zero_first_layer_gradients_and_the_others_do_not():
+    rng = random.Random(1)
+    case = with_dead_rank(draw_case(4, rng), rng)
+    outcomes = labkit.run(attempt_average, loop_all_reduce_div, case, world_size=4)
+    first_layer = [[any(outcome.local[0][i]) for i in (0, 1)] for outcome in outcomes]  # weight, bias: step 1
+    assert first_layer == [[rank != case["dead_rank"]] * 2 for rank in range(4)], first_layer
 
 
 def test_a_right_solution_passes_on_every_draw():
