@@ -20,7 +20,7 @@ what this rank sent), read by `sent_nbytes` and `described_call`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -56,9 +56,6 @@ class StepCase:
     def inputs(self, rank: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rank `rank`'s (param, grad) for this call."""
         return step_inputs(rank, self.numel, self.dtype, device, draw=self.draw)
-
-    def resized(self, numel: int) -> StepCase:
-        return replace(self, numel=numel)
 
 
 def step_inputs(rank: int, numel: int, dtype: torch.dtype = torch.float32, device=None, draw: int | None = None):
