@@ -25,10 +25,9 @@
     quiz        the review's questions and flashcards (notebooks 06 and 10), from quiz.json beside it
     stack_map   STACK_MAP and check_stack_map (notebook 10)
     sharded_step  check_sharded_step (notebook 11): the student's ZeRO-1 step (reduce-scatter, update one slice,
-                  all-gather) on 2, 3 and 4 real ranks, against full SGD in one process and ZeRO's traffic
-    step_guard  on each rank while the step is graded: step_inputs (each rank's param and grad), collectives
-                counted, everything else switched off
-    step_values, step_nbytes  what is wrong with a wrong step: its values (`reference_step`), its traffic
+                  all-gather) on 2, 3 and 4 real ranks, against full SGD in one process and ZeRO's traffic; its
+                  rank side (step_inputs: each rank's param and grad) in the same file, on the kit, and what is
+                  wrong with a wrong step's values and traffic in the private _step_diagnosis
 
 `where_ranks_waited(hang)` says where the ranks of a RankTimeout waited, outside the graders (notebook 15).
 
@@ -57,9 +56,8 @@ from labkit.exercises.quiz import (
     load_questions,
 )
 from labkit.exercises.schedule_order import check_1f1b_order
-from labkit.exercises.sharded_step import check_sharded_step
+from labkit.exercises.sharded_step import check_sharded_step, step_inputs
 from labkit.exercises.stack_map import STACK_MAP, check_stack_map
-from labkit.exercises.step_guard import step_inputs
 from labkit.exercises.verdict import Verdict
 
 __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",

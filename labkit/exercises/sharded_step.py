@@ -1,7 +1,7 @@
 """The grader of notebook 11's "your turn": ZeRO-1's step, which the student writes, run on real ranks.
 
-`check_sharded_step(fn)` calls `fn(param, grad, lr)` on 2, 3 and 4 ranks: the fixed STEP_CASES, then two runs
-drawn afresh at each grading (`draw_runs`: world size, dtype, sizes, lr and the inputs' values), in each of which
+`check_sharded_step(fn)` calls `fn(param, grad, lr)` on 2, 3 and 4 ranks: fixed cases, then two runs
+drawn afresh at each grading (`draw_cases`: world size, dtype, sizes, lr and the inputs' values), in each of which
 the same ranks call fn twice, on fresh inputs of another size and lr, so that a step that keeps state from its
 first call, hard-codes lr or a dtype, or leans on the fixed inputs, shows. `param` is the model's flat 1-D
 parameter vector, the same on every rank; `grad` is this rank's gradient, different on every rank
@@ -33,9 +33,16 @@ pieces, piece r being slice r padded with zeros to the largest, which gloo's equ
 they are (`padded(...).view(N, -1)`: one row per rank), and `unpad_into(param, buffer, N)` puts the updated
 slices back into `param`. Both are labkit.parallel.flat_shards' FlatLayout, which ZeRO's own buckets use.
 
-The guard on each rank, which counts the collectives and refuses everything else, is in
-`labkit.exercises.step_guard`; what is wrong with a step's values and traffic, in `labkit.exercises.step_values`
-and `labkit.exercises.step_nbytes`.
+The grading is the kit's runner driven by `SPEC` (labkit.exercises._kit._runner): each case is one run of calls
+on the same ranks (`Case(world_size, {"steps": (StepCase, ...)})`), the rank-side attempt, the ordered checks
+and the messages. On a rank (`attempt`), each call runs under a `StepGuard`: traffic is counted where torch hands
+each collective to the process group (ProcessGroup.reduce_scatter, .allgather, .broadcast, .allreduce and their
+single-tensor forms), each recorded as the kit's `Call`, and converted to the bytes each rank sends in the ring
+algorithm (`sent_nbytes`). Calls that would move data past that count raise `ForbiddenCall`: point-to-point
+messages, object collectives, reduce/gather/scatter/all_to_all, coalesced forms, the backend's methods and the
+c10d operators under torch.ops (functional collectives). Each collective's handle is watched, so that one started
+with async_op=True and never waited for is named as such. What is wrong with a step's values and traffic is in
+the private labkit.exercises._step_diagnosis, with the step's inputs and its reference answer.
 """
 
 from __future__ import annotations
@@ -45,23 +52,34 @@ import random
 import torch
 
 import labkit
-from labkit.checks import timeout_seconds as checked_timeout
-from labkit.exercises._kit._messages import first_failure, forbidden_message, where_ranks_waited
+from labkit.exercises._kit import _store
+from labkit.exercises._kit._group_call import GroupCall, flat_tensors, wrap_group_method
+from labkit.exercises._kit._guard import Guard
+from labkit.exercises._kit._messages import first_failure, hang_message
+from labkit.exercises._kit._record import Recorder
+from labkit.exercises._kit._runner import Case, Spec, grade
+from labkit.exercises._step_diagnosis import (
+    COLLECTIVE,
+    StepCase,
+    StepOutcome,
+    described_call,
+    step_facts,
+    step_inputs,
+    step_traffic,
+    wrong_step,
+)
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.progress import graded
-from labkit.exercises.step_guard import StepCase, StepOutcome, attempt_step, calls_of_last_attempt
-from labkit.exercises.step_nbytes import step_traffic
-from labkit.exercises.step_values import wrong_step
 from labkit.exercises.verdict import Verdict
 from labkit.launch.errors import NoReply
 from labkit.parallel.flat_shards import FlatLayout
 from labkit.plan.counts import shard_sizes
 
-__all__ = ["DRAWN", "STEP_CASES", "check_sharded_step", "draw_runs", "padded", "unpad_into"]
+__all__ = ["DRAWN", "StepGuard", "check_sharded_step", "draw_cases", "padded", "step_inputs", "unpad_into"]
 
 # (world_size, numel, dtype): sizes N divides first, then sizes it does not, fewer elements than ranks, float64
-STEP_CASES = [(3, 6, torch.float32), (2, 4, torch.float32), (4, 8, torch.float32), (3, 7, torch.float32),
-              (4, 10, torch.float32), (2, 5, torch.float32), (4, 2, torch.float32), (3, 5, torch.float64)]
+_FIXED = [(3, 6, torch.float32), (2, 4, torch.float32), (4, 8, torch.float32), (3, 7, torch.float32),
+          (4, 10, torch.float32), (2, 5, torch.float32), (4, 2, torch.float32), (3, 5, torch.float64)]
 # Drawn at each grading: two runs of two calls each, on two different world sizes, one float32 and one float64
 # (so that a hard-coded dtype shows whichever it is), sizes and lr of each call its own. No lr is 0.1 (the fixed
 # cases'), nor a power of two (a float32 buffer in a float64 step would round invisibly), nor 0.1 / N for N = 2 to 4
@@ -119,87 +137,71 @@ def check_sharded_step(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdi
         >>> check_sharded_step(all_reduce_step)
         Not yet. On 3 ranks, with 6 float32 parameters (S = 24 bytes; ...), rank 0 all-reduced the whole gradient...
     """
-    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
-    if not callable(fn):
-        return Verdict(False, f"pass your function itself, e.g. check_sharded_step(sharded_sgd_step), not "
-                              f"{type(fn).__name__}.")
-    for steps in [[StepCase(*case)] for case in STEP_CASES] + draw_runs():
-        problem = _case_problem(fn, steps, timeout_seconds)
-        if problem:
-            return Verdict(False, problem)
-    return Verdict(True, "your sharded step gives full SGD's answer on the averaged gradient on 2, 3 and 4 ranks, "
-                         "for sizes that N divides, sizes it does not and fewer elements than ranks, in float32 and "
-                         "float64, with inputs and lr drawn for this grading, called more than once on the same "
-                         "ranks. Each rank updated only its own slice, reduce-scattered its own gradient and "
-                         "all-gathered its updated slice, and sent what DDP's all-reduce sends: a "
-                         "reduce-scatter and an all-gather, 2(N-1)/N x S bytes per rank. ZeRO-1 keeps the "
-                         "optimizer state of that slice only, 1/N of it, for the same traffic.")
+    return grade(SPEC, fn, timeout_seconds=timeout_seconds)
 
 
-def draw_runs() -> list[list[StepCase]]:
-    """The drawn runs of one grading (DRAWN): each a list of calls on the same ranks, every call with its own size,
-    lr and inputs; the two runs on different world sizes and dtypes."""
+def _passed(cases) -> str:
+    """The verdict of a pass: what was checked."""
+    return ("your sharded step gives full SGD's answer on the averaged gradient on 2, 3 and 4 ranks, for sizes that "
+            "N divides, sizes it does not and fewer elements than ranks, in float32 and float64, with inputs and lr "
+            "drawn for this grading, called more than once on the same ranks. Each rank updated only its own slice, "
+            "reduce-scattered its own gradient and all-gathered its updated slice, and sent what DDP's all-reduce "
+            "sends: a reduce-scatter and an all-gather, 2(N-1)/N x S bytes per rank. ZeRO-1 keeps the optimizer "
+            "state of that slice only, 1/N of it, for the same traffic.")
+
+
+def draw_cases() -> list[Case]:
+    """The cases of one grading: the fixed ones, one call each, then the drawn runs (DRAWN), each a run of calls on
+    the same ranks, every call with its own size, lr and inputs; the two runs on different world sizes and
+    dtypes."""
+    cases = [Case(world_size, {"steps": (StepCase(world_size, numel, dtype),)}) for world_size, numel, dtype in _FIXED]
     world_sizes, dtypes = random.sample(DRAWN["world_size"], 2), random.sample(DRAWN["dtype"], 2)
-    runs = []
     for world_size, dtype in zip(world_sizes, dtypes, strict=True):
         numels, lrs = random.sample(DRAWN["numel"], DRAWN["calls"]), random.sample(DRAWN["lr"], DRAWN["calls"])
-        runs.append([StepCase(world_size, numel, dtype, lr, random.getrandbits(31))
-                     for numel, lr in zip(numels, lrs, strict=True)])
-    return runs
+        cases.append(Case(world_size, {"steps": tuple(StepCase(world_size, numel, dtype, lr, random.getrandbits(31))
+                                                      for numel, lr in zip(numels, lrs, strict=True))}))
+    return cases
 
 
-def _described(steps: list[StepCase], k: int | None) -> str:
-    """'On 3 ranks, with 6 float32 parameters (S = 24 bytes; shard_sizes(6, 3) = [2, 2, 2])', with the call's lr
-    and place when the inputs were drawn; k None: every call of the run."""
-    case = steps[k or 0]
-    dtype = str(case.dtype).removeprefix("torch.")
-    if k is None and len(steps) > 1:
-        sizes = " and ".join(f"{c.numel} (lr = {c.lr:g})" for c in steps)
-        return f"On {case.world_size} ranks, in {len(steps)} calls with {sizes} {dtype} parameters"
-    element_size = torch.empty(0, dtype=case.dtype).element_size()
-    drawn = "" if case.draw is None else (f", drawn values, lr = {case.lr:g}; call {k + 1 if k else 1} of "
-                                          f"{len(steps)} on these ranks, each on fresh inputs")
-    return (f"On {case.world_size} ranks, with {case.numel} {dtype} parameters (S = {case.numel * element_size} "
-            f"bytes; shard_sizes({case.numel}, {case.world_size}) = {shard_sizes(case.numel, case.world_size)}"
-            f"{drawn})")
+def _described(case: Case) -> str:
+    """'On 3 ranks, with 6 float32 parameters (S = 24 bytes; shard_sizes(6, 3) = [2, 2, 2])' for one call; for a
+    run of calls: the ranks and every call's size and lr (a check then names the call)."""
+    steps = case["steps"]
+    if len(steps) == 1:
+        return f"On {case.world_size} ranks, with {_one_call(steps[0])}"
+    sizes = " and ".join(f"{c.numel} (lr = {c.lr:g})" for c in steps)
+    return f"On {case.world_size} ranks, in {len(steps)} calls with {sizes} {_dtype(steps[0].dtype)} parameters"
 
 
-def _case_problem(fn, steps: list[StepCase], timeout_seconds: float) -> str | None:
-    """What is wrong with fn in one run of calls on the same ranks, or None, the case described. A step that left
-    collectives unmatched stops the pool, or the next run's collectives would meet them."""
-    world_size = steps[0].world_size
-    try:
-        runs = labkit.run(attempt_step, fn, steps, world_size=world_size, timeout=timeout_seconds)
-    except labkit.RankTimeout as hang:  # labkit stops a pool whose call timed out
-        return f"{_described(steps, None)}, {_hang_message(hang, world_size, timeout_seconds)}"
-    except labkit.RankError as error:
-        if not (error.pool_stopped or any(f.kind == NoReply.DIED for f in error.failures)):
-            try:
-                _stop_pool_if_out_of_step(world_size, labkit.run(calls_of_last_attempt, world_size=world_size))
-            except labkit.RankError:
-                pass  # then labkit has stopped the pool itself
-        return f"{_described(steps, None)}, {_error_message(error)}"
-    _stop_pool_if_out_of_step(world_size, [[call.kind for o in run for call in o.calls] for run in runs])
-    for k, case in enumerate(steps):
-        outcomes = [run[k] for run in runs if len(run) > k]
-        if len(outcomes) < world_size:
-            break  # a call before this one was refused; reported below
-        problem = _step_problem(outcomes, case)
-        if problem:
-            return f"{_described(steps, k)}, {problem}"
-    problem = next((forbidden_message(rank, run[-1].forbidden[0], True, _why_forbidden)
-                    for rank, run in enumerate(runs) if run[-1].forbidden), None)
-    return f"{_described(steps, len(runs[0]) - 1)}, {problem}" if problem else None
+def _one_call(step: StepCase) -> str:
+    """'6 float32 parameters (S = 24 bytes; shard_sizes(6, 3) = [2, 2, 2])', and 'drawn values' when drawn."""
+    nbytes = step.numel * torch.empty(0, dtype=step.dtype).element_size()
+    drawn = "" if step.draw is None else f"; drawn values, lr = {step.lr:g}"
+    return (f"{step.numel} {_dtype(step.dtype)} parameters (S = {nbytes} bytes; shard_sizes({step.numel}, "
+            f"{step.world_size}) = {shard_sizes(step.numel, step.world_size)}{drawn})")
 
 
-def _step_problem(outcomes: list[StepOutcome], case: StepCase) -> str | None:
-    """What is wrong with one call on every rank: a refused call, an unwaited one, the values, the traffic."""
-    problem = next((forbidden_message(rank, o.forbidden[0], True, _why_forbidden)
-                    for rank, o in enumerate(outcomes) if o.forbidden), None)
-    return problem or _unwaited_message(outcomes) or wrong_step(outcomes, case) or step_traffic(outcomes, case)
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _unwaited_message(outcomes: list[StepOutcome]) -> str | None:
+def _per_call(check):
+    """A check of one call on every rank, run on each call of the case in turn: the first problem, the call named
+    when the run has more than one (each on fresh inputs)."""
+    def checked(outcomes: list[list[StepOutcome]], case: Case) -> str | None:
+        steps = case["steps"]
+        for k, step in enumerate(steps):
+            problem = check([run[k] for run in outcomes], step)
+            if problem:
+                return problem if len(steps) == 1 else \
+                    f"in call {k + 1} of {len(steps)} on these ranks, each on fresh inputs, with {_one_call(step)}: " \
+                    f"{problem}"
+        return None
+    checked.__name__ = check.__name__
+    return checked
+
+
+def _unwaited_problem(outcomes: list[StepOutcome], step: StepCase) -> str | None:
     """The first collective a rank started with async_op=True and never waited for: what it reads or writes may
     not be there yet (torch.distributed docs: an async op's output is only ready after wait() on its handle)."""
     for rank, outcome in enumerate(outcomes):
@@ -207,36 +209,26 @@ def _unwaited_message(outcomes: list[StepOutcome]) -> str | None:
         if call:
             future = " It took the handle's future (work.get_future()) but never waited on it either." \
                 if call.future else ""
-            return (f"rank {rank} started {call.describe()} with async_op=True and never waited for it.{future} "
+            return (f"rank {rank} started {described_call(call)} with async_op=True and never waited for it.{future} "
                     "Until its handle's wait() returns, the collective may still be running: what it receives is "
                     "not there yet, and changing what it sends changes what the others get.")
     return None
 
 
-def _stop_pool_if_out_of_step(world_size: int, kinds: list[list[str]]) -> None:
-    """Stop the pool of `world_size` ranks if they did not all make the same collectives (a call left waiting,
-    async_op=True without wait())."""
-    if any(k != kinds[0] for k in kinds):
-        labkit.shutdown(world_size=world_size)
-
-
-def _hang_message(hang: labkit.RankTimeout, world_size: int, timeout_seconds: float) -> str:
-    """A step that never finished: where the first ranks waited, and why collectives wait."""
-    where = where_ranks_waited(hang)
+def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float) -> str:
+    """A step that never finished: which ranks had returned, why collectives wait, and where the first waited."""
     stopped = {f.rank for f in hang.failures if f.kind == NoReply.STOPPED}
-    returned = sorted(set(range(world_size)) - stopped)
-    where += f"; rank(s) {returned} had returned" if returned else ""
-    return (f"it never finished (stopped after {timeout_seconds:g} s): some rank waited in a collective that the "
-            f"others never joined. {where}. Every rank must make the same collectives in the same order: one "
-            "reduce-scatter, then one all-gather (or one broadcast from each owner, in the same order everywhere), "
-            "on every rank, even one whose slice is empty.")
+    returned = sorted(set(range(case.world_size)) - stopped)
+    returned = f", and rank(s) {returned} had returned" if returned else ""
+    return hang_message(hang, timeout_seconds, f"some rank waited in a collective that the others never joined"
+                        f"{returned}. Every rank must make the same collectives in the same order: one "
+                        "reduce-scatter, then one all-gather (or one broadcast from each owner, in the same order "
+                        "everywhere), on every rank, even one whose slice is empty.")
 
 
-def _error_message(error: labkit.RankError) -> str:
-    """A step that raised: the first switched-off call it made, else the first rank's own error and a hint."""
-    first, spelling = first_failure(error)
-    if spelling is not None:
-        return forbidden_message(first.rank, spelling, False, _why_forbidden)
+def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
+    """A step that raised (a refused call the runner has told already): the first rank's own error and a hint."""
+    first = first_failure(error)[0]
     hint = ""
     if "invalid tensor size" in first.summary:
         hint = " " + PADDING_HINT
@@ -256,3 +248,104 @@ def _why_forbidden(spelling: str, name: str) -> str:
     if name.endswith("_object") or name.endswith("_object_list"):
         return f"It pickles Python objects; move the tensors themselves with {ALLOWED}."
     return f"ZeRO-1's step needs two collectives only: {ALLOWED}."
+
+
+# ---- on a rank: the guard, and what the student's step left behind ----------------------------------------
+
+# What it may call, counted (COLLECTIVE: the process group's methods); the torch.distributed functions that reach
+# them stay on too (every other way to communicate is switched off, send/recv included).
+_STEP_ALLOWED = (*COLLECTIVE, "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                 "_all_gather_base")
+
+
+class StepGuard(Guard):
+    """While a student's step runs on a rank: the collectives it may use are recorded as the kit's `Call`s where
+    the process group receives them (then made; `recorder.calls`), everything else raises `ForbiddenCall`.
+
+    The ring grader's Guard turned around: there collectives are off and messages counted, here messages are
+    off and collectives counted. Everything is replaced where Python looks it up, for the whole process, and put
+    back on exit (even when the step raises)."""
+
+    def __init__(self):
+        super().__init__()
+        self.recorder = Recorder()
+
+    def install(self) -> None:
+        """Every collective a step does not use off; those it may use recorded, and their handles watched."""
+        self.switch_off_torch_distributed(allowed=_STEP_ALLOWED, point_to_point=False)
+        for method in COLLECTIVE:
+            wrap_group_method(self, method, self._recorded)
+        self.recorder.watch_waits(self)
+
+    def _recorded(self, made: GroupCall):
+        """Record a call with this grader's facts, then make it and watch its handle: a blocking call (its options'
+        asyncOp False) waits itself. A call never waited for is not waited here: a broadcast nobody joins would
+        hang; the runner stops ranks left out of step."""
+        call = self.recorder.record(made, facts=_facts(made))
+        return self.recorder.launched(made.proceed(), call)
+
+
+def _facts(made: GroupCall) -> dict[str, object]:
+    """step_facts from a ProcessGroup method's arguments, in each of its overloads: (outputs, inputs, opts),
+    (tensors, opts), (tensor, root) ..."""
+    kind, group, args = COLLECTIVE[made.kind], made.group, made.args
+    rank, world_size = group.rank(), group.size()
+    first, second = (flat_tensors(args[i]) if len(args) > i else [] for i in (0, 1))
+    if not first:
+        return step_facts([0], 1, rank, world_size)
+    element_size = first[0].element_size()
+    nbytes = [t.numel() * element_size for t in first]
+    if kind == "reduce_scatter":  # (outputs, input lists) or (output, input)
+        listed = made.kind == "reduce_scatter"
+        pieces = second if listed else [piece for t in second for piece in t.detach().flatten().chunk(world_size)]
+        chunks = [t.numel() * element_size for t in second] if listed else nbytes * world_size
+        return step_facts(chunks, element_size, rank, world_size, chunks=[_values(t) for t in pieces])
+    if kind == "all_gather":  # (output lists, inputs) or (output, input): the input is this rank's contribution
+        chunks = nbytes if made.kind == "allgather" else [sum(t.numel() for t in second) * element_size] * world_size
+        return step_facts(chunks, element_size, rank, world_size, sent=[x for t in second for x in _values(t)])
+    if kind == "broadcast":
+        options = args[1] if len(args) > 1 else made.kwargs.get("opts", made.kwargs.get("root"))
+        root = options if isinstance(options, int) else getattr(options, "rootRank", 0)
+        return step_facts([sum(nbytes)], element_size, rank, world_size, root,
+                          sent=_values(first[0]) if root == rank else None)
+    return step_facts([sum(nbytes)], element_size, rank, world_size)
+
+
+def _values(tensor: torch.Tensor) -> list[float]:
+    return tensor.detach().flatten().tolist()
+
+
+def attempt(fn, case: Case) -> list[StepOutcome]:
+    """On a rank: call fn(param, grad, lr) once per step of the case, in turn, each on this rank's fresh inputs
+    under a StepGuard (a step that keeps state from one call to the next shows); what each call left, for the
+    checks. It stops after a call that called something switched off (the runner reports it)."""
+    outcomes = []
+    for step in case["steps"]:
+        outcomes.append(_attempt_one(fn, step))
+        if _store.last_attempt().refused:
+            break
+    return outcomes
+
+
+def _attempt_one(fn, step: StepCase) -> StepOutcome:
+    """One call of fn under a StepGuard (its collectives go to the kit's last-attempt store as they are made)."""
+    param, grad = step.inputs(labkit.rank(), device=labkit.device())
+    memory, came = param.data_ptr(), _placement(param)
+    guard = StepGuard()
+    with guard:
+        returned = fn(param, grad, step.lr)
+    returned = returned.detach().flatten().tolist() if isinstance(returned, torch.Tensor) and returned is not param \
+        else None
+    return StepOutcome(param.detach().flatten().tolist(), returned, param.data_ptr() == memory, _placement(param),
+                       came, guard.recorder.calls)
+
+
+def _placement(tensor: torch.Tensor) -> str:
+    """'float32 on cpu': a tensor's dtype and device type, for a message."""
+    return f"{str(tensor.dtype).removeprefix('torch.')} on {tensor.device.type}"
+
+
+SPEC = Spec(attempt=attempt, cases=draw_cases, checks=tuple(map(_per_call, (_unwaited_problem, wrong_step,
+                                                                             step_traffic))),
+            describe=_described, why_forbidden=_why_forbidden, on_hang=_hang_message, on_error=_error_message,
+            passed=_passed, example="check_sharded_step(sharded_sgd_step)")

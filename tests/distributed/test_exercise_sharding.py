@@ -12,10 +12,21 @@ from processes import alive_after
 
 import labkit
 from labkit.exercises import ForbiddenCall, Verdict, check_sharded_step, ring_nbytes_per_rank, step_inputs
-from labkit.exercises.sharded_step import DRAWN, draw_runs, padded, unpad_into
-from labkit.exercises.step_guard import LR, Collective, StepCase, StepGuard, StepOutcome
-from labkit.exercises.step_nbytes import step_nbytes_bounds
-from labkit.exercises.step_values import TOLERANCES, reference_step, wrong_step
+from labkit.exercises._kit._group_call import Kind
+from labkit.exercises._kit._record import Call
+from labkit.exercises._step_diagnosis import (
+    LR,
+    TOLERANCES,
+    StepCase,
+    StepOutcome,
+    collective,
+    reference_step,
+    sent_nbytes,
+    step_facts,
+    step_nbytes_bounds,
+    wrong_step,
+)
+from labkit.exercises.sharded_step import DRAWN, StepGuard, draw_cases, padded, unpad_into
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes
 
@@ -103,7 +114,7 @@ def test_drawn_inputs_are_the_same_on_every_rank_but_the_gradient_and_differ_per
 
 def test_each_grading_draws_two_runs_of_calls_with_their_own_sizes_dtype_and_lr():
     for _ in range(20):
-        runs = draw_runs()
+        runs = [case["steps"] for case in draw_cases() if case["steps"][0].draw is not None]
         assert len(runs) == 2 and len({run[0].world_size for run in runs}) == 2
         assert {run[0].dtype for run in runs} == {torch.float32, torch.float64}, "a hard-coded dtype always shows"
         for run in runs:
@@ -121,9 +132,18 @@ def test_wrong_elements_in_several_slices_are_not_said_to_be_in_one():
     assert "They span the slices of ranks 0 to 2." in message and "rank 0's slice" not in message, message
 
 
+KINDS = {"reduce_scatter": Kind.REDUCE_SCATTER, "all_gather": Kind.ALLGATHER, "broadcast": Kind.BROADCAST,
+         "all_reduce": Kind.ALLREDUCE}
+
+
+def collective_call(kind, chunk_nbytes, rank, n, root=None):
+    """The kit's Call of a float32 collective, with the sharded-step grader's facts."""
+    return Call(KINDS[kind], facts=step_facts(chunk_nbytes, 4, rank, n, root))
+
+
 def ring_collective(kind, numel, n, rank, root=None):
-    return Collective(kind, [4 * s for s in shard_sizes(numel, n)] if kind != "broadcast" else [4 * numel], 4,
-                      rank, n, root)
+    return collective_call(kind, [4 * s for s in shard_sizes(numel, n)] if kind != "broadcast" else [4 * numel],
+                           rank, n, root)
 
 
 @pytest.mark.parametrize(("numel", "world_size"), [(12, 2), (12, 3), (12, 4), (7, 3), (10, 4), (2, 4)])
@@ -134,19 +154,19 @@ def test_a_reduce_scatter_and_an_all_gather_send_what_the_ring_all_reduce_sends(
         step = [ring_collective("reduce_scatter", numel, world_size, rank),
                 ring_collective("all_gather", numel, world_size, rank)]
         expected = ring_nbytes_per_rank(numel, world_size)[rank]
-        assert sum(c.sent_nbytes() for c in step) == expected == step_nbytes_bounds(numel, world_size)[rank][0]
-        broadcasts = [Collective("broadcast", [4 * size], 4, rank, world_size, owner)
+        assert sum(map(sent_nbytes, step)) == expected == step_nbytes_bounds(numel, world_size)[rank][0]
+        broadcasts = [collective_call("broadcast", [4 * size], rank, world_size, owner)
                       for owner, size in enumerate(shard_sizes(numel, world_size))]
-        assert sum(c.sent_nbytes() for c in broadcasts) == step[1].sent_nbytes()
-        assert Collective("all_reduce", [4 * numel], 4, rank, world_size).sent_nbytes() == expected
+        assert sum(map(sent_nbytes, broadcasts)) == sent_nbytes(step[1])
+        assert sent_nbytes(collective_call("all_reduce", [4 * numel], rank, world_size)) == expected
         if numel % world_size == 0:
             assert expected == ring_allreduce_bytes(4 * numel, world_size)
 
 
 def test_padding_every_slice_to_the_largest_is_the_most_a_rank_may_send():
     sizes = shard_sizes(10, 4)
-    padded = [Collective(kind, [4 * max(sizes)] * 4, 4, 0, 4) for kind in ("reduce_scatter", "all_gather")]
-    assert sum(c.sent_nbytes() for c in padded) == step_nbytes_bounds(10, 4)[0][1] == 2 * 3 * 3 * 4
+    padded = [collective_call(kind, [4 * max(sizes)] * 4, 0, 4) for kind in ("reduce_scatter", "all_gather")]
+    assert sum(map(sent_nbytes, padded)) == step_nbytes_bounds(10, 4)[0][1] == 2 * 3 * 3 * 4
 
 
 def each_way_of_calling():
@@ -172,7 +192,8 @@ def each_way_of_calling():
                 refused.append(str(error).split(" is switched off")[0])
     after = torch.ones(1, device=device)
     dist.all_reduce(after)  # the group works after the guard, unguarded
-    return [(c.kind, c.chunk_nbytes, c.root, c.contribution) for c in guard.calls], refused, after.item()
+    return [(collective(c), c.facts["chunk_nbytes"], c.facts["root"], c.facts["sent"]) for c in guard.recorder.calls], \
+        refused, after.item()
 
 
 def test_every_collective_is_recorded_once_where_the_group_receives_it_and_the_rest_is_refused():

@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import torch
 
 from labkit.exercises._kit import _store
-from labkit.exercises._kit._group_call import GroupCall, Kind
+from labkit.exercises._kit._group_call import GroupCall, Kind, flat_tensors
 
 __all__: list[str] = []
 
 _REDUCING = (Kind.ALLREDUCE, Kind.REDUCE_SCATTER, Kind.REDUCE_SCATTER_SINGLE, Kind.REDUCE_SCATTER_BASE)
 _POINT_TO_POINT = (Kind.SEND, Kind.RECV)
+_SCATTERING = (Kind.REDUCE_SCATTER, Kind.REDUCE_SCATTER_SINGLE, Kind.REDUCE_SCATTER_BASE)  # output: this rank's slice
 
 
 @dataclass
@@ -43,8 +44,9 @@ class Call:
 
     @classmethod
     def of(cls, made: GroupCall, keep_values: bool = False, **fields) -> Call:
-        """The record of `made` (before it is made: `values` are what this rank puts in), with `fields` set."""
-        tensors = made.tensors
+        """The record of `made` (before it is made: `values` are what this rank puts in), with `fields` set. A
+        reduce-scatter's size is its input's, which every rank shares (its output is this rank's slice alone)."""
+        tensors = flat_tensors(made.args[1]) if made.kind in _SCATTERING and len(made.args) > 1 else made.tensors
         numel = sum(t.numel() for t in tensors)
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         values = _values(tensors) if keep_values else None
