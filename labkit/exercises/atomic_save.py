@@ -33,13 +33,10 @@ relative to the working directory, or as a bare file name (the three normal save
 order; the other saves one at random), its folder has a space in its name, and the state_dict's size varies (75
 to 200 kB). Every mistake the catalogue holds is refused on every draw.
 
-The rank side is in this file too (from `_first_run` on). There the save runs under a watch of what it does to
-path (labkit.exercises._kit._file_watch: audit hooks, torch.save's code, the sync functions followed wherever the
-save can reach them), which writes a JSON report that the grader reads even after the process was killed. While
-a save runs, tempfile's default directory is a scratch folder beside the target's (so a temporary file made
-"elsewhere" stays inside the grader's temporary directory, and shows as another directory), the working directory
-is the one the drawn spelling of path needs, and labkit.checkpoint's own atomic write is refused (found on the
-call stack at the rename). Two ways to kill a save midway, both real crashes (no exception handler, no cleanup):
+The rank side is in this file too (from `Layout` on): the save runs under the kit's watch of what it does to path
+(labkit.exercises._kit._file_watch; `_SaveWatch` says what else it sets up), which writes a JSON report that the
+grader reads even after the process was killed. Two ways to kill a save midway, both real crashes (no exception
+handler, no cleanup):
 - `_arm(nbytes)`: setrlimit(2) RLIMIT_FSIZE, with SIGXFSZ's default action restored (Python ignores it): the
   kernel kills the process at the first write that takes any file past `nbytes`, torch.save's C++ writes and
   shutil.copy's sendfile(2) included;
@@ -146,10 +143,10 @@ def _run(function, save, scratch: Path, layout: Layout, timeout_seconds: float) 
     except labkit.RankError as error:
         report = _Report.read(scratch)
         last = list(report)[-1] if report else None
-        if last is None or not last.startswith("killed") or report[last]["finished"]:
-            failure, _ = first_failure(error)
-            return report, (f"the process running your save died ({failure.summary}) during the {last or 'first'} "
-                            "save: a save must return, or raise an exception, and never end its process.")
+        if last is None or not last.startswith("killed") or report[last]["finished"]:  # not our kill
+            return report, (f"the process running your save died ({first_failure(error)[0].summary}) during the "
+                            f"{last or 'first'} save: a save must return, or raise an exception, and never end its "
+                            "process.")
     return _Report.read(scratch), None
 
 
@@ -526,7 +523,8 @@ class _SaveWatch(FileWatch):
     """The kit's watch on one save: its events go into the phase's `record` of `report` at once (the process may
     be killed next); while it is on, tempfile's default directory is `elsewhere` and the working directory
     `working`; `on_start()` runs once it is on, `on_write()` when the target is opened for writing, `on_replace()`
-    just before a rename onto it, where labkit.checkpoint's own atomic write is refused. What `_arm` changes and
+    just before a rename onto it, where labkit.checkpoint's own atomic write is refused (found on the call stack).
+    A temporary file made "elsewhere" thus stays inside the grader's temporary directory. What `_arm` changes and
     the working directory are put back on exit, after the hooks are off."""
 
     def __init__(self, target, elsewhere, working, report: _Report, record: dict, save, on_start=None,
@@ -677,5 +675,5 @@ class _Overtaker:
         if self.thread is not None:
             self.thread.join(_OVERTAKE_SECONDS)
             if self.thread.is_alive():
-                self.record["second_error"] = {"type": "TimeoutError", "filename": "", "message": (
-                    f"the second save had not returned {2 * _OVERTAKE_SECONDS:g} s after it started")}
+                self.record["second_error"] = _error_record(TimeoutError(
+                    f"the second save had not returned {2 * _OVERTAKE_SECONDS:g} s after it started"))
