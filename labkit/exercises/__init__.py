@@ -12,7 +12,7 @@
     accumulation  check_no_sync_accumulation (notebook 07): accumulation with DDP's no_sync(), one AllReduce per
                   optimizer step, equal to the large batch (one file, on the kit)
     atomic_save check_atomic_save (notebook 09): the student's checkpoint save killed midway, the previous one
-                must survive (atomic_watch: in the saving process)
+                must survive (its rank side in the same file, watched by the kit's _file_watch)
     bug_zoo     notebook 15's six broken training runs (zoo_run), their symptoms and causes (the widget is
                 labkit.widgets.zoo_diagnosis); bug_zoo_fix: check_fixed_training, the student's repair of one
     mesh_coordinates  check_mesh_coordinates (notebook 13): a rank's (dp, pp, tp) coordinates and its three

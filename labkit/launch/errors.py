@@ -98,7 +98,7 @@ def _unpickled(data: bytes | None, text: str):
 
 
 def qualified_name(cls: type) -> str:
-    """'builtins.ValueError', 'labkit.exercises.guard.ForbiddenCall': how `Failure.exception_type` names a class.
+    """'builtins.ValueError', 'labkit._refusals.ForbiddenCall': how `Failure.exception_type` names a class.
 
     >>> qualified_name(ValueError)
     'builtins.ValueError'

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from os import fsync, rename, replace
 from pathlib import Path
@@ -24,15 +25,15 @@ import torch
 
 import labkit
 from labkit.checkpoint import files
-from labkit.exercises.atomic_save import check_atomic_save
-from labkit.exercises.atomic_watch import FORMS, Layout
+from labkit.exercises._kit._file_watch import FileWatch, watching
+from labkit.exercises.atomic_save import FORMS, Layout, check_atomic_save
 
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_pool():
     """Start the pool of 1 rank and import the grader's rank side in it, so that no case's timeout is spent
     starting processes on a loaded machine."""
-    labkit.run(__import__, "labkit.exercises.atomic_watch", world_size=1)
+    labkit.run(__import__, "labkit.exercises.atomic_save", world_size=1)
 
 
 # ---- right saves, written differently ---------------------------------------------------------------------
@@ -566,10 +567,9 @@ def test_not_a_function():
 def _rank_state():
     """What the watch changes on a rank while a save runs: it must all be back afterwards, and its audit hook (which
     stays: an audit hook cannot be removed) reports to no watch."""
-    from labkit.exercises import atomic_watch
-
     return ([f.__module__ for f in (os.replace, os.rename, os.fsync, fsync, open, torch.save)], tempfile.tempdir,
-            resource.getrlimit(resource.RLIMIT_FSIZE), os.getcwd(), sys.getprofile(), atomic_watch.watching())
+            resource.getrlimit(resource.RLIMIT_FSIZE), resource.getrlimit(resource.RLIMIT_CORE), os.getcwd(),
+            sys.getprofile(), watching())
 
 
 def test_the_rank_is_left_as_it_was_and_nothing_outside_a_temporary_directory_is_touched():
@@ -599,7 +599,8 @@ def _forced(first: str, smallest: bool) -> Layout:
     """A drawn layout with the normal saves' spellings rotated to start at `first`, every other save spelled `first`
     too, and the smallest or largest state_dict."""
     layout = _DRAW()
-    order = FORMS[FORMS.index(first):] + FORMS[:FORMS.index(first)]
+    forms = list(FORMS)
+    order = forms[forms.index(first):] + forms[:forms.index(first)]
     forms = {key: order[int(key[-1]) - 1] if key.startswith("normal") else first for key in layout.forms}
     return dataclasses.replace(layout, forms=forms, rows=96 if smallest else 160, columns=192 if smallest else 320)
 
@@ -619,25 +620,62 @@ def test_the_draw_decides_nothing(monkeypatch, first, save, phrase):
 def _watch_then_write(directory):
     """On a rank: a watch on directory/model.pt whose `with` raises, then the same writes with no watch on. What the
     watch recorded, during and after, and whether everything it changed is back."""
-    from labkit.exercises.atomic_watch import Report, Watch, watching
-
-    report, target = Report(directory), Path(directory) / "model.pt"
-    record = report.phase("probe")
-    before = (os.fsync, sys.getprofile(), os.getcwd(), tempfile.tempdir)
+    target, before = Path(directory) / "model.pt", _watched_state()
+    watch = FileWatch(target)
     try:
-        with Watch(target, directory, directory, report, record):
+        with watch:
             open(target, "wb").close()
             raise KeyError("the save's own error")
     except KeyError:
         pass
-    during = [event["kind"] for event in record["events"]]
+    during = [event["kind"] for event in watch.events]
     open(target, "wb").close()
     os.replace(target, Path(directory) / "other.pt")
-    after = [event["kind"] for event in record["events"]]
-    return during, after, watching(), (os.fsync, sys.getprofile(), os.getcwd(), tempfile.tempdir) == before
+    after = [event["kind"] for event in watch.events]
+    return during, after, watching(), _watched_state() == before
+
+
+def _watched_state():
+    """What a watch changes while it is on: the sync functions' bindings (os's, this module's), the profile hooks."""
+    return os.fsync, os.fdatasync, os.sync, fsync, sys.getprofile(), threading.getprofile(), watching()
 
 
 def test_a_watch_is_undone_when_its_with_raises_and_its_hooks_stay_inert_afterwards(tmp_path):
-    [(during, after, watching, restored)] = labkit.run(_watch_then_write, str(tmp_path), world_size=1)
+    [(during, after, is_on, restored)] = labkit.run(_watch_then_write, str(tmp_path), world_size=1)
     assert during == after == ["write"]  # the write under the watch seen; none after it, though the hook stays
-    assert not watching and restored
+    assert not is_on and restored
+
+
+class _FailsInstalling(FileWatch):
+    """A watch whose install fails once everything is on (the kit's hooks and every sync binding replaced)."""
+
+    def install(self):
+        super().install()
+        assert watching() and os.fsync.__module__ == FileWatch.__module__  # the wrapper, not posix's
+        raise OSError("installing failed")
+
+
+def _install_fails_then_nest(directory):
+    """On a rank: a watch whose install raises, then a watch inside a watch. Whether everything was put back after
+    the failed install, and what the nested one raised."""
+    before, target = _watched_state(), Path(directory) / "model.pt"
+    try:
+        with _FailsInstalling(target, follow=sync_as_a_default_argument):
+            pass
+    except OSError:
+        pass
+    restored = _watched_state() == before and sync_as_a_default_argument.__defaults__ == (os.fsync, os.replace)
+    nested = None
+    with FileWatch(target):
+        try:
+            with FileWatch(target):
+                pass
+        except RuntimeError as error:
+            nested = str(error)
+    return restored, nested, _watched_state() == before
+
+
+def test_a_watch_whose_install_fails_puts_everything_back_and_one_watch_is_on_at_a_time(tmp_path):
+    [(restored, nested, restored_again)] = labkit.run(_install_fails_then_nest, str(tmp_path), world_size=1)
+    assert restored and restored_again
+    assert "already on" in nested

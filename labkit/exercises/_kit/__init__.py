@@ -13,6 +13,8 @@
     _wait_watch  which collectives graded code waited for (handles, futures): the one wait watcher
     _stack       is the course's own answer on the call stack? (the outermost ready-made frame)
     _runner      one grading loop driven by an exercise's `Spec`, with one rule after a RankError
+    _file_watch  what graded code does to one file, seen where it happens (audit hooks, torch.save, the
+                 sync functions followed): notebook 09's watch in the saving process
 
 Ready-made helpers refuse to run while graded from a leaf below every kernel, labkit._refusals. The graders import
 these modules by their full names; nothing here is part of labkit's API (each module's `__all__` is empty).

@@ -1,6 +1,6 @@
 """Which collectives graded code waited for, through their handles or their futures: `WaitWatch`, shared by the
 guards of every grader that lets the student start a collective with async_op=True (allreduce, average,
-ddp_hook, bug_zoo_fix, megatron, step_guard). It replaces methods of torch's Work and Future through the guard's
+ddp_hook, bug_zoo_fix, megatron, sharded_step). It replaces methods of torch's Work and Future through the guard's
 interceptor (labkit.exercises._kit._intercept), which puts them back when the guard ends.
 """
 
