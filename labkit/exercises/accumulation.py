@@ -711,11 +711,13 @@ class SavedActivations:
     the micro-batch whose forward is running; autograd drops the holder when it frees that graph (after a
     backward without retain_graph=True, or when the last reference to the loss goes), and a finalizer counts it
     out. Deterministic: CPython frees by reference counts (a collection is run before a graph is said alive,
-    for graphs held in a cycle)."""
+    for graphs held in a cycle; once one has shown graphs alive on purpose, the verdict is that call's, and later
+    forwards skip it: a collection costs tenths of a second on a loaded machine)."""
 
     def __init__(self, watch: Watch):
         self.watch = watch
         self.alive: dict[tuple[int, int], int] = {}  # (id of the step's record, micro-batch index) -> holders
+        self.confirmed = False  # a collection has shown graphs alive on purpose: no need to collect again
 
     def hooks(self):
         """The context under which the student's step runs."""
@@ -736,8 +738,9 @@ class SavedActivations:
         def held() -> list[int]:
             record = id(self.watch.current)
             return [i + 1 for (r, i), n in sorted(self.alive.items()) if r == record and 0 <= i < index and n]
-        if held():
+        if held() and not self.confirmed:
             gc.collect()  # a graph held only by a reference cycle is garbage, not memory kept on purpose
+            self.confirmed = bool(held())  # once shown, the verdict is that call's: later ones skip the collection
         return held()
 
 
