@@ -1,9 +1,12 @@
 """The grader of notebook 07's "your turn": gradient accumulation with torch DDP's no_sync(), on real ranks.
 
 `check_no_sync_accumulation(fn)` calls `fn(ddp_model, optimizer, microbatches)` once per optimizer step, a few
-steps, on 2 ranks with 3 micro-batches each and on 3 ranks with 2 (k differs from N, so dividing by N instead of
-k shows). `ddp_model` is a small float64 model in torch's DistributedDataParallel, `optimizer` its SGD, and
-`microbatches` this rank's list of k (x, y) micro-batches of the step's batch. One optimizer step should:
+steps, in two cases drawn afresh for each grading (`draw_cases`). `ddp_model` is a small model in torch's
+DistributedDataParallel, `optimizer` its SGD, and `microbatches` this rank's list of k (x, y) micro-batches of the
+step's batch. What a right solution must not depend on is drawn: two different world sizes of 2, 3 and 4, one case
+in float32 and one in float64, k micro-batches (2-4, never N, so dividing by N instead of k shows) of 2-5 rows,
+the model's sizes, SGD's lr and momentum, and the seeds; the two cases differ in k, in k x N and in the rows per
+step, so that any of them written in as a number fails one. One optimizer step should:
 
 - run the first k-1 micro-batches, forward and backward, inside `ddp_model.no_sync()`, where each backward only
   adds to .grad, and the last one outside it, whose backward all-reduces the accumulated sum: one
@@ -21,15 +24,20 @@ bucket once, with no collective of the solution's own (an all_reduce is counted;
 is switched off: DDP's constructor broadcast the parameters, and its all_reduce keeps the replicas equal); no
 gradient was changed between micro-batches but by a backward (a clip_grad_norm_ there clips a partial,
 unsynchronised sum; clipping belongs after the last backward, and this exercise's step is the large batch's,
-unclipped); optimizer.step() ran once, with the gradient of
-the whole large batch (every rank's micro-batches) of one process (float64, within 1e-9); and the parameters
-after every step equal one process trained on the large batch, the same on every rank. The watching, on each
-rank, is below (`attempt`).
+unclipped); DDP's one all_reduce carried this rank's accumulated gradient (the sum of its k micro-batches'
+gradients, as its bucket holds them, up to one factor: a loss undivided and the gradients divided by k after the
+backward is right too): counting one all_reduce is not checking what it reduced, so an accumulator of one's own
+that leaves DDP only the last micro-batch's gradient fails; optimizer.step() ran once, with the gradient of the
+whole large batch (every rank's micro-batches) of one process in float64 from the same start (within TOLERANCES,
+relative to each value's size beyond 1: 1e-9 in float64, 1e-4 in float32, whose rounding over a few steps stays
+below 2e-6); and the parameters after every step equal that process trained on the large batch, the same on every
+rank. The watching, on each rank, is below (`attempt`).
 
 The grading is the kit's runner driven by `SPEC` (labkit.exercises._kit._runner): the cases, the rank-side
 attempt, the ordered checks and the messages. On a rank (`attempt`):
 
-Each rank wraps the same small model (`accumulation_model`, float64, seeded the same everywhere) in torch's
+Each rank wraps the same small model (`accumulation_model`, the case's sizes and dtype, seeded the same
+everywhere) in torch's
 DistributedDataParallel, makes an SGD optimizer, and calls the student's `fn(ddp_model, optimizer, microbatches)`
 once per optimizer step with this rank's micro-batches of that step's batch (`rank_microbatches`). While fn runs,
 every way into torch.distributed's communication but all_reduce is switched off (`AccumulationGuard`, the shared
@@ -48,7 +56,8 @@ only adds a round trip. Everything else is watched where DDP and the optimizer r
   torch.autograd.graph.saved_tensors_hooks, into a holder counted under its micro-batch until autograd frees it
   (`SavedActivations`), so a backward(retain_graph=True) whose losses are kept alive shows at the next forward;
 - each bucket DDP all-reduces, through a communication hook (`DistributedDataParallel.register_comm_hook`) that
-  counts it and then does what DDP does by default (`default_hooks.allreduce_hook`: divide by N, all_reduce);
+  counts it, notes what it holds, per parameter (GradBucket.parameters() and .gradients()), and then does what
+  DDP does by default (`default_hooks.allreduce_hook`: divide by N, all_reduce);
 - every all_reduce the process group receives (ProcessGroup.allreduce), so that one made by hand shows, and
   what it held: a parameter's gradient (or a tensor of a parameter's shape), or another tensor (a loss, say);
 - each parameter's .grad right after a backward accumulated into it (Tensor.register_post_accumulate_grad_hook),
@@ -57,9 +66,10 @@ only adds a round trip. Everything else is watched where DDP and the optimizer r
 - the gradient at each `optimizer.step()` (a step pre-hook), and the parameters after each call.
 
 The model is small enough that DDP puts all its gradients in one bucket (its first bucket holds 1 MB), so one
-synchronisation is one all_reduce. The inputs are scaled (INPUT_SCALE) so that the gradients are large: the large
-batch's norm is 7.7 to 10.4 and one micro-batch's share at least 2.5, so that a clip_grad_norm_(max_norm=1.0) in
-the wrong place acts and shows.
+synchronisation is one all_reduce. The inputs are scaled (INPUT_SCALE) so that the gradients are large: over 300
+draws, the large batch's norm at the first step was at least 2.5 and some rank's partial sum before its last
+micro-batch at least 3.5, so that a clip_grad_norm_(max_norm=1.0) in the wrong place acts and shows. Each
+micro-batch is a tensor of its own, not a view of the whole step's batch.
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import random
 import weakref
 from dataclasses import dataclass, field
 
@@ -86,10 +97,14 @@ from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.models import mlp
 
-__all__ = ["ACCUMULATION_CASES", "TOLERANCE", "check_no_sync_accumulation", "reference_run", "warm_up"]
+__all__ = ["TOLERANCES", "WORLD_SIZES", "check_no_sync_accumulation", "draw_cases", "reference_run", "warm_up"]
 
-ACCUMULATION_CASES = ((2, 3), (3, 2))  # (world_size, micro-batches per rank): N != k, so /N and /k differ
-TOLERANCE = 1e-9  # float64: a right step is within 1e-15; every mistake is off by far more
+WORLD_SIZES = (2, 3, 4)  # a grading draws two of them
+MICROBATCHES = (2, 3, 4)  # k, drawn per case: never the case's N, so dividing by N instead of k shows
+MICRO_ROWS = (2, 3, 4, 5)  # rows per micro-batch, drawn per case
+TOLERANCES = {torch.float64: 1e-9, torch.float32: 1e-4}  # relative to the value's size beyond 1, against one
+# process in float64 from the same start: a right step is within 1e-14 (float64) or 1e-6 (float32, its rounding
+# over a few steps); every mistake is off by 1e-2 and far more
 BUCKETS = 1  # the graded model's gradients fit DDP's first bucket: one synchronisation is one all_reduce
 STARTUP_SECONDS = 120.0  # starting a pool of ranks and torch's first DDP, however loaded the machine
 
@@ -108,28 +123,66 @@ def check_no_sync_accumulation(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) 
         ...     optimizer.step()
         ...     optimizer.zero_grad()
         >>> check_no_sync_accumulation(no_no_sync)
-        Not yet. On 2 ranks with 3 micro-batches each (a batch of 24 rows...after every micro-batch (3 all_reduces...
+        Not yet. On ... ranks with ... micro-batches each of ... rows (a batch of ...after every micro-batch (...
     """
     return grade(SPEC, fn, timeout_seconds=timeout_seconds)
 
 
+def draw_cases(rng: random.Random | None = None) -> list[Case]:
+    """Two cases, drawn afresh for each grading, so that a solution that depends on what it should not fails one
+    of them: two different world sizes of WORLD_SIZES, one case in float32 and one in float64, k micro-batches
+    (never N) of 2-5 rows each, the model's sizes (3-6 features, 4-8 hidden units), SGD's lr (0.02-0.08) and
+    momentum (none, or 0.5-0.9), and the seeds of the model and of the batches. The two cases differ in k, in
+    k x N (the micro-batches of one step, all ranks together) and in the rows per step, so that any of them
+    written in as a number fails one case. Small enough that a grading stays well under a second once the ranks
+    are up."""
+    rng = rng or random.Random()
+    while True:
+        world_sizes = rng.sample(WORLD_SIZES, 2)
+        ks = [rng.choice([k for k in MICROBATCHES if k != n]) for n in world_sizes]
+        rows = [rng.choice(MICRO_ROWS) for _ in world_sizes]
+        totals = [n * k for n, k in zip(world_sizes, ks, strict=True)]
+        steps = [t * r for t, r in zip(totals, rows, strict=True)]
+        if ks[0] != ks[1] and totals[0] != totals[1] and steps[0] != steps[1]:
+            break
+    dtypes = rng.sample([torch.float32, torch.float64], 2)
+    return [Case(n, {"microbatches": k, "rows": r, "dtype": dtype, "features": rng.randint(3, 6),
+                     "hidden": rng.randint(4, 8), "lr": round(rng.uniform(0.02, 0.08), 3),
+                     "momentum": rng.choice((0.0, round(rng.uniform(0.5, 0.9), 2))),
+                     "seed": rng.randrange(10 ** 6), "batch_seed": rng.randrange(10 ** 6)})
+            for n, k, r, dtype in zip(world_sizes, ks, rows, dtypes, strict=True)]
+
+
 def _cases() -> list[Case]:
-    """The cases, each pool of ranks first started and its DDP warmed up (warm_up), so that starting ranks does
-    not eat a case's timeout."""
-    for world_size, _ in ACCUMULATION_CASES:
-        labkit.run(warm_up, world_size=world_size, timeout=STARTUP_SECONDS)
-    return [Case(world_size, {"microbatches": k}) for world_size, k in ACCUMULATION_CASES]
+    """The cases of this grading (draw_cases), each pool of ranks first started and its DDP warmed up (warm_up),
+    so that starting ranks does not eat a case's timeout."""
+    cases = draw_cases()
+    for case in cases:
+        labkit.run(warm_up, world_size=case.world_size, timeout=STARTUP_SECONDS)
+    return cases
+
+
+def _dtype(case: Case) -> str:
+    return str(case["dtype"]).removeprefix("torch.")
+
+
+def _rows_per_step(case: Case) -> int:
+    return case.world_size * case["microbatches"] * case["rows"]
 
 
 def _described(case: Case) -> str:
-    return (f"On {case.world_size} ranks with {case['microbatches']} micro-batches each (a batch of {ROWS_PER_STEP} "
-            "rows per optimizer step)")
+    momentum = f", momentum {case['momentum']:g}" if case["momentum"] else ""
+    return (f"On {case.world_size} ranks with {case['microbatches']} micro-batches each of {case['rows']} rows (a "
+            f"batch of {_rows_per_step(case)} rows per optimizer step; {_dtype(case)}, SGD lr {case['lr']:g}"
+            f"{momentum})")
 
 
 def _passed(cases) -> str:
-    return (f"on 2 ranks x 3 micro-batches and 3 ranks x 2, every optimizer step ran the first k-1 "
-            "micro-batches inside no_sync() and DDP all-reduced once per optimizer step, not once "
-            "per micro-batch; the gradient at optimizer.step() was the large batch's, and after "
+    said = " and ".join(f"{c.world_size} ranks x {c['microbatches']} micro-batches ({_dtype(c)})" for c in cases)
+    return (f"on {said}, with the sizes, the dtype, the lr and the momentum drawn afresh, every optimizer step ran "
+            "the first k-1 micro-batches inside no_sync() and DDP all-reduced once per optimizer step, not once "
+            "per micro-batch, and what it all-reduced was each rank's accumulated gradient (the sum over its "
+            "micro-batches); the gradient at optimizer.step() was the large batch's, and after "
             f"{STEPS} steps every rank's parameters equal one process trained on the large batch. "
             "That is gradient accumulation: k times the batch for one AllReduce.")
 
@@ -143,25 +196,53 @@ def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float) 
 def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
     """A rank's own error (a refused call the runner has told already)."""
     first = first_failure(error)[0]
-    return f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
+    message = f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
+    if "dtype" in first.summary or "Double" in first.summary or "Float" in first.summary:
+        message += (f" In this case the model and the micro-batches are {_dtype(case)} (drawn for each grading: "
+                    "float32 or float64): use x and y as they come, without casting them.")
+    return message
 
 
-def reference_run(world_size: int, microbatches: int) -> tuple[list, list, list]:
-    """One process on the large batches: per step, the gradient of the whole batch, the gradient of the ranks'
-    last micro-batches only (divided by k: what is left when .grad is zeroed inside the loop), and the parameters
-    after SGD on the whole batch's gradient."""
-    model = accumulation_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    full, last_only, params = [], [], []
-    rows = ROWS_PER_STEP // world_size
-    last = [r * rows + i for r in range(world_size) for i in range(rows - rows // microbatches, rows)]
+@dataclass
+class Reference:
+    """One process in float64 on the case's large batches, from the same start (what a rank's model holds, in
+    float64): per step, the gradient of the whole batch (`full`), of the ranks' last micro-batches only, divided by
+    k (`last_only`: what is left when .grad is zeroed inside the loop), of each rank's own rows (`own[rank]`: the
+    sum of its k micro-batches' gradients, each loss divided by k, which DDP's bucket holds when it all-reduces),
+    and of each rank's last micro-batch alone, divided by k (`own_last[rank]`); and the parameters after the
+    optimizer's step on the whole batch's gradient (`params`)."""
+
+    full: list = field(default_factory=list)
+    last_only: list = field(default_factory=list)
+    own: list = field(default_factory=list)
+    own_last: list = field(default_factory=list)
+    params: list = field(default_factory=list)
+
+
+def reference_run(case: Case) -> Reference:
+    """One process on the large batches of `case` (Reference)."""
+    model = accumulation_model(case, dtype=torch.float64)
+    optimizer = _optimizer(model, case)
+    k, n, reference = case["microbatches"], case.world_size, Reference()
+    rows = k * case["rows"]
+    last = [r * rows + i for r in range(n) for i in range(rows - case["rows"], rows)]
     for step in range(STEPS):
-        x, y = step_batch(step)
-        last_only.append([g / microbatches for g in _gradient(model, x[last], y[last])])
-        full.append(_gradient(model, x, y))
+        x, y = step_batch(case, step)
+        x = x.to(case["dtype"]).double()  # the values a rank has, in float64
+        reference.last_only.append([g / k for g in _gradient(model, x[last], y[last])])
+        reference.own.append([_gradient(model, x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])
+                              for r in range(n)])
+        reference.own_last.append([[g / k for g in _gradient(model, x[(r + 1) * rows - case["rows"]:(r + 1) * rows],
+                                                             y[(r + 1) * rows - case["rows"]:(r + 1) * rows])]
+                                   for r in range(n)])
+        reference.full.append(_gradient(model, x, y))
         optimizer.step()
-        params.append([v for p in model.parameters() for v in p.detach().flatten().tolist()])
-    return full, last_only, params
+        reference.params.append([v for p in model.parameters() for v in p.detach().flatten().tolist()])
+    return reference
+
+
+def _optimizer(model: torch.nn.Module, case: Case) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=case["lr"], momentum=case["momentum"])
 
 
 def _gradient(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[float]:
@@ -274,7 +355,7 @@ def _sync_problem(records, case: Case) -> str | None:
         for call in calls:
             inside = call.no_sync_forwards
             if inside != wanted:
-                return _pattern_message(rank, call, microbatches, _drift(records))
+                return _pattern_message(rank, call, microbatches, _drift(records, case))
             if call.own_allreduces:
                 return _own_allreduce_message(rank, call)
             if call.syncs != BUCKETS:
@@ -315,6 +396,11 @@ def _pattern_message(rank: int, call, microbatches: int, drift: str) -> str:
         return (f"rank {rank} entered ddp_model.no_sync(), but every forward ran outside it, so DDP still "
                 f"all-reduced {_syncs_text(call, k)}. DDP decides at the forward whether its backward will "
                 "synchronise.")
+    if all(inside) and call.own_allreduces:
+        return (f"every micro-batch ran inside no_sync(), so DDP never all-reduced, and rank {rank} made "
+                f"{len(call.own_allreduces)} all_reduce(s) of its own instead: the right number of all_reduces, "
+                "but not DDP's. This exercise is DDP's accumulation: leave the last micro-batch outside no_sync(), "
+                "and its backward all-reduces the accumulated sum, with no collective of your own.")
     if all(inside):
         return (f"every micro-batch ran inside no_sync(), so DDP never all-reduced: each rank stepped with its "
                 f"own gradient, and {drift}. DDP all-reduces only in a backward outside no_sync().")
@@ -328,54 +414,93 @@ def _pattern_message(rank: int, call, microbatches: int, drift: str) -> str:
             f"DDP all-reduced {_syncs_text(call, k)}, not once, the whole sum.")
 
 
-def _drift(records) -> str:
+def _drift(records, case: Case) -> str:
     """How far the replicas drifted apart by the end, in words."""
     gap, rank = max((_gap(calls[-1].params, records[0][-1].params), r) for r, calls in enumerate(records))
-    if gap <= TOLERANCE:
+    if gap <= TOLERANCES[case["dtype"]]:
         return "the ranks' gradients differed"
     return (f"the replicas drifted apart (rank {rank}'s parameters differ from rank 0's by {gap:.2g} after {STEPS} "
             "steps)")
 
 
 def _values_problem(records, case: Case) -> str | None:
-    """The gradient at each optimizer.step() against the large batch's, then the parameters after each step."""
-    microbatches = case["microbatches"]
-    full, last_only, params = reference_run(case.world_size, microbatches)
+    """Per optimizer step: what DDP's one all_reduce carried on each rank (its bucket, against the rank's own
+    accumulated gradient), the gradient at optimizer.step() against the large batch's, then the parameters."""
+    microbatches, tolerance = case["microbatches"], TOLERANCES[case["dtype"]]
+    reference = reference_run(case)
     for step in range(STEPS):
+        said = f"at optimizer step {step + 1} of {STEPS}, "
+        for rank, calls in enumerate(records):
+            previous = records[rank][step - 1].step_grads[0] if step else None
+            problem = _contents_problem(rank, calls[step].reduced, reference.own[step][rank],
+                                        reference.own_last[step][rank], previous, microbatches, tolerance)
+            if problem:
+                return said + problem
         for rank, calls in enumerate(records):
             got = calls[step].step_grads[0]
-            if _gap(got, full[step]) > TOLERANCE:
+            if _gap(got, reference.full[step], tolerance) > tolerance:
                 previous = records[rank][step - 1].step_grads[0] if step else None
-                return f"at optimizer step {step + 1} of {STEPS}, " + _gradient_message(
-                    rank, got, full[step], last_only[step], previous, microbatches, len(records))
+                return said + _gradient_message(rank, got, reference.full[step], reference.last_only[step],
+                                                previous, microbatches, len(records), tolerance)
         for rank, calls in enumerate(records):
-            if _gap(calls[step].params, params[step]) > TOLERANCE:
+            gap = _gap(calls[step].params, reference.params[step], tolerance)
+            if gap > tolerance:
                 return (f"rank {rank}'s parameters after optimizer step {step + 1} differ from one process's by "
-                        f"{_gap(calls[step].params, params[step]):.3g}, although the gradient at step() was right: "
-                        "change the parameters only through optimizer.step().")
+                        f"{_gap(calls[step].params, reference.params[step]):.3g}, although the gradient at step() "
+                        "was right: change the parameters only through optimizer.step().")
     return None
 
 
-def _gradient_message(rank: int, got, want, last_only, previous, k: int, world_size: int) -> str:
+def _contents_problem(rank: int, reduced, own, own_last, previous, k: int, tolerance: float) -> str | None:
+    """What DDP's one all_reduce carried on `rank` (`reduced`: its bucket as the communication hook received it,
+    in the model's parameter order), when it is not this rank's accumulated gradient (`own`, the sum of its k
+    micro-batches' gradients) times some factor (a loss divided by something else than k is told at
+    optimizer.step()); else None. Counting one all_reduce is not checking that it carried the accumulation."""
+    if _scale(reduced, own, tolerance) not in (None, 0.0) and _gap(reduced, [0.0] * len(reduced)) > tolerance:
+        return None
+    said = f"rank {rank}'s one all_reduce (DDP's, in the last micro-batch's backward) carried"
+    if _gap(reduced, [0.0] * len(reduced)) <= tolerance:
+        return (f"{said} zeros: .grad was zeroed (or replaced) before the last backward, so the one all_reduce "
+                "synchronised nothing, and whatever .grad held at optimizer.step() came from elsewhere. The "
+                "backward passes must add up in .grad, for DDP to all-reduce their sum.")
+    if _scale(reduced, own_last, tolerance) is not None:
+        return (f"{said} a gradient that held only the last micro-batch's, not the sum of this rank's {k}: the first "
+                f"{k - 1} were zeroed (or moved out of .grad) before its backward, by a zero_grad() inside the loop "
+                "over the micro-batches, where the backward passes must add up in .grad. Whatever is added to "
+                ".grad after the all_reduce (an accumulator of your own, say) stays on its rank, unsynchronised.")
+    if previous is not None and _scale([a - b for a, b in zip(reduced, previous, strict=True)], own,
+                                       tolerance) is not None:
+        return (f"{said} a gradient that still held the previous step's: the gradients were never zeroed, so "
+                ".grad kept adding up across optimizer steps.")
+    return (f"{said} something other than this rank's accumulated gradient (the sum of its {k} micro-batches' "
+            f"gradients, as .grad holds it after their backward passes): it differs from it by "
+            f"{_gap(reduced, own):.3g}, by no single factor. The all_reduce must carry what the backward passes "
+            "added up in .grad; .grad set afterwards from anything else (a copy, an accumulator of your own) is "
+            "not synchronised.")
+
+
+def _gradient_message(rank: int, got, want, last_only, previous, k: int, world_size: int,
+                      tolerance: float) -> str:
     """What the gradient at optimizer.step() is, when it is not the large batch's."""
-    if _gap(got, [0.0] * len(got)) <= TOLERANCE:
+    if _gap(got, [0.0] * len(got)) <= tolerance:
         return (f"rank {rank}'s gradient at optimizer.step() was zero: the gradients were zeroed after the "
                 "backward passes and before step().")
-    if _scale(got, last_only) is not None:
+    if _scale(got, last_only, tolerance) is not None:
         return (f"rank {rank}'s gradient at optimizer.step() held only the last micro-batch's: the first {k - 1} "
                 "were zeroed before step(), by a zero_grad() inside the loop over the micro-batches, where the "
                 "backward passes must add up in .grad.")
-    if previous is not None and _gap([a - b for a, b in zip(got, previous, strict=True)], want) <= TOLERANCE:
+    if previous is not None and _gap([a - b for a, b in zip(got, previous, strict=True)], want,
+                                     tolerance) <= tolerance:
         return (f"rank {rank}'s gradient at optimizer.step() still held the previous step's: the gradients were "
                 "never zeroed, so .grad kept adding up across optimizer steps.")
-    scale = _scale(got, want)
+    scale = _scale(got, want, tolerance)
     if scale is None:
         return (f"rank {rank}'s gradient at optimizer.step() differs from the large batch's by "
                 f"{_gap(got, want):.3g}, by no single factor.")
-    return _scale_message(rank, scale, k, world_size) or _clipped_message(rank, scale, got, want)
+    return _scale_message(rank, scale, k, world_size) or _clipped_message(rank, scale, got, want, k)
 
 
-def _clipped_message(rank: int, scale: float, got, want) -> str:
+def _clipped_message(rank: int, scale: float, got, want, k: int) -> str:
     """The message for a gradient that is the large batch's times `scale`, not a k or N mistake: scaled down
     after the last backward, as clip_grad_norm_ does (it multiplies every gradient by max_norm / total norm)."""
     said = f"rank {rank}'s gradient at optimizer.step() was {scale:.4g} times the large batch's"
@@ -384,8 +509,14 @@ def _clipped_message(rank: int, scale: float, got, want) -> str:
                 "the last backward, as torch.nn.utils.clip_grad_norm_ does? That is the right place to clip in a "
                 "real run: once, after the last micro-batch's backward, on the all-reduced gradient. But this "
                 "exercise checks the step against the large batch's gradient, unclipped: leave clipping out "
-                "here. If you did not clip, the losses were scaled by something other than 1/k.")
-    return f"{said}: the losses were scaled by something other than 1/k (DDP averages over the ranks itself)."
+                f"here. If you did not clip, {_not_one_over_k(k)}")
+    return f"{said}: {_not_one_over_k(k)}"
+
+
+def _not_one_over_k(k: int) -> str:
+    return (f"the losses were scaled by something other than 1/k = 1/{k} (DDP averages over the ranks itself). k, "
+            "the rows and the world size are drawn for each grading: take k from len(microbatches) and the rows "
+            "from the micro-batches themselves, not a number written in.")
 
 
 def _norm(values) -> float:
@@ -409,47 +540,56 @@ def _scale_message(rank: int, scale: float, k: int, world_size: int) -> str | No
     return None
 
 
-def _scale(got, want) -> float | None:
-    """s when got = s x want (to TOLERANCE), else None."""
+def _scale(got, want, tolerance: float) -> float | None:
+    """s when got = s x want (to `tolerance`, _gap's), else None."""
     norm = sum(b * b for b in want)
-    scale = sum(a * b for a, b in zip(got, want, strict=True)) / norm
-    return scale if _gap(got, [scale * b for b in want]) <= TOLERANCE else None
+    scale = sum(a * b for a, b in zip(got, want, strict=True)) / norm if norm else 0.0
+    return scale if _gap(got, [scale * b for b in want], tolerance) <= tolerance else None
 
 
-def _gap(got, want) -> float:
-    """The largest absolute difference between two flat lists of floats."""
-    return max((abs(a - b) for a, b in zip(got, want, strict=True)), default=0.0)
+def _gap(got, want, tolerance: float | None = None) -> float:
+    """The largest absolute difference between two flat lists of floats; with a tolerance, measured relative to
+    each wanted value's size beyond 1 (so that it reads against that tolerance: a float32 run's rounding grows
+    with its values, and a wrong one may grow large, or to NaN, which is no match)."""
+    def apart(a: float, b: float) -> float:
+        if a != a or b != b:
+            return 0.0 if a != a and b != b else float("inf")
+        return abs(a - b) / (max(1.0, abs(b)) if tolerance is not None else 1.0)
+    return max((apart(a, b) for a, b in zip(got, want, strict=True)), default=0.0)
 
 
 # ---- on a rank: the training run, what is watched, and what the student's step left behind -----------
 
-FEATURES, HIDDEN, CLASSES = 4, 8, 3
-ROWS_PER_STEP = 24  # the large batch of one optimizer step, shared by the ranks and cut into micro-batches
+CLASSES = 3
 STEPS = 3  # optimizer steps: a second step shows gradients never zeroed
-LR = 0.05  # with INPUT_SCALE's large gradients, every mistake moves the parameters far, and no step diverges
 INPUT_SCALE = 20.0  # the inputs' scale: gradient norms of 2.5 and more, so that a misplaced clip to 1.0 acts
 
 
-def accumulation_model(device=None) -> torch.nn.Sequential:
-    """The graded model: 4 features, one hidden layer of 8, 3 classes, float64, the same seed on every rank."""
-    return mlp(features=FEATURES, hidden=HIDDEN, classes=CLASSES, layers=1, dtype=torch.float64).to(device)
+def accumulation_model(case: Case, device=None, dtype: torch.dtype | None = None) -> torch.nn.Sequential:
+    """The graded model of `case`: its features, one hidden layer of its hidden units, 3 classes, in its dtype
+    (or `dtype`), seeded the same on every rank (and in float64 the same values: mlp casts a float32 start)."""
+    return mlp(features=case["features"], hidden=case["hidden"], classes=CLASSES, layers=1, seed=case["seed"],
+               dtype=dtype or case["dtype"]).to(device)
 
 
-def step_batch(step: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The large batch of optimizer step `step` (ROWS_PER_STEP rows), the same on every rank and in the grader."""
-    generator = torch.Generator().manual_seed(100 + step)
-    x = INPUT_SCALE * torch.randn(ROWS_PER_STEP, FEATURES, generator=generator, dtype=torch.float64)
-    y = torch.randint(0, CLASSES, (ROWS_PER_STEP,), generator=generator)
+def step_batch(case: Case, step: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The large batch of optimizer step `step` of `case` (N x k x rows rows), in float64, the same on every rank
+    and in the grader; a rank takes it in the case's dtype."""
+    generator = torch.Generator().manual_seed(case["batch_seed"] + step)
+    rows = case.world_size * case["microbatches"] * case["rows"]
+    x = INPUT_SCALE * torch.randn(rows, case["features"], generator=generator, dtype=torch.float64)
+    y = torch.randint(0, CLASSES, (rows,), generator=generator)
     return x.to(device), y.to(device)
 
 
-def rank_microbatches(step: int, rank: int, world_size: int, microbatches: int, device=None) -> list:
-    """Rank `rank`'s share of step `step`'s batch (a contiguous block of rows), cut into `microbatches` equal
-    (x, y) micro-batches."""
-    x, y = step_batch(step, device)
-    rows = ROWS_PER_STEP // world_size
+def rank_microbatches(case: Case, step: int, rank: int, device=None) -> list:
+    """Rank `rank`'s share of step `step`'s batch (a contiguous block of rows) in the case's dtype, cut into the
+    case's k equal (x, y) micro-batches. Each is a tensor of its own (not a view of the whole batch)."""
+    x, y = step_batch(case, step, device)
+    k, rows = case["microbatches"], case["microbatches"] * case["rows"]
     mine = slice(rank * rows, (rank + 1) * rows)
-    return list(zip(x[mine].chunk(microbatches), y[mine].chunk(microbatches), strict=True))
+    return [(xs.to(case["dtype"]).clone(), ys.clone())
+            for xs, ys in zip(x[mine].chunk(k), y[mine].chunk(k), strict=True)]
 
 
 @dataclass
@@ -471,6 +611,9 @@ class StepRecord:
     touched: list[int] = field(default_factory=list)  # micro-batches after whose backward .grad was changed
     step_grads: list[list[float]] = field(default_factory=list)
     entered_no_sync: bool = False
+    synced: dict[int, list[float]] = field(default_factory=dict)  # parameter index -> its gradient as DDP's
+    # bucket held it when the communication hook received it (before DDP's division by N)
+    reduced: list[float] = field(default_factory=list)  # `synced` flat, in the model's order (zeros where none)
     params: list[float] = field(default_factory=list)
     evaluations: int = 0  # forwards under torch.no_grad() (an accuracy logged, say): no micro-batch, no graph
     still_alive: list[list[int]] = field(default_factory=list)  # per forward: the earlier micro-batches (1-based)
@@ -540,8 +683,12 @@ class Watch:
             self.current.module_forwards += 1
 
     def _sync(self, state, bucket):
-        """DDP's default reduction (divide by N, all_reduce), counted."""
+        """DDP's default reduction (divide by N, all_reduce), counted, and what the bucket carried noted, per
+        parameter (GradBucket.parameters() and .gradients(), the bucket's views of each gradient)."""
         self.current.syncs += 1
+        index = {p.data_ptr(): i for i, p in enumerate(self.parameters)}
+        for parameter, gradient in zip(bucket.parameters(), bucket.gradients(), strict=True):
+            self.current.synced[index[parameter.data_ptr()]] = gradient.detach().double().flatten().tolist()
         self.in_sync = True
         try:
             return default_hooks.allreduce_hook(None, bucket)
@@ -564,11 +711,13 @@ class SavedActivations:
     the micro-batch whose forward is running; autograd drops the holder when it frees that graph (after a
     backward without retain_graph=True, or when the last reference to the loss goes), and a finalizer counts it
     out. Deterministic: CPython frees by reference counts (a collection is run before a graph is said alive,
-    for graphs held in a cycle)."""
+    for graphs held in a cycle; once one has shown graphs alive on purpose, the verdict is that call's, and later
+    forwards skip it: a collection costs tenths of a second on a loaded machine)."""
 
     def __init__(self, watch: Watch):
         self.watch = watch
         self.alive: dict[tuple[int, int], int] = {}  # (id of the step's record, micro-batch index) -> holders
+        self.confirmed = False  # a collection has shown graphs alive on purpose: no need to collect again
 
     def hooks(self):
         """The context under which the student's step runs."""
@@ -589,8 +738,9 @@ class SavedActivations:
         def held() -> list[int]:
             record = id(self.watch.current)
             return [i + 1 for (r, i), n in sorted(self.alive.items()) if r == record and 0 <= i < index and n]
-        if held():
+        if held() and not self.confirmed:
             gc.collect()  # a graph held only by a reference cycle is garbage, not memory kept on purpose
+            self.confirmed = bool(held())  # once shown, the verdict is that call's: later ones skip the collection
         return held()
 
 
@@ -620,25 +770,29 @@ def flat_grads(model: torch.nn.Module) -> list[float]:
             .flatten().tolist()]
 
 
+_WARM_UP = Case(1, {"features": 3, "hidden": 4, "seed": 0, "dtype": torch.float64})
+
+
 def warm_up() -> None:
-    """On a rank: wrap the model in DDP once, so that what torch imports on DDP's first use is imported before a
+    """On a rank: wrap a model in DDP once, so that what torch imports on DDP's first use is imported before a
     graded call's timeout starts."""
-    torch.nn.parallel.DistributedDataParallel(accumulation_model(labkit.device()))
+    torch.nn.parallel.DistributedDataParallel(accumulation_model(_WARM_UP, labkit.device()))
 
 
 def attempt(fn, case: Case) -> list[StepRecord]:
     """On a rank: STEPS calls of fn(ddp_model, optimizer, this rank's micro-batches), watched; one record each."""
-    microbatches = case["microbatches"]
     device = labkit.device()
-    ddp = torch.nn.parallel.DistributedDataParallel(accumulation_model(device))
-    optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+    ddp = torch.nn.parallel.DistributedDataParallel(accumulation_model(case, device))
+    optimizer = _optimizer(ddp, case)
     watch, records = Watch(ddp, optimizer), []
     for step in range(STEPS):
         watch.current, guard = StepRecord(), AccumulationGuard(watch)
         with guard, watch.saved.hooks():
-            fn(ddp, optimizer, rank_microbatches(step, labkit.rank(), labkit.world_size(), microbatches, device))
+            fn(ddp, optimizer, rank_microbatches(case, step, labkit.rank(), device))
         watch.current.forbidden = guard.forbidden
-        watch.current.params = [v for p in ddp.module.parameters() for v in p.detach().flatten().tolist()]
+        watch.current.reduced = [v for i, p in enumerate(watch.parameters)
+                                 for v in watch.current.synced.get(i, [0.0] * p.numel())]
+        watch.current.params = [v for p in ddp.module.parameters() for v in p.detach().double().flatten().tolist()]
         records.append(watch.current)
     return records
 

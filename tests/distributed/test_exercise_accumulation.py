@@ -10,9 +10,18 @@ does the step's communication), caught or not. A clip_grad_norm_ inside the loop
 inputs are scaled so that a clip to 1.0 acts, and the gradient changed between micro-batches shows. One clip after
 the last backward is where clipping belongs in a real run, but not in this exercise, whose step is the large
 batch's unclipped: it is rejected, saying so.
+
+Each grading draws its two cases afresh (draw_cases: world sizes, k, rows, dtype, the model's sizes, lr,
+momentum, seeds), so the verdicts are matched by patterns, not by the numbers of one draw. Rows of issue 27's classes:
+"fixed parameters" (the old grader's constants written in: k x N = 6, 24 rows per step, float64 inputs: each passed
+the old fixed cases and fails now), and "counting is not checking" (the right number of all_reduces carrying the
+wrong thing: an accumulator of one's own, so that DDP's one all_reduce carries only the last micro-batch; a scratch
+copy all-reduced by hand instead of DDP's).
 """
 
 import contextlib
+import random
+import re
 
 import pytest
 import torch
@@ -20,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labkit
-from labkit.exercises.accumulation import check_no_sync_accumulation, warm_up
+from labkit.exercises.accumulation import MICROBATCHES, WORLD_SIZES, check_no_sync_accumulation, draw_cases, warm_up
 from labkit.exercises.verdict import Verdict
 
 HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
@@ -28,9 +37,9 @@ HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right 
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_pools():
-    """Start the pools of 2 and 3 ranks and wrap a model in DDP once in each, as the grader does before every case:
-    then the first test's time is not the pools' start."""
-    for world_size in (2, 3):
+    """Start the pools of 2, 3 and 4 ranks (the world sizes a grading draws from) and wrap a model in DDP once in
+    each, as the grader does before every case: then the first test's time is not the pools' start."""
+    for world_size in WORLD_SIZES:
         labkit.run(warm_up, world_size=world_size)
 
 
@@ -103,8 +112,22 @@ def keeps_detached_losses(ddp_model, optimizer, microbatches):
     return losses
 
 
+def divides_the_gradients(ddp_model, optimizer, microbatches):
+    """Each loss undivided, the gradients divided by k after the last backward (DDP's bucket then holds k times the
+    accumulated mean, and its all-reduced average divided by k is the large batch's); zero_grad before the loop."""
+    k = len(microbatches)
+    optimizer.zero_grad()
+    with ddp_model.no_sync():
+        for x, y in microbatches[:-1]:
+            F.cross_entropy(ddp_model(x), y).backward()
+    F.cross_entropy(ddp_model(microbatches[-1][0]), microbatches[-1][1]).backward()
+    for p in ddp_model.parameters():
+        p.grad /= k
+    optimizer.step()
+
+
 @pytest.mark.parametrize("fn", [if_else, nullcontext_zero_first, summed_losses, logs_accuracy_without_grad,
-                                keeps_detached_losses])
+                                keeps_detached_losses, divides_the_gradients])
 def test_right_solutions_pass_and_say_what_was_checked(fn):
     verdict = check_no_sync_accumulation(fn, record=False)
     assert verdict and isinstance(verdict, Verdict), verdict
@@ -114,13 +137,17 @@ def test_right_solutions_pass_and_say_what_was_checked(fn):
 
 # ---- wrong solutions: each rejected, naming its mistake ----------------------------------------------------
 
-def accumulate(ddp_model, microbatches, inside, divisor, zero_in_loop=None):
+def accumulate(ddp_model, microbatches, inside, divisor, zero_in_loop=None, reduction_sum_over=None):
     """Forward and backward of every micro-batch, micro-batch i inside no_sync() when inside(i, k), each loss
-    divided by divisor(k); zero_in_loop(optimizer) before each backward, if given."""
+    divided by divisor(k) (a summed loss divided by reduction_sum_over, if given); zero_in_loop(optimizer) before
+    each backward, if given."""
     k = len(microbatches)
     for i, (x, y) in enumerate(microbatches):
         with ddp_model.no_sync() if inside(i, k) else contextlib.nullcontext():
-            loss = F.cross_entropy(ddp_model(x), y) / divisor(k)
+            if reduction_sum_over:
+                loss = F.cross_entropy(ddp_model(x), y, reduction="sum") / reduction_sum_over
+            else:
+                loss = F.cross_entropy(ddp_model(x), y) / divisor(k)
             if zero_in_loop:
                 zero_in_loop()
             loss.backward()
@@ -316,53 +343,155 @@ def retain_graph_with_losses_kept(ddp_model, optimizer, microbatches):
     optimizer.zero_grad()
 
 
-WRONG = [
-    (no_no_sync, "after every micro-batch (3 all_reduces in one optimizer step"),
-    (forward_outside_no_sync, "entered ddp_model.no_sync(), but every forward ran outside it"),
-    (no_sync_around_all, "every micro-batch ran inside no_sync(), so DDP never all-reduced"),
-    (no_sync_on_the_last, "wrapped the last 2 micro-batch(es) instead of the first 2"),
-    (not_divided, "3 times the large batch's: the loss was not divided by k = 3"),
-    (divided_by_k_and_n, "1/2 of the large batch's: the loss was divided by k x N = 6"),
-    (divided_by_n, "3/2 of the large batch's: the loss was divided by N = 2"),
-    (zero_grad_in_the_loop, "held only the last micro-batch's"),
-    (zero_grad_before_step, "gradient at optimizer.step() was zero"),
-    (never_zeroed, "still held the previous step's"),
-    (step_in_the_loop, "called optimizer.step() 3 times in one call, once per micro-batch"),
-    (around_ddp, "called ddp_model.module(x), the model inside DDP"),
-    (averaged_by_hand_too, "made 4 all_reduce(s) of its own in one optimizer step, besides DDP's 1: DDP already"),
-    (forwards_first_then_one_backward, "all 3 forwards ran first, then one backward of their summed losses: the "
-                                       "activations of 3 micro-batches were kept in memory at once"),
-    (mean_loss_one_backward, "all 3 forwards ran first, then one backward of their summed losses"),
-    (loss_all_reduced_for_logging, "made 1 all_reduce(s) of its own in one optimizer step, besides DDP's 1, of a "
-                                   "scalar (a loss?): not a gradient"),
-    (broadcast_after_step, "called torch.distributed.broadcast. This exercise makes no collective of its "
+# ---- issue 27, "fixed parameters let hard-coded solutions pass": the old grader's constants written in --------
+# (its cases were 2 ranks x 3 micro-batches and 3 x 2 of 4 rows, float64: k x N = 6 and 24 rows per step in both)
+
+def six_micro_batches_over_n(ddp_model, optimizer, microbatches):
+    """k taken as 6 // N, the old cases' micro-batches per step: right on 2 x 3 and 3 x 2 only."""
+    k = 6 // dist.get_world_size()
+    accumulate(ddp_model, microbatches, all_but_last, lambda _: k)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def rows_of_the_old_batch(ddp_model, optimizer, microbatches):
+    """Summed losses over the rank's rows, counted from the old verdicts' "a batch of 24 rows" instead of the
+    micro-batches themselves."""
+    rows = 24 // dist.get_world_size()
+    accumulate(ddp_model, microbatches, all_but_last, lambda _: 1, reduction_sum_over=rows)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def casts_to_float64(ddp_model, optimizer, microbatches):
+    """The micro-batches cast to float64 "to be safe", as the old float64 model took them."""
+    k = len(microbatches)
+    for i, (x, y) in enumerate(microbatches):
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (F.cross_entropy(ddp_model(x.double()), y) / k).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+# ---- issue 27, "counting is not checking": the right number of all_reduces, carrying something else ---------
+
+def own_accumulator(ddp_model, optimizer, microbatches):
+    """Every micro-batch's gradient added into an accumulator of its own, .grad zeroed before each micro-batch
+    and set from the accumulator at the end: one all_reduce, DDP's, as wanted, but it carried only the last
+    micro-batch's gradient; the others stay on their rank."""
+    k = len(microbatches)
+    total = [torch.zeros_like(p) for p in ddp_model.parameters()]
+    for i, (x, y) in enumerate(microbatches):
+        optimizer.zero_grad()
+        with ddp_model.no_sync() if i < k - 1 else contextlib.nullcontext():
+            (F.cross_entropy(ddp_model(x), y) / k).backward()
+        for t, p in zip(total, ddp_model.parameters(), strict=True):
+            t += p.grad
+    for t, p in zip(total, ddp_model.parameters(), strict=True):
+        p.grad = t
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def reduces_a_scratch_copy(ddp_model, optimizer, microbatches):
+    """Every micro-batch inside no_sync(), then one all_reduce per step of a flat scratch copy of the gradients,
+    divided by N and copied back: the right count (one all_reduce per optimizer step) and the right values, but
+    made by hand around DDP, whose one all_reduce never ran."""
+    accumulate(ddp_model, microbatches, lambda i, k: True, by_k)
+    grads = [p.grad for p in ddp_model.parameters()]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    flat /= dist.get_world_size()
+    torch.nn.utils.vector_to_parameters(flat, grads)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+K = r"(\d+)"
+WRONG = [  # (solution, a pattern of its verdict: the mistake named, whatever the grading drew)
+    (no_no_sync, rf"after every micro-batch \({K} all_reduces in one optimizer step"),
+    (forward_outside_no_sync, r"entered ddp_model.no_sync\(\), but every forward ran outside it"),
+    (no_sync_around_all, r"every micro-batch ran inside no_sync\(\), so DDP never all-reduced: each rank stepped"),
+    (no_sync_on_the_last, rf"wrapped the last {K} micro-batch\(es\) instead of the first \1"),
+    (not_divided, rf"{K} times the large batch's: the loss was not divided by k = \1"),
+    (divided_by_k_and_n, rf"1/{K} of the large batch's: the loss was divided by k x N = {K}"),
+    (divided_by_n, rf"{K}/{K} of the large batch's: the loss was divided by N = \2"),
+    (zero_grad_in_the_loop, r"carried a gradient that held only the last micro-batch's, not the sum"),
+    (zero_grad_before_step, r"gradient at optimizer.step\(\) was zero"),
+    (never_zeroed, r"at optimizer step 2 of 3, .*still held the previous step's"),
+    (step_in_the_loop, rf"called optimizer.step\(\) {K} times in one call, once per micro-batch"),
+    (around_ddp, r"called ddp_model.module\(x\), the model inside DDP"),
+    (averaged_by_hand_too, r"made 4 all_reduce\(s\) of its own in one optimizer step, besides DDP's 1: DDP already"),
+    (forwards_first_then_one_backward, rf"all {K} forwards ran first, then one backward of their summed losses: the "
+                                       r"activations of \1 micro-batches were kept in memory at once"),
+    (mean_loss_one_backward, rf"all {K} forwards ran first, then one backward of their summed losses"),
+    (loss_all_reduced_for_logging, r"made 1 all_reduce\(s\) of its own in one optimizer step, besides DDP's 1, of "
+                                   r"a scalar \(a loss\?\): not a gradient"),
+    (broadcast_after_step, r"called torch.distributed.broadcast. This exercise makes no collective of its "
                            "own: DDP does the step's communication"),
-    (barrier_per_micro_batch, "called torch.distributed.barrier. This exercise makes no collective of its "
-                              "own"),
-    (broadcast_caught, "called torch.distributed.broadcast (and caught the error; it still counts)"),
-    (clip_inside_loop, "the gradients changed between micro-batch 1's backward and micro-batch 2's forward, by "
-                       "something other than a backward: clip_grad_norm_ before the last micro-batch"),
-    (clip_once_after_the_last, "That is the right place to clip in a real run"),
-    (retain_graph_with_losses_kept, "when micro-batch 2's forward began, the activations that autograd saved for "
-                                    "micro-batch(es) 1 were still in memory, after their backward: up to 3 "
-                                    "micro-batches' activations were alive at once. A backward(retain_graph=True)"),
+    (barrier_per_micro_batch, r"called torch.distributed.barrier. This exercise makes no collective of its own"),
+    (broadcast_caught, r"called torch.distributed.broadcast \(and caught the error; it still counts\)"),
+    (clip_inside_loop, rf"the gradients changed between micro-batch {K}'s backward and micro-batch {K}'s forward, "
+                       "by something other than a backward: clip_grad_norm_ before the last micro-batch"),
+    (clip_once_after_the_last, r"That is the right place to clip in a real run"),
+    (retain_graph_with_losses_kept, r"when micro-batch 2's forward began, the activations that autograd saved for "
+                                    rf"micro-batch\(es\) 1 were still in memory, after their backward: up to {K} "
+                                    r"micro-batches' activations were alive at once. A backward\(retain_graph=True\)"),
+    # fixed parameters: each passed the old grader's fixed cases
+    (six_micro_batches_over_n, r"(the loss was not divided by k = \d|the losses were scaled by something other "
+                               r"than 1/k = 1/\d .*take k from len\(microbatches\))"),
+    (rows_of_the_old_batch, r"(the loss was not divided by k = \d|the loss was divided by|the losses were scaled "
+                            r"by something other than 1/k = 1/\d)"),
+    (casts_to_float64, r"raised RuntimeError: .*dtype.* In this case the model and the micro-batches are float32 "
+                       r"\(drawn for each grading"),
+    # counting is not checking
+    (own_accumulator, r"at optimizer step 1 of 3, rank \d's one all_reduce \(DDP's, in the last micro-batch's "
+                      r"backward\) carried a gradient that held only the last micro-batch's, not the sum"),
+    (reduces_a_scratch_copy, r"every micro-batch ran inside no_sync\(\), so DDP never all-reduced, and rank 0 "
+                             r"made 1 all_reduce\(s\) of its own instead: the right number of all_reduces, but "
+                             "not DDP's"),
 ]
 
 
 @pytest.mark.parametrize(("fn", "named"), WRONG, ids=[fn.__name__ for fn, _ in WRONG])
 def test_wrong_solutions_are_rejected_naming_the_mistake(fn, named):
     verdict = check_no_sync_accumulation(fn, record=False)
-    assert not verdict and named in verdict.message, verdict
-    assert verdict.message.startswith("On 2 ranks with 3 micro-batches each"), verdict
+    assert not verdict and re.search(named, verdict.message, re.DOTALL), verdict
+    assert re.match(r"On \d ranks with \d micro-batches each of \d rows \(a batch of \d+ rows per optimizer step; "
+                    r"float(32|64), SGD lr [\d.]+(, momentum [\d.]+)?\), ", verdict.message), verdict
 
 
-def test_the_second_case_divides_by_its_own_k_and_n():
-    """On 3 ranks with 2 micro-batches, dividing by N instead of k is 2/3 of the gradient: the first case's
-    right answer would not pass it by luck."""
-    from labkit.exercises.accumulation import ACCUMULATION_CASES
+@pytest.mark.parametrize("fn", [six_micro_batches_over_n, rows_of_the_old_batch, casts_to_float64])
+def test_the_old_constants_passed_the_old_cases(fn, monkeypatch):
+    """The fixed-parameter rows are right on the old grader's two fixed cases (2 ranks x 3 micro-batches and 3 x 2,
+    4 rows each, float64, lr 0.05): a fixed grading passed them, a drawn one fails them."""
+    from labkit.exercises import accumulation
+    from labkit.exercises._kit._runner import Case
 
-    assert all(world_size != k for world_size, k in ACCUMULATION_CASES)
-    assert [case[0] for case in ACCUMULATION_CASES] == [2, 3]
+    old = {"rows": 4, "dtype": torch.float64, "features": 4, "hidden": 8, "lr": 0.05, "momentum": 0.0, "seed": 0,
+           "batch_seed": 100}
+    monkeypatch.setattr(accumulation, "draw_cases", lambda rng=None: [Case(2, {**old, "microbatches": 3}),
+                                                                      Case(3, {**old, "microbatches": 2})])
+    verdict = check_no_sync_accumulation(fn, record=False)
+    assert verdict, verdict
+
+
+def test_each_grading_draws_two_cases_that_no_constant_fits():
+    """Two world sizes, one float32 and one float64, k never N, and k, k x N and the rows per step different
+    between the two cases (a number written in fails one); over many gradings every world size and k occurs."""
+    rng, seen = random.Random(27), set()
+    for _ in range(300):
+        first, second = draw_cases(rng)
+        assert first.world_size != second.world_size
+        assert {first["dtype"], second["dtype"]} == {torch.float32, torch.float64}
+        for value in (lambda c: c["microbatches"], lambda c: c.world_size * c["microbatches"],
+                      lambda c: c.world_size * c["microbatches"] * c["rows"]):
+            assert value(first) != value(second)
+        for case in (first, second):
+            assert case["microbatches"] != case.world_size
+            assert 0.02 <= case["lr"] <= 0.08 and (case["momentum"] == 0 or 0.5 <= case["momentum"] <= 0.9)
+            seen.add((case.world_size, case["microbatches"]))
+    assert {n for n, _ in seen} == set(WORLD_SIZES) and {k for _, k in seen} == set(MICROBATCHES)
 
 
 def test_a_grader_wants_the_function_itself():
