@@ -41,7 +41,7 @@ everywhere) in torch's
 DistributedDataParallel, makes an SGD optimizer, and calls the student's `fn(ddp_model, optimizer, microbatches)`
 once per optimizer step with this rank's micro-batches of that step's batch (`rank_microbatches`). While fn runs,
 every way into torch.distributed's communication but all_reduce is switched off (`AccumulationGuard`, the shared
-guard of labkit.exercises.guard): DDP's constructor has broadcast the parameters before, and DDP's all_reduce in
+guard of labkit.exercises._kit._guard): DDP's constructor has broadcast the parameters before, and DDP's all_reduce in
 the last backward is the step's one communication, so a broadcast, a barrier or a message of the student's own
 only adds a round trip. Everything else is watched where DDP and the optimizer report it:
 
