@@ -97,7 +97,7 @@ from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.models import mlp
 
-__all__ = ["TOLERANCES", "WORLD_SIZES", "check_no_sync_accumulation", "draw_cases", "reference_run", "warm_up"]
+__all__ = ["WORLD_SIZES", "check_no_sync_accumulation", "draw_cases", "warm_up"]
 
 WORLD_SIZES = (2, 3, 4)  # a grading draws two of them
 MICROBATCHES = (2, 3, 4)  # k, drawn per case: never the case's N, so dividing by N instead of k shows

@@ -26,8 +26,8 @@ import labkit
 from labkit.models import make_classification
 from labkit.parallel import all_reduce_sum, broadcast_parameters, count_collectives
 
-__all__ = ["ANSWERS", "BATCH", "CAUSES", "DISTRACTORS", "LR", "RUNS", "STEPS", "Cause", "RankRecord", "Symptoms",
-           "cause_gap", "confirmation", "reference_run", "zoo_batch", "zoo_model", "zoo_run"]
+__all__ = ["ANSWERS", "BATCH", "CAUSES", "DISTRACTORS", "LR", "STEPS", "Symptoms", "cause_gap", "confirmation",
+           "reference_run", "zoo_batch", "zoo_model", "zoo_run"]
 
 BATCH, STEPS, LR = 96, 12, 0.2  # 96 rows: 2, 3 and 4 ranks all get equal shards
 RUNS = "ABCDEF"

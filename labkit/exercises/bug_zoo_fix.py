@@ -50,8 +50,7 @@ from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.models import mlp
 
-__all__ = ["DRAWN", "FIX_WORLD_SIZES", "FixGuard", "FixOutcome", "attempt_fix", "check_fixed_training", "draw_cases",
-           "fix_model"]
+__all__ = ["DRAWN", "check_fixed_training", "draw_cases"]
 
 FIX_WORLD_SIZES = (3, 2)  # three first: N, N - 1 and rank + 1 differ there
 # Drawn per case (the two cases' steps and lr differ). No lr is 0.1, the old constant, nor one that a hard-coded 0.1

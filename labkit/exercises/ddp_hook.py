@@ -84,10 +84,7 @@ from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.models import mlp
 
-__all__ = ["BUCKET_NBYTES", "EARLIER_HOOKS", "EXACT_BUCKET_NBYTES", "MODELS", "NOTEBOOK_SIZES", "STEPS", "TOLERANCE",
-           "HookGuard", "HookOutcome", "Launch", "attempt_hook", "check_bucketed_ddp_hook", "ddp_reference",
-           "draw_cases", "draw_sizes", "draw_values", "expected_buckets", "hook_model", "hook_sizes", "last_hooks",
-           "one_process_run"]
+__all__ = ["check_bucketed_ddp_hook", "draw_cases", "expected_buckets"]
 
 
 # ==== on a rank: the model, the runs, the guard ====================================================================

@@ -70,7 +70,7 @@ from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 
-__all__ = ["CALLS", "TOLERANCES", "WORLD_SIZES", "check_megatron_f_g", "draw_cases"]
+__all__ = ["WORLD_SIZES", "check_megatron_f_g", "draw_cases"]
 
 WORLD_SIZES = (2, 3, 4)  # tensor-parallel degrees a grading draws two of
 CALLS = 2  # calls of the block per case, on other inputs each: an operator that keeps a result across calls shows

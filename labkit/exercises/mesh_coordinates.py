@@ -49,7 +49,7 @@ from labkit.exercises.verdict import Verdict
 from labkit.parallel.mesh import AXES, Mesh, mesh_layout
 from labkit.plan import ParallelLayout
 
-__all__ = ["DRAWN", "LAYOUT", "SHAPES", "TIMEOUT_SECONDS", "check_mesh_coordinates", "draw_shapes"]
+__all__ = ["DRAWN", "SHAPES", "check_mesh_coordinates", "draw_shapes"]
 
 # (dp, pp, tp): notebook 13's mesh first, then every shape of 1 to 4 ranks per axis, the smaller worlds first
 SHAPES = [(2, 2, 2)] + sorted((shape for shape in itertools.product(range(1, 5), repeat=3) if shape != (2, 2, 2)),

@@ -28,7 +28,7 @@ try:
 except ImportError:  # Windows
     fcntl = None
 
-__all__ = ["EXERCISES", "RENAMED_NOTEBOOKS", "Progress", "graded", "load_progress", "progress_path", "record_attempt",
+__all__ = ["EXERCISES", "RENAMED_NOTEBOOKS", "graded", "load_progress", "progress_path", "record_attempt",
            "show_progress"]
 
 EXERCISES = {  # name: (notebook, what the student builds), in course order

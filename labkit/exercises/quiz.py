@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 from labkit.checks import shown, whole
 
-__all__ = ["PHRASINGS", "Feedback", "Flashcard", "Option", "Question", "load_distractor_families", "load_flashcards",
+__all__ = ["Feedback", "Flashcard", "Option", "Question", "load_distractor_families", "load_flashcards",
            "load_questions"]
 
 PHRASINGS = 7  # the lesson's "Question phrasings"
