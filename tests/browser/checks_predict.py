@@ -33,6 +33,6 @@ def check(page: Page, cells: list[dict]) -> None:
             handle.press(key)
         button.click()
         page.wait_for_function("([area, text]) => area.textContent.includes(text)",
-                               arg=[widget.element_handle(), expected], timeout=15_000)
+                               arg=[widget.element_handle(), expected], timeout=60_000)  # 15 s: too short under load
         state = widget.evaluate(STATE)
         assert not state["folded"], "a pressed comparison is folded away"
