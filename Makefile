@@ -30,8 +30,11 @@ CELL_TIMEOUT ?= 180
 # pytest-xdist workers for `make unit`: most distributed tests wait on process starts and rendezvous, so two
 # share 2 cores well; more only help with more cores (each test starts up to 8 ranks).
 TEST_WORKERS ?= 2
-# Every notebook run by papermill at 2 ranks: one at a time, alone, since notebooks time what they teach (a
-# bubble, a bandwidth fit) and a test running beside them on the same cores would be in their measurements.
+# Every notebook run by papermill at 2 ranks, two notebooks at a time: they time what they teach (a bubble, a
+# bandwidth fit), but they assert bytes and formulas, never a timing (a timing is a verdict they print), so a
+# notebook beside them changes the numbers shown, not the checks; 2:18 instead of 4:01 on 2 idle cores. For
+# timings worth reading, run them one at a time: make unit PAPERMILL_WORKERS=1.
+PAPERMILL_WORKERS ?= 2
 PAPERMILL_TESTS := tests/notebooks/test_papermill.py
 # The second run of the tests marked numerics collects only the modules that name the marker (each worker collecting
 # all of tests/unit and tests/distributed, 3500 tests, took some 8 s of CPU more for the same 182); -m numerics
@@ -101,7 +104,7 @@ unit: setup ## unit and distributed tests (real processes over gloo), TEST_WORKE
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests --ignore=tests/browser --ignore=$(PAPERMILL_TESTS)
 	MKL_CBWR=AVX2 ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -n $(TEST_WORKERS) -m numerics -q \
 		$(NUMERICS_MODULES)
-	$(BIN)/python -m pytest $(PAPERMILL_TESTS)
+	$(BIN)/python -m pytest -n $(PAPERMILL_WORKERS) $(PAPERMILL_TESTS)
 
 notebooks: setup ## run every notebook top to bottom (nbval)
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) \
