@@ -206,6 +206,11 @@ class AverageGuard(Guard):
     def __init__(self, model: torch.nn.Module):
         super().__init__()
         self.recorder = Recorder()
+        # The gradients as backward() left them, kept alive while the guard is on: a solution that rebinds p.grad
+        # frees them, and a tensor it allocates next (a clone) could take a freed address on some ranks and not on
+        # others, which _check_in_step and _target would read as a gradient there and a buffer here.
+        # The same for earlier models' gradients (a garbage collection during fn may free a model no one holds).
+        self._kept = [p.grad for p in model.parameters()] + [p.grad for p in list(_graded.values())]
         mine = {id(p) for p in model.parameters()}
         self._memory = {"grad": _pointers(p.grad for p in model.parameters()),
                         "data": _pointers(p for p in model.parameters()),
@@ -213,10 +218,6 @@ class AverageGuard(Guard):
         named = list(model.named_parameters())
         self._names = [name for name, _ in named]
         self._index = {p.grad.untyped_storage().data_ptr(): i for i, (_, p) in enumerate(named) if p.grad is not None}
-        # The gradients as backward() left them, kept alive while the guard is on: a solution that rebinds p.grad
-        # frees them, and a tensor it allocates next (a clone) could take a freed address on some ranks and not on
-        # others, which _check_in_step and _target would read as a gradient there and a buffer here.
-        self._kept = [p.grad for p in model.parameters()]
 
     @property
     def calls(self) -> list[Call]:

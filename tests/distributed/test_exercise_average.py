@@ -473,6 +473,17 @@ def skips_zero_gradients(model):
         p.grad /= n()
 
 
+AVERAGE_WORLD_SIZES = (2, 3, 4)
+
+
+def _forget_what_rows_kept() -> None:
+    """On a rank: the state the "kept across calls" rows keep, emptied. The test's ranks serve every grading, so a
+    buffer kept by one grading would meet the next one's model, of sizes drawn afresh (equal by chance, then its
+    values are no gradient of this grading at all), where a student's kernel would hold the first call's."""
+    FlatOnTheClass.flat = None
+    _KEPT_PARAMETERS.clear()
+
+
 NEW_WRONG = [  # (class of issue 27, solution, what its verdict names)
     ("fixed parameters", numel_written_in, "sizes written in"),
     ("fixed parameters", split_sizes_written_in, "sizes written in"),
@@ -493,6 +504,8 @@ DRAWS = 2  # gradings per new wrong row: each draws its cases afresh, and each m
                          ids=[f"{row[0]}: {row[1].__name__}" for row in NEW_WRONG])
 def test_new_wrong_solutions_are_refused_on_every_draw(fn, named):
     for _ in range(DRAWS):
+        for world_size in AVERAGE_WORLD_SIZES:  # what a row kept belongs to one grading: a student grades once
+            labkit.run(_forget_what_rows_kept, world_size=world_size)
         verdict = check_average_gradients(fn)
         assert not verdict and named in verdict.message, verdict
         assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict
