@@ -1,6 +1,7 @@
 """Shared helpers: run a Python snippet as its own process (an independent owner of ranks)."""
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -61,3 +62,26 @@ def free_port():
 @pytest.fixture
 def port(free_port) -> int:
     return free_port()
+
+
+ANOTHER_UID = 65534  # "nobody": the other local user beside the student (thirty students on one server)
+AS_ANOTHER_USER = ["setpriv", "--reuid", str(ANOTHER_UID), "--regid", str(ANOTHER_UID), "--clear-groups"]
+
+
+@pytest.fixture
+def as_another_user():
+    """Run a command as another local user (uid 65534); returns the CompletedProcess (text, output captured).
+
+    Needs root and util-linux's setpriv: CI runs as root, so there these tests run and must pass; elsewhere they
+    are skipped with the reason. A `python` snippet runs as `[sys.executable, "-c", code]`: the checkout and its
+    .venv are world-readable on a fresh clone (umask 022)."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        message = "needs root and setpriv to act as a second local user"
+        if os.environ.get("CI"):
+            pytest.fail(message + ": CI runs as root")
+        pytest.skip(message)
+
+    def run(command: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run(AS_ANOTHER_USER + list(command), capture_output=True, text=True, timeout=timeout,
+                              cwd=kwargs.pop("cwd", "/"), **kwargs)
+    return run
