@@ -36,6 +36,11 @@ TEST_WORKERS ?= 2
 # timings worth reading, run them one at a time: make unit PAPERMILL_WORKERS=1.
 PAPERMILL_WORKERS ?= 2
 PAPERMILL_TESTS := tests/notebooks/test_papermill.py
+# The browser tests two notebooks at a time, each pytest-xdist worker with its own JupyterLab server and Chromium
+# (tests/browser/conftest.py: session fixtures are per worker): a notebook in JupyterLab waits on its kernel, on
+# rendering and on polls most of the time (5:43 of CPU in 7:34 on 2 idle cores, one at a time). Like papermill,
+# they check what shows and what moves, never a timing. BROWSER_WORKERS=1 for one at a time.
+BROWSER_WORKERS ?= 2
 # The second run of the tests marked numerics collects only the modules that name the marker (each worker collecting
 # all of tests/unit and tests/distributed, 3500 tests, took some 8 s of CPU more for the same 182); -m numerics
 # still picks the tests among them.
@@ -111,7 +116,7 @@ notebooks: setup ## run every notebook top to bottom (nbval)
 		-p no:cacheprovider notebooks
 
 browser: setup ## every notebook in JupyterLab in Chromium (Playwright); screenshots in test-artifacts/
-	$(BIN)/python -m pytest tests/browser; status=$$?; \
+	$(BIN)/python -m pytest -n $(BROWSER_WORKERS) tests/browser; status=$$?; \
 		echo "Screenshots of every notebook: $(ARTIFACTS)/screenshots/"; exit $$status
 
 bench: setup ## print the benchmark tables (launcher, collectives, DDP, pipeline, ZeRO and FSDP)
