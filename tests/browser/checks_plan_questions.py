@@ -3,7 +3,7 @@ box ("4", the speedup), then the button. The verdict reads as English, naming wh
 is what theory gives (labkit.plan: 4.04x)". (It once said "4.00x is what was labkit.plan.")"""
 
 from playwright.sync_api import Page
-from widget_checks import type_into
+from widget_checks import press_until_shown, type_into
 
 NOTEBOOK = "08_worked_example_7b.ipynb"
 
@@ -17,8 +17,7 @@ def check(page: Page, cells: list[dict]) -> None:
     control = widget.locator(".widget-vbox").filter(has=page.locator(".widget-text input")).last
     shown = type_into(page, control, "4")
     assert shown["box"] == "4.00" and float(shown["value"]) == 4, f"the typed prediction was not taken: {shown}"
-    widget.locator("button", has_text="Run the experiment").click()
-    page.wait_for_function("area => area.innerText.includes('Right')", arg=widget.element_handle(), timeout=15_000)
+    press_until_shown(page, widget, widget.locator("button", has_text="Run the experiment"), "Right")
     text = widget.inner_text()
     assert "4.00x is what theory gives (labkit.plan: 4.04x)." in text, text[-400:]
     assert "what was labkit.plan" not in text

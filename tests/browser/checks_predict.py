@@ -4,6 +4,7 @@ sideways scrolling; moving the slider and pressing the button shows the comparis
 and pressing again with another prediction updates it."""
 
 from playwright.sync_api import Page
+from widget_checks import press_until_shown
 
 NOTEBOOK = "03_ring_allreduce.ipynb"
 
@@ -31,8 +32,6 @@ def check(page: Page, cells: list[dict]) -> None:
     for presses, key, expected in ((36, "ArrowLeft", "Right"), (4, "ArrowRight", "2 x S is the limit")):
         for _ in range(presses):  # one step of 0.125 x S each: 2(N-1) = 6 -> 1.5, then 1.5 -> 2
             handle.press(key)
-        button.click()
-        page.wait_for_function("([area, text]) => area.textContent.includes(text)",
-                               arg=[widget.element_handle(), expected], timeout=60_000)  # 15 s: too short under load
+        press_until_shown(page, widget, button, expected)
         state = widget.evaluate(STATE)
         assert not state["folded"], "a pressed comparison is folded away"

@@ -1,7 +1,7 @@
 """What the checks of labkit's widgets share: no widget scrolling sideways or double-spaced, plotly's toolbar clear
 of a chart's title, and typing into a TypedSlider's box (labkit.widgets.typed)."""
 
-from playwright.sync_api import Locator, Page
+from playwright.sync_api import Locator, Page, TimeoutError
 
 WIDGETS_SCROLLING = """() => [...document.querySelectorAll('.jp-OutputArea-output .widget-box')]
   .filter(e => e.scrollWidth > e.clientWidth + 1 && getComputedStyle(e).overflowX !== 'visible')
@@ -66,3 +66,21 @@ def type_into(page: Page, control: Locator, text: str) -> dict:
                                       note: [...c.querySelectorAll('.widget-html')].filter(e => e.offsetParent)
                                               .map(e => e.innerText).join(' '),
                                       value: c.querySelector('.noUi-handle').getAttribute('aria-valuenow')})""")
+
+
+def press_until_shown(page: Page, widget: Locator, button: Locator, expected: str, presses: int = 4) -> None:
+    """Press the button until the comparison includes `expected`. Why more than once: ipywidgets sends a model's
+    state one message at a time and buffers later changes until the kernel has answered the last one, while a
+    button's click is a custom message sent at once (WidgetModel.sync and .send in @jupyter-widgets/base 8), so
+    with a busy kernel the click can overtake the slider's last value and the kernel compares an earlier
+    prediction (CI: one timeout in 17 notebooks at two at a time). A later press finds the last value there."""
+    for press in range(1, presses + 1):
+        button.click()
+        try:
+            page.wait_for_function("([area, text]) => area.textContent.includes(text)",
+                                   arg=[widget.element_handle(), expected], timeout=30_000)
+            return
+        except TimeoutError:
+            if press == presses:
+                raise AssertionError(f"{presses} presses, and the comparison never showed {expected!r}: "
+                                     f"{widget.inner_text()[-300:]!r}") from None
