@@ -29,9 +29,10 @@ def check(page: Page, cells: list[dict]) -> None:
         f"after Run All the default comparison is not shown folded: {state['text'][:200]!r}"
     assert not state["scrolls"] and not state["sticksOut"], f"the widget is wider than the column: {state}"
     handle, button = widget.locator(".widget-slider .noUi-handle").first, widget.locator("button").first
-    for presses, key, expected in ((36, "ArrowLeft", "Right"), (4, "ArrowRight", "2 x S is the limit")):
+    for presses, key, value, expected in ((36, "ArrowLeft", 1.5, "Right"), (4, "ArrowRight", 2, "2 x S is the limit")):
         for _ in range(presses):  # one step of 0.125 x S each: 2(N-1) = 6 -> 1.5, then 1.5 -> 2
             handle.press(key)
+        assert float(handle.get_attribute("aria-valuenow")) == value, "the slider did not take every key press"
         press_until_shown(page, widget, button, expected)
         state = widget.evaluate(STATE)
         assert not state["folded"], "a pressed comparison is folded away"
