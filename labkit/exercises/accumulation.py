@@ -89,7 +89,7 @@ import labkit
 from labkit.exercises._kit import _store
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._guard import Guard
-from labkit.exercises._kit._messages import first_failure, forbidden_message, hang_message
+from labkit.exercises._kit._messages import failure_sentence, first_failure, forbidden_message, hang_message
 from labkit.exercises._kit._record import Call
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
@@ -196,7 +196,7 @@ def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float) 
 def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
     """A rank's own error (a refused call the runner has told already)."""
     first = first_failure(error)[0]
-    message = f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
+    message = f"{failure_sentence(first)}."
     if "dtype" in first.summary or "Double" in first.summary or "Float" in first.summary:
         message += (f" In this case the model and the micro-batches are {_dtype(case)} (drawn for each grading: "
                     "float32 or float64): use x and y as they come, without casting them.")

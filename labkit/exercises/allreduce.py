@@ -63,7 +63,7 @@ from labkit.checks import whole
 from labkit.comm.stream_model import stream_deadlock
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._guard import Guard
-from labkit.exercises._kit._messages import first_failure, hang_message
+from labkit.exercises._kit._messages import failure_sentence, first_failure, hang_message
 from labkit.exercises._kit._record import Recorder
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._kit._store import LastAttempt
@@ -368,7 +368,7 @@ def _on_error(error: labkit.RankError, attempts: list[LastAttempt] | None, case:
     if attempts is not None:
         _stop_pool_if_unmatched(case.world_size, [_messages_of(attempt) for attempt in attempts])
     first, _ = first_failure(error)
-    return f"rank {first.rank} raised {first.summary}"
+    return failure_sentence(first)
 
 
 def _messages_of(attempt: LastAttempt) -> tuple[list, list]:

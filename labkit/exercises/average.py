@@ -54,7 +54,7 @@ import torch.nn.functional as F
 import labkit
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._guard import Guard
-from labkit.exercises._kit._messages import first_failure, hang_message
+from labkit.exercises._kit._messages import failure_sentence, first_failure, hang_message
 from labkit.exercises._kit._record import Call, Recorder
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._kit._stack import outermost_caller
@@ -578,7 +578,6 @@ def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
     """A run that raised (not a refused call: the runner says those): ranks out of step, else the first rank's
     error, and what the ranks reduced, or what was drawn when the sizes did not fit."""
     first, _ = first_failure(error)
-    summary = first.summary.strip().removesuffix(".")
     if first.raised(OutOfStep) and first.exception_args:
         said = str(first.exception_args[0]).strip().removesuffix(".")
         return (f"{said}: the ranks all-reduced the gradients in different orders. On real "
@@ -586,7 +585,7 @@ def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
                 "expected size'). Every rank must all-reduce the same gradients in the same order, whatever the rank "
                 "and whatever its values: a rank that skips a gradient (one that is zero on its shard, say) leaves "
                 "the others a call behind.")
-    message = f"rank {first.rank} raised {summary}."
+    message = f"{failure_sentence(first)}."
     sizes = [[call.numel for call in attempt.calls] for attempt in attempts] if attempts else None
     if "AVG" in first.summary:
         message += " gloo has no ReduceOp.AVG (NCCL has): on gloo the average is built from a sum."

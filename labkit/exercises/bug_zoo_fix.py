@@ -41,7 +41,7 @@ import torch.nn.functional as F
 import labkit
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._guard import Guard
-from labkit.exercises._kit._messages import first_failure, unwaited_message, where_ranks_waited
+from labkit.exercises._kit._messages import failure_sentence, first_failure, unwaited_message, where_ranks_waited
 from labkit.exercises._kit._record import Call, Recorder
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._kit._stack import outermost_caller
@@ -286,7 +286,7 @@ def _on_error(error: labkit.RankError, attempts, case: Case) -> str:
     if failure.raised(NotImplementedError):  # its text, "your turn", marks the untouched stub: no attempt
         summary = failure.summary.strip().removesuffix(".")
         return f"your function raised {summary}: delete the stub's `raise`, then fix the loop below it."
-    return f"rank {failure.rank} raised {failure.summary}"
+    return failure_sentence(failure)
 
 
 def _passed(cases) -> str:

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 
 import labkit
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
-from labkit.exercises._kit._messages import first_failure, hang_message
+from labkit.exercises._kit._messages import failure_sentence, first_failure, hang_message
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises.allreduce import TIMEOUT_SECONDS
 from labkit.exercises.average import (
@@ -774,14 +774,13 @@ def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
     """A run that raised (not a refused call: the runner says those): a wrong hook, ranks out of step, else the
     first error."""
     first, _ = first_failure(error)
-    summary = first.summary.strip().removesuffix(".")
     if first.raised(OutOfStep) and first.exception_args:
         said = str(first.exception_args[0]).strip().removesuffix(".")
         return (f"{said}: the ranks' buckets went out in different orders or sizes. On real "
                 "ranks that sums unrelated gradients, or hangs, or aborts (gloo: 'Received data size doesn't "
                 "match expected size'). Every rank must fill its buckets in the order its gradients become ready, "
                 "whatever the rank.")
-    message = f"rank {first.rank} raised {summary}."
+    message = f"{failure_sentence(first)}."
     hooks = _hooks_after_error(case) if attempts is not None else {}
     if hooks.get("register_hook") and not hooks.get("register_post_accumulate_grad_hook"):
         message += f" {_WRONG_HOOK}"

@@ -62,7 +62,7 @@ import labkit
 from labkit.exercises._kit import _store
 from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._guard import Guard
-from labkit.exercises._kit._messages import first_failure, forbidden_message, hang_message
+from labkit.exercises._kit._messages import failure_sentence, first_failure, forbidden_message, hang_message
 from labkit.exercises._kit._record import Call
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._kit._wait_watch import FUTURE_POLLS, watch_waits
@@ -368,7 +368,7 @@ def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float) 
 def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
     """A run that raised (a refused call the runner has told already): the first rank's own error."""
     first = first_failure(error)[0]
-    message = f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}."
+    message = f"{failure_sentence(first)}."
     if first.raised(RuntimeError) and any(word in first.summary for word in _SIZE_ERRORS):
         message += (" The grader draws new sizes for each case: a buffer of "
                     "fixed sizes (torch.zeros(5, 6))? Make buffers like the tensor they hold (torch.zeros_like(x), "

@@ -55,7 +55,7 @@ import labkit
 from labkit.exercises._kit import _store
 from labkit.exercises._kit._group_call import GroupCall, flat_tensors, wrap_group_method
 from labkit.exercises._kit._guard import Guard
-from labkit.exercises._kit._messages import first_failure, hang_message
+from labkit.exercises._kit._messages import failure_sentence, first_failure, hang_message
 from labkit.exercises._kit._record import Recorder
 from labkit.exercises._kit._runner import Case, Spec, grade
 from labkit.exercises._step_diagnosis import (
@@ -237,7 +237,7 @@ def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
                 "when N does not divide numel.")
     elif "dtype" in first.summary:
         hint = " " + SAME_DTYPE_HINT
-    return f"rank {first.rank} raised {first.summary.strip().removesuffix('.')}.{hint}"
+    return f"{failure_sentence(first)}.{hint}"
 
 
 def _why_forbidden(spelling: str, name: str) -> str:

@@ -28,6 +28,7 @@ from labkit.launch.protocol import (
     RankSpec,
     Ready,
     Reply,
+    Returning,
     Stack,
     StackRequest,
     StartFailed,
@@ -61,6 +62,7 @@ class RankHandle:
     output: RankOutput
     started: Ready | StartFailed | None = None  # its first message (None: not yet)
     replies: dict[int, Reply] = field(default_factory=dict)  # by call id, until the call is concluded
+    returning: dict[int, int] = field(default_factory=dict)  # call id -> the nbytes of a big result being sent
     gone: bool = False  # its job socket closed or its exit was reported
     gone_at: float = 0.0
 
@@ -160,6 +162,8 @@ class Channels:
         else:
             if isinstance(message, Reply):
                 r.replies[message.call_id] = message
+            elif isinstance(message, Returning):
+                r.returning[message.call_id] = message.result_nbytes
             else:
                 r.started = message
 
@@ -197,6 +201,7 @@ class Channels:
         replies = {r.rank: r.replies[call_id] for r in self.ranks if call_id in r.replies}
         for r in self.ranks:
             r.replies.clear()
+            r.returning.clear()
         return replies
 
     def flush_output(self) -> None:

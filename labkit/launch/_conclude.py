@@ -16,13 +16,24 @@ from dataclasses import dataclass
 
 from labkit.launch import serialize
 from labkit.launch._channels import Channels, RankHandle
-from labkit.launch.errors import Failure, NoReply, RankError, RankTimeout, raised_failure, rank_list, still_running
+from labkit.launch.errors import (
+    Failure,
+    NoReply,
+    RankError,
+    RankTimeout,
+    exception_line,
+    in_own_code,
+    raised_failure,
+    rank_list,
+    still_running,
+)
 from labkit.launch.forkserver import describe_exit
 from labkit.launch.inflight import collectives_report, where_in_collectives
 from labkit.launch.protocol import Outcome, Reply, Stack, StartFailed
 
 __all__ = []
 
+_STOPPED_BY_LABKIT = "interrupted by labkit (Ctrl-C or the stop button)"
 DEATH_DETAILS_SECONDS = 1.0  # to collect a dead rank's exit status and last stderr lines
 
 
@@ -46,10 +57,11 @@ def gather(channels: Channels, call_id: int) -> Ending:
     # Ranks still running: where each is, and from every live rank, the collectives it has not seen complete
     stacks = channels.stacks([r for r in channels.ranks if not r.gone] if running else [])
     channels.flush_output()
+    returned = {r.rank: r.returning.get(call_id) for r in running}  # the nbytes of a big result being sent
     replies = channels.take_replies(call_id)
     failures = [death(channels, r) for r in channels.ranks if r.gone and r.rank not in replies]
     failures += [failure_from_reply(rank, reply) for rank, reply in replies.items() if reply.outcome != Outcome.OK]
-    failures += [Failure(r.rank, NoReply.STOPPED, *_still_running(stacks[r.rank])) for r in running]
+    failures += [_stopped(r.rank, stacks[r.rank], returned[r.rank]) for r in running]
     return Ending(replies, failures, [r.rank for r in running], stacks)
 
 
@@ -100,7 +112,7 @@ def start_failure(channels: Channels, r: RankHandle, stack: Stack | None, when: 
     if isinstance(r.started, StartFailed):
         return raised_failure(r.rank, Outcome.ERROR, r.started.error)
     if r.gone:
-        return death(channels, r)
+        return death(channels, r, "while starting")
     if r.started is None:
         summary, detail = still_running(stack)
         return Failure(r.rank, NoReply.STOPPED, f"not ready {when}: "
@@ -108,18 +120,32 @@ def start_failure(channels: Channels, r: RankHandle, stack: Stack | None, when: 
     return None
 
 
-def death(channels: Channels, r: RankHandle) -> Failure:
-    """A dead rank, named with its signal or exit code and its last lines of stderr."""
+def death(channels: Channels, r: RankHandle, before: str = "before replying") -> Failure:
+    """A dead rank, named with its signal or exit code (`before`: at which point it died) and its last lines of
+    stderr; one that died because the fork server did, named so, with how the server ended."""
     channels.server.wait_for_exit([r.pid], DEATH_DETAILS_SECONDS)
     channels.pump(time.monotonic() + DEATH_DETAILS_SECONDS, lambda: all(r.output.closed.values()))
-    how = describe_exit(channels.server.exit_status.get(r.pid))
-    hint = " (SIGKILL from outside often means the machine ran out of memory)" if "SIGKILL" in how else ""
-    return Failure(r.rank, NoReply.DIED, f"process {how}{hint}", time=r.gone_at, stderr_tail=list(r.output.stderr_tail))
+    status = channels.server.exit_status.get(r.pid)
+    tail = list(r.output.stderr_tail)
+    if status is None and not channels.server.alive:
+        server = channels.server
+        lines = "\n".join(f"labkit's fork server: {line}" for line in server.stderr_tail())
+        return Failure(r.rank, NoReply.DIED, f"process died {before} with labkit's fork server, which "
+                       f"{server.exit_text()} (every rank dies with it)", lines, time=r.gone_at, stderr_tail=tail)
+    how = describe_exit(status)
+    if how.startswith("exited"):
+        how += f" {before} (the function never returned: something in it ended the process, e.g. os._exit)"
+    elif "SIGKILL" in how:
+        how += " (SIGKILL from outside often means the machine ran out of memory)"
+    return Failure(r.rank, NoReply.DIED, f"process {how}", time=r.gone_at, stderr_tail=tail)
 
 
-def _still_running(stack: Stack | None) -> tuple[str, str]:
-    """errors.still_running for a stopped rank, with the collective it is in where its recorder said."""
-    return still_running(stack, where_in_collectives(stack.collectives) if stack else "")
+def _stopped(rank: int, stack: Stack | None, result_nbytes: int | None) -> Failure:
+    """A rank stopped mid-call: errors.still_running, with the collective it is in where its recorder said, and the
+    size of the result it had announced (protocol.Returning), if any."""
+    collective = where_in_collectives(stack.collectives) if stack else ""
+    return Failure(rank, NoReply.STOPPED, *still_running(stack, collective, result_nbytes),
+                   in_own_code=result_nbytes is None and in_own_code(stack, collective))
 
 
 def same_steps(steps: list[dict[str, int] | None]) -> bool:
@@ -139,6 +165,9 @@ def failure_from_reply(rank: int, reply: Reply) -> Failure:
     if reply.outcome == Outcome.UNPICKLABLE:
         return Failure(rank, Outcome.UNPICKLABLE, reply.body, time=reply.finished_at)
     if reply.outcome == Outcome.INTERRUPTED:
-        return raised_failure(rank, Outcome.INTERRUPTED, reply.body, "interrupted", time=reply.finished_at)
+        return raised_failure(rank, Outcome.INTERRUPTED, reply.body, _STOPPED_BY_LABKIT, time=reply.finished_at)
     error = reply.body
-    return raised_failure(rank, Outcome.ERROR, error, time=float("inf") if error.follow_on else reply.finished_at)
+    last = error.chain[-1] if error.chain else None
+    own = (f"{exception_line(last)}, from the function's own code (raised there, not by the stop button)"
+           if last is not None and (last.module, last.type_name) == ("builtins", "KeyboardInterrupt") else None)
+    return raised_failure(rank, Outcome.ERROR, error, own, time=float("inf") if error.follow_on else reply.finished_at)

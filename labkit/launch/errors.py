@@ -25,7 +25,8 @@ from labkit.launch.protocol import Chained, ExceptionDescription, ExceptionLink,
 
 __all__ = ["ARG_PICKLE_LIMIT_BYTES", "ARG_REPR_LIMIT", "FOLLOW_ON_ATTRIBUTE", "CellSyntaxError", "Failure",
            "Interrupted", "NoReply", "RankError", "RankTimeout", "cell_name", "describe_exception", "describe_stack",
-           "exception_args", "exception_line", "format_exception", "format_frames", "is_user_file",
+           "OWN_CODE_NOTE", "exception_args", "exception_line", "format_exception", "format_frames", "in_own_code",
+           "is_user_file",
            "qualified_name", "raised_failure", "rank_list", "still_running", "where"]
 
 FOLLOW_ON_ATTRIBUTE = "labkit_follow_on"
@@ -150,19 +151,33 @@ def _result_being_sent(frame) -> int | None:
     return None
 
 
-def still_running(stack: Stack | None, collective: str = "") -> tuple[str, str]:
+def still_running(stack: Stack | None, collective: str = "", result_nbytes: int | None = None) -> tuple[str, str]:
     """(summary, detail) for a rank that had not answered when the call was abandoned; `stack` is
     where it was (None: it did not say), `collective` the collective it is in ("in all_reduce #5 of the
-    default group", labkit.launch.inflight), if any."""
+    default group", labkit.launch.inflight), if any; `result_nbytes`, the size of the result it said it had
+    returned and was pickling to send (protocol.Returning), if it did."""
     also = f"; it is {collective}" if collective else ""
     if stack is not None and stack.sending_result_nbytes is not None:
         return f"was sending its result ({stack.sending_result_nbytes / 1e6:.1f} MB) when the timeout passed", ""
+    if result_nbytes is not None:
+        return (f"had returned; its result ({result_nbytes / 1e6:.1f} MB) was being pickled and sent when the "
+                "timeout passed"), ""
     if stack is not None and stack.synchronizing:
         return ("had returned and was waiting for the GPU work it queued (labkit's torch.cuda.synchronize before "
                 f"it replies){also}", format_frames(stack.frames))
     if stack is not None and stack.frames:
-        return f"was still running {where(stack.frames)}{also}", format_frames(stack.frames)
+        own = OWN_CODE_NOTE if in_own_code(stack, collective) else ""
+        return f"was still running {where(stack.frames)}{also}{own}", format_frames(stack.frames)
     return f"was still running and did not say where{also}", ""
+
+
+OWN_CODE_NOTE = " (the rank's own code: it was not waiting for a message or a collective)"
+
+
+def in_own_code(stack: Stack | None, collective: str = "") -> bool:
+    """True for a rank whose innermost frame is the student's own code (a time.sleep, a loop), outside any
+    collective (`collective`, as for `still_running`): not waiting for another rank at all."""
+    return bool(stack and stack.frames and not collective and is_user_file(stack.frames[-1].filename))
 
 
 def _below_launch(summary: traceback.StackSummary) -> list[Frame]:
@@ -243,7 +258,8 @@ def where(frames: list[Frame]) -> str:
         source = linecache.getline(user.filename, user.lineno).strip()
         text += f", called from {_place(user.filename, user.lineno)}" + (f": {source}" if source else "")
     elif user is not None:
-        text += f" at {_place(user.filename, user.lineno)}"
+        source = linecache.getline(user.filename, user.lineno).strip()
+        text += f" at {_place(user.filename, user.lineno)}" + (f": {source}" if source else "")
     return text
 
 
@@ -278,7 +294,8 @@ class Failure:
     Where the rank raised (ERROR, INTERRUPTED, a failed start): `exception_type`, the exception's class as
     `qualified_name` writes it, and `exception_args`, the arguments it was raised with (each as far as it
     pickles, else its repr), so that a grader recognises an exception by its type and data, not its text;
-    "" and () otherwise. `raised(cls)` asks for one class."""
+    "" and () otherwise. `raised(cls)` asks for one class. `in_own_code`: a rank stopped (NoReply.STOPPED) while in
+    the student's own code, outside any collective (`in_own_code` says how it is told)."""
 
     rank: int
     kind: Outcome | NoReply
@@ -288,6 +305,7 @@ class Failure:
     stderr_tail: list[str] = field(default_factory=list)
     exception_type: str = ""
     exception_args: tuple = ()
+    in_own_code: bool = False
 
     def raised(self, cls: type) -> bool:
         """True if this rank raised an exception of class `cls` itself (not a subclass: only its name travels)."""

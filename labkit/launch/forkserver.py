@@ -20,6 +20,11 @@ are re-parented to it rather than to init, and it reaps them, so none is left a 
 container without an init. A process that deliberately leaves its rank's group (setsid, setpgid,
 `start_new_session=True`) is not killed: it is on its own, like a daemon. A fork server killed with
 SIGKILL cannot clean up: its ranks die by their parent-death signal, their children do not.
+
+The server's own stderr goes to an unlinked temporary file (mode 0600, tempfile.TemporaryFile), not to the
+notebook's: if the server dies (say, importing torch under a memory limit), `ForkServer.ended` says how, with
+the file's last lines, once, in the error the call raises, instead of a bare "has ended" here and the cause on a
+terminal the student may not see.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
@@ -38,10 +44,14 @@ from multiprocessing.reduction import recvfds, sendfds
 from labkit.launch import protocol
 from labkit.launch.protocol import Exited, Forked, ForkRank, RankSpec, SignalRanks
 
-__all__ = ["ForkServer", "describe_exit", "serve", "set_parent_death_signal", "start_method"]
+__all__ = ["STDERR_TAIL_LINES", "ForkServer", "describe_exit", "describe_returncode", "serve",
+           "set_parent_death_signal", "start_method"]
 
 _PR_SET_PDEATHSIG = 1  # prctl(2) options, from <linux/prctl.h>
 _PR_SET_CHILD_SUBREAPER = 36
+STDERR_TAIL_LINES = 12  # of the server's stderr, shown when it has died
+_STDERR_TAIL_NBYTES = 8192
+_EXIT_WAIT_SECONDS = 2.0  # for a server whose socket closed to be reaped, so that its exit status is known
 
 
 def _prctl(option: int, value: int) -> None:
@@ -76,11 +86,12 @@ class ForkServer:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [labkit_root, env.get("PYTHONPATH")]))
         # The parent-death signal follows the thread that started us: only trust the main thread.
         die_with_parent = threading.current_thread() is threading.main_thread()
+        self._stderr = tempfile.TemporaryFile(prefix="labkit-forkserver-")  # unlinked, 0600
         self.process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from labkit.launch.forkserver import serve; "
              "serve(int(sys.argv[1]), sys.argv[2] == '1', sys.argv[3])",
              str(theirs.fileno()), str(int(die_with_parent)), start_method()],
-            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._stderr,
             start_new_session=True, env=env,
         )
         theirs.close()
@@ -107,7 +118,8 @@ class ForkServer:
             if isinstance(message, Forked) and message.request_id == request_id:
                 self.exit_status.pop(message.pid, None)  # a pid the system has handed out again
                 return message.pid
-        raise RuntimeError("labkit's fork server has ended; the next call starts a new one.")
+        raise RuntimeError(self.ended(" before it started a rank" if request_id == 0 else "",
+                                      "The next call starts a new one."))
 
     def signal(self, pids, sig: int) -> None:
         """Send `sig` to each rank's process group, if that rank has not been reaped yet."""
@@ -151,6 +163,32 @@ class ForkServer:
         """The server is gone (killed, or crashed): so are its ranks, by the parent-death signal."""
         self.alive = False
 
+    def ended(self, when: str = "", then: str = "") -> str:
+        """How the server ended, for a student: its exit status, `when`, a hint where a memory limit (RLIMIT_AS) is
+        set, `then` (a sentence), and its last lines of stderr, each prefixed "labkit's fork server:"."""
+        status, tail = self.exit_text(), self.stderr_tail()
+        lines = "".join(f"\nlabkit's fork server: {line}" for line in tail)
+        last = f" Its last lines of stderr:{lines}" if tail else ""
+        return f"labkit's fork server {status}{when}{_memory_limit_hint()}.{' ' * bool(then)}{then}{last}"
+
+    def exit_text(self) -> str:
+        """'was killed by SIGKILL', 'exited with code 1': how the server process ended, once it has."""
+        try:
+            returncode = self.process.wait(timeout=_EXIT_WAIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            return "closed its socket but is still running"
+        how = describe_returncode(returncode)
+        return f"was {how}" if how.startswith("killed") else how
+
+    def stderr_tail(self) -> list[str]:
+        """The last STDERR_TAIL_LINES lines the server wrote to its stderr."""
+        try:
+            nbytes = os.fstat(self._stderr.fileno()).st_size
+            data = os.pread(self._stderr.fileno(), _STDERR_TAIL_NBYTES, max(0, nbytes - _STDERR_TAIL_NBYTES))
+        except (OSError, ValueError):  # closed
+            return []
+        return [line for line in data.decode(errors="replace").splitlines() if line.strip()][-STDERR_TAIL_LINES:]
+
     def fileno(self) -> int:
         return self.connection.fileno()
 
@@ -164,6 +202,7 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+        self._stderr.close()
 
 
 def describe_exit(status: int | None) -> str:
@@ -178,6 +217,29 @@ def describe_exit(status: int | None) -> str:
             name = f"signal {sig}"
         return f"killed by {name}"
     return f"exited with code {os.WEXITSTATUS(status)}"
+
+
+def describe_returncode(returncode: int) -> str:
+    """'killed by SIGKILL', 'exited with code 1' from a Popen returncode (negative: the signal that ended it)."""
+    if returncode < 0:
+        return describe_exit(-returncode)  # a waitpid status whose low bits are the signal
+    return describe_exit(returncode << 8)
+
+
+def _memory_limit_hint() -> str:
+    """A note on this process's address-space limit (RLIMIT_AS, `ulimit -v`), which the server inherits, if one is
+    set: importing torch maps far more than it uses, and OpenBLAS or the loader then fail to allocate."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    except (ImportError, OSError, ValueError):
+        return ""
+    if soft == resource.RLIM_INFINITY:
+        return ""
+    return (f" (this process has a memory limit of {soft / 2**20:.0f} MiB of address space, RLIMIT_AS, which the "
+            "fork server inherits: importing torch needs more, so raise it, e.g. `ulimit -v unlimited` in the shell "
+            "that starts Jupyter, or resource.setrlimit(resource.RLIMIT_AS, ...) before the first call)")
 
 
 # ---- the server process -------------------------------------------------------------------------

@@ -9,7 +9,8 @@ costs about what a plain tuple does, yet every reader takes its fields by name. 
 owner -> fork server           `ForkRank` (the rank's four fds follow by SCM_RIGHTS), `SignalRanks`
 fork server -> owner           `Forked` (answers `ForkRank`), `Exited` (whenever a rank is reaped)
 owner -> rank, job socket      `Call`
-rank -> owner, job socket      `Ready` or `StartFailed` once, then one `Reply` per `Call`
+rank -> owner, job socket      `Ready` or `StartFailed` once, then one `Reply` per `Call` (a big result's
+                               `Returning` before it)
 owner -> rank, control socket  `StackRequest`, `Interrupt`
 rank -> owner, control socket  `Stack` (the answer to `StackRequest`)
 =============================  ===================================================================
@@ -34,8 +35,8 @@ from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 __all__ = ["Call", "Chained", "ExceptionDescription", "ExceptionLink", "Exited", "ForkRank", "Forked",
-           "Frame", "GroupCollectives", "Interrupt", "Outcome", "RankSpec", "Ready", "Reply", "SignalRanks",
-           "Stack", "StackRequest", "StartFailed", "TextEnum", "encode", "receive", "send"]
+           "Frame", "GroupCollectives", "Interrupt", "Outcome", "RankSpec", "Ready", "Reply", "Returning",
+           "SignalRanks", "Stack", "StackRequest", "StartFailed", "TextEnum", "encode", "receive", "send"]
 
 
 class TextEnum(str, Enum):
@@ -138,6 +139,15 @@ class Reply(NamedTuple):
     finished_at: float  # time.time() on the rank: the earliest failure is the root cause
     steps: dict[str, int] | None  # operations each process group issued during the call (None: unknown)
     group_destroyed: bool  # the call ran dist.destroy_process_group(): this pool cannot serve another
+
+
+class Returning(NamedTuple):
+    """Call `call_id` has returned a result of about `result_nbytes` bytes, which the rank now pickles and sends:
+    sent before a big result only (worker.py), so that a timeout meanwhile says so, even while pickling holds the
+    GIL and the rank cannot answer a `StackRequest`."""
+
+    call_id: int
+    result_nbytes: int
 
 
 class Ready(NamedTuple):

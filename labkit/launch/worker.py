@@ -53,6 +53,7 @@ from labkit.launch.protocol import (
     RankSpec,
     Ready,
     Reply,
+    Returning,
     StackRequest,
     StartFailed,
 )
@@ -60,9 +61,11 @@ from labkit.launch.protocol import (
 __all__ = ["GROUP_TIMEOUT_MARGIN_SECONDS", "health_probe", "main", "sequence_numbers", "spawned_main"]
 
 GROUP_TIMEOUT_MARGIN_SECONDS = 15.0
+RESULT_NOTE_MIN_NBYTES = 1 << 20  # a result this big is announced (protocol.Returning) before it is pickled
 
 _running_call: int | None = None  # the call whose payload and user code the main thread runs now
 _interrupt_for: int | None = None  # the latest call the owner asked to stop, until the stop is raised
+_interrupted_call: int | None = None  # the call whose stop was raised: a KeyboardInterrupt in any other is the user's
 _output_fds: dict[int, int] = {}  # 1 and 2 -> a duplicate of the pipe the owner reads, taken at start
 
 
@@ -136,10 +139,10 @@ def _on_interrupt(signum, frame) -> None:
 
 def _take_interrupt(call_id: int) -> bool:
     """True once if the owner asked to stop `call_id`; the request is used up by raising it."""
-    global _interrupt_for
+    global _interrupt_for, _interrupted_call
     if _interrupt_for != call_id:
         return False
-    _interrupt_for = None
+    _interrupt_for, _interrupted_call = None, call_id
     return True
 
 
@@ -152,7 +155,7 @@ def _serve_calls(job: Connection) -> None:
         except (EOFError, OSError):
             os._exit(0)
         before = sequence_numbers()
-        outcome, body = _run(call)
+        outcome, body = _run(call, job)
         steps = _steps_since(before)
         _restore_output()
         os.write(1, end_of_call_marker(call.call_id))
@@ -173,7 +176,7 @@ def _restore_output() -> None:
         os.dup2(saved, fd)
 
 
-def _run(call: Call) -> tuple[Outcome, bytes | ExceptionDescription | str]:
+def _run(call: Call, job: Connection) -> tuple[Outcome, bytes | ExceptionDescription | str]:
     """Run one call: (OK, the pickled result), (ERROR or INTERRUPTED, what was raised), or
     (UNPICKLABLE, why the result cannot be sent).
 
@@ -196,13 +199,40 @@ def _run(call: Call) -> tuple[Outcome, bytes | ExceptionDescription | str]:
         finally:
             _running_call = None
     except KeyboardInterrupt as exc:
-        return Outcome.INTERRUPTED, _forget(exc)
+        if _interrupted_call == call.call_id:
+            return Outcome.INTERRUPTED, _forget(exc)
+        return Outcome.ERROR, _forget(exc)  # raised by the user's code itself: their error, not labkit's stop
     except BaseException as exc:  # noqa: BLE001 - SystemExit too: a rank must not exit on a whim
         return Outcome.ERROR, _forget(exc)
+    _announce_result(job, call.call_id, result)
     try:
         return Outcome.OK, serialize.dumps(_to_cpu(result))
     except Exception as exc:  # noqa: BLE001
         return Outcome.UNPICKLABLE, f"{type(result).__name__} cannot be pickled ({type(exc).__name__}: {exc})"
+
+
+def _announce_result(job: Connection, call_id: int, result) -> None:
+    """Tell the owner that call `call_id` returned a result of RESULT_NOTE_MIN_NBYTES or more, before pickling it:
+    800 MB take seconds to pickle, and a timeout meanwhile would otherwise say the rank was still running."""
+    nbytes = _result_nbytes(result)
+    if nbytes >= RESULT_NOTE_MIN_NBYTES:
+        protocol.send(job, Returning(call_id, nbytes))
+
+
+def _result_nbytes(result) -> int:
+    """About how many bytes `result` pickles to: its tensors', bytes' and strings' sizes, in lists, tuples and
+    dicts (torch's pytree); 0 where it cannot say."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    def nbytes(leaf) -> int:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.nbytes
+        return len(leaf) if isinstance(leaf, (bytes, bytearray, str)) else 0
+    try:
+        return sum(map(nbytes, tree_leaves(result)))
+    except Exception:  # noqa: BLE001 - an odd container: the note is only a help
+        return 0
 
 
 def _synchronize_device() -> None:

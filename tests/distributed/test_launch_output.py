@@ -3,6 +3,7 @@ named by rank (issues 13 and 14)."""
 
 import os
 import re
+import sys
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 import labkit
 from labkit.launch import output
 from labkit.launch._channels import Channels
+from labkit.launch.output import LINE_LIMIT_NBYTES
 
 
 @pytest.fixture
@@ -93,3 +95,20 @@ def test_a_timeout_while_a_result_is_sent_says_so(monkeypatch):
     assert "_send" not in message
     monkeypatch.undo()
     assert labkit.run(labkit.rank, world_size=2) == [0, 1]
+
+
+def fifty_megabytes_without_a_newline():
+    sys.stdout.write("x" * 50_000_000)
+    return labkit.rank()
+
+
+def test_a_rank_printing_50_mb_without_a_newline_completes_its_call(shown):
+    # Issue 28: the owner joined the whole partial line at every 64 KiB read (10.6 s of copying for 50 MB on an idle
+    # machine), so a grader's call was judged a hang; read in linear time it takes a fraction of a second.
+    assert labkit.run(labkit.rank, world_size=2) == [0, 1]  # started: the timeout bounds the call alone
+    assert labkit.run(fifty_megabytes_without_a_newline, world_size=2, timeout=10) == [0, 1]  # a grader's timeout
+    cut = [line for _, _, line in shown if line.startswith("x")]
+    assert len(cut) == 2, [line[-120:] for _, _, line in shown]
+    for line in cut:
+        assert line == "x" * LINE_LIMIT_NBYTES + (" [... 48,951,424 more bytes of this line not shown: labkit shows "
+                                                  "the first 1,048,576 bytes of a line]")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import labkit
 from labkit._refusals import ForbiddenCall
-from labkit.launch.errors import Failure, NoReply
+from labkit.launch.errors import OWN_CODE_NOTE, Failure, NoReply
 
 __all__: list[str] = []
 
@@ -40,6 +40,18 @@ def first_failure(error: labkit.RankError):
     first = min((f for f in error.failures if f.kind != NoReply.STOPPED), key=lambda f: (f.time, f.rank),
                 default=error.failures[0])
     return first, None
+
+
+def failure_sentence(failure: Failure) -> str:
+    """A rank's failure as a verdict says it, without a final period: 'rank 1 raised ValueError: bad', "rank 1's
+    process exited with code 0 before replying (...)", 'rank 0 was still running in ...' (a rank that died or was
+    stopped raised nothing)."""
+    summary = failure.summary.strip().removesuffix(".")
+    if failure.kind == NoReply.DIED:
+        return f"rank {failure.rank}'s {summary}"
+    if failure.kind == NoReply.STOPPED:
+        return f"rank {failure.rank} {summary}"
+    return f"rank {failure.rank} raised {summary}"
 
 
 def where_ranks_waited(hang: labkit.RankTimeout, ranks: int = 2) -> str:
@@ -79,8 +91,14 @@ def forbidden_message(rank: int, spelling: str, caught: bool, why: Callable[[str
 
 def hang_message(hang: labkit.RankTimeout, timeout_seconds: float, why: str) -> str:
     """A run that never finished: how long it ran, `why` (what the ranks must agree on, in the exercise's words),
-    and where the first ranks waited (from labkit's hang report)."""
+    and where the first ranks waited (from labkit's hang report). Where every stopped rank was in the student's own
+    code (a time.sleep), no rank waited for another, and `why` would be wrong: it says so instead."""
     waited = where_ranks_waited(hang)
+    stopped = [f for f in hang.failures if f.kind == NoReply.STOPPED]
+    if stopped and all(f.in_own_code for f in stopped):
+        why = ("no rank was waiting for a message or a collective: each was still running your own code (a sleep, "
+               "or a loop that does not end?).")
+        waited = waited.replace(OWN_CODE_NOTE, "")
     return f"it never finished (stopped after {timeout_seconds:g} s): {why}" + (f" {waited}." if waited else "")
 
 
