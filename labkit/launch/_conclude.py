@@ -34,7 +34,8 @@ from labkit.launch.protocol import Outcome, Reply, Stack, StartFailed
 __all__ = []
 
 _STOPPED_BY_LABKIT = "interrupted by labkit (Ctrl-C or the stop button)"
-DEATH_DETAILS_SECONDS = 1.0  # to collect a dead rank's exit status and last stderr lines
+DEATH_DETAILS_SECONDS = 3.0  # to collect a dead rank's exit status and last stderr lines (the fork server reports
+# within milliseconds when idle; the margin is for a loaded machine)
 
 
 @dataclass
