@@ -66,11 +66,11 @@ def open_private(path: Path, flags: int, what: str) -> int:
     another user, one that group or others can write, a link, a FIFO or a device: PermissionError naming it."""
     try:
         fd = os.open(path, flags | _FOLLOW_NOT | getattr(os, "O_NONBLOCK", 0), FILE_MODE)
-    except OSError as error:
+    except OSError:
         if os.path.islink(path):  # O_NOFOLLOW's ELOOP (EMLINK on FreeBSD): say what it is
             raise PermissionError(f"{what} {path} is a symbolic link (to {os.readlink(path)}): labkit does not follow "
                                   "links to its files. Remove the link.") from None
-        raise error
+        raise
     try:
         check_private_file(path, os.fstat(fd), what)
     except BaseException:

@@ -125,8 +125,8 @@ def _set_aside(path: Path, error: Exception) -> None:
         where = f"it is kept as {kept}"
     except OSError:
         where = "it is left where it is"
-    reason = f"{type(error).__name__}: {error}" if isinstance(error, OverflowError | RecursionError) else error
-    warnings.warn(f"labkit: could not read your progress file {path} ({reason}); {where}, and a new one starts",
+    warnings.warn(f"labkit: could not read your progress file {path} ({type(error).__name__}: {error}); {where}, "
+                  "and a new one starts",
                   stacklevel=3)
 
 
