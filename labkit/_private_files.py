@@ -11,7 +11,7 @@ user's own and writable by the user alone. A refusal is a PermissionError that n
 says what to do. Only the last folder of a path is checked: the folders above it are the user's to choose.
 
 Where there are no user ids (Windows), nothing is checked: there a folder's access list decides.
-Sources: open(2) (O_NOFOLLOW, O_NONBLOCK on a FIFO), lstat(2), inode(7) (st_mode, the sticky bit); sshd_config(5),
+Sources: open(2) (O_NOFOLLOW, O_NONBLOCK on a FIFO), lstat(2), inode(7) (st_mode); flock(2); sshd_config(5),
 StrictModes.
 """
 
@@ -33,14 +33,14 @@ __all__: list[str] = []
 DIRECTORY_MODE, FILE_MODE = 0o700, 0o600
 _CHECKED = hasattr(os, "geteuid")  # POSIX: files have owners and modes
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
-_FOLLOW_NOT = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
 
 
 def private_directory(path: Path, what: str, *, create: bool) -> Path:
     """`path` once it is checked to be a private folder (see the module docstring), created mode 0700 (with its
     missing parents, umask's mode) when `create` and it does not exist. FileNotFoundError when it does not exist
     and not `create`; NotADirectoryError for a file; PermissionError, naming owner and mode, when it is not
-    private. `what` ("checkpoint folder") starts the messages."""
+    private. `what` ("checkpoint directory") starts the messages."""
     path = Path(path)
     if create and not os.path.lexists(path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,7 @@ def open_private(path: Path, flags: int, what: str) -> int:
     Never follows a link at `path` and never waits on a FIFO (O_NONBLOCK: regular files ignore it). A file of
     another user, one that group or others can write, a link, a FIFO or a device: PermissionError naming it."""
     try:
-        fd = os.open(path, flags | _FOLLOW_NOT | getattr(os, "O_NONBLOCK", 0), FILE_MODE)
+        fd = os.open(path, flags | _OPEN_FLAGS | getattr(os, "O_NONBLOCK", 0), FILE_MODE)
     except OSError:
         if os.path.islink(path):  # O_NOFOLLOW's ELOOP (EMLINK on FreeBSD): say what it is
             raise PermissionError(f"{what} {path} is a symbolic link (to {os.readlink(path)}): labkit does not follow "
