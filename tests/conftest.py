@@ -5,7 +5,9 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -85,3 +87,40 @@ def as_another_user():
         return subprocess.run(AS_ANOTHER_USER + list(command), capture_output=True, text=True, timeout=timeout,
                               cwd=kwargs.pop("cwd", "/"), **kwargs)
     return run
+
+
+@pytest.fixture
+def shared_folder():
+    """A folder that every local user can write in, like /tmp (mode 1777, the student's), removed at the end: the
+    place where another user plants folders and files, or takes locks, beside the student's own."""
+    folder = tempfile.mkdtemp(prefix="labkit-shared-", dir="/tmp")
+    os.chmod(folder, 0o1777)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+HOLD_FLOCK = """
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDONLY)
+fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken at once, or this exits: a test never waits on it
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.fixture
+def another_users_flock(as_another_user):
+    """`hold(path)`: another local user takes an exclusive flock(2) on `path` and holds it until the test ends (then
+    killed), as `flock path sleep 120` would; returns True once held, False if that user cannot open `path` or
+    another process holds it."""
+    holders = []
+
+    def hold(path) -> bool:
+        holder = subprocess.Popen(AS_ANOTHER_USER + [sys.executable, "-c", HOLD_FLOCK, str(path)], cwd="/", text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        holders.append(holder)
+        return holder.stdout.readline().strip() == "held"  # "" once it exited: it could not open `path`
+    yield hold
+    for holder in holders:
+        holder.kill()
+        holder.wait()

@@ -25,11 +25,17 @@ directories apart. Without a process group both functions act as rank 0 of 1. Wh
   torch.from_numpy(), str(path), .isoformat(), (start, stop, step)).
 - The newest `keep` checkpoints stay, so a damaged one falls back to the one before; older ones are removed
   only after the new one has loaded back.
-- One run per directory: the writer's process takes an exclusive flock(2) on the directory at its first save
-  there and holds it until it ends (the kernel drops it even on a crash). A second run (or a second group)
-  saving into the same directory is refused, naming the holder's pid, instead of overwriting and rotating
-  away the first one's checkpoints. A temporary file is removed by its writer, or once its writer's process
-  is gone.
+- One run per directory: the writer's process takes an exclusive flock(2) on the directory's lock file
+  (`.labkit-lock`, mode 0600) at its first save there and holds it until it ends (the kernel drops it even on a
+  crash). A second run (or a second group) saving into the same directory is refused, naming the holder's pid,
+  instead of overwriting and rotating away the first one's checkpoints. A temporary file is removed by its
+  writer, or once its writer's process is gone.
+- The directory is the run's own: created mode 0700, its files 0600. A directory that another user owns or that
+  group or others can write in is refused (PermissionError naming owner and mode), as is a link made by another
+  user; a checkpoint file that is a link or not the user's own is skipped: the SHA-256 header is a checksum, not
+  a MAC, so a file planted there would otherwise load as the run's own.
+- A load beside a run saving into the same directory never reports "no checkpoint", or none intact, while one
+  is there: a checkpoint rotated away between the listing and its reading makes it list again.
 - A load is all or nothing: the checkpoint is checked against the model and optimizer (keys, shapes, dtypes,
   parameter groups, an optimizer state to load) before anything is copied; one that does not fit raises
   and leaves model, optimizer and RNGs as they were.
@@ -145,7 +151,7 @@ def _write_checkpoint(path: Path, payload: dict, keep: int) -> None:
     """The writer's part of a save: refuse what would not load back, take the directory's lock, write the file
     atomically, then rotate the older ones away."""
     fits.refuse_unloadable(payload)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    files.checkpoint_directory(path.parent, create=True)
     lock.lock_directory(path.parent)
     files.write_atomically(path, payload)
     files.remove_old(path.parent, payload["step"], keep)

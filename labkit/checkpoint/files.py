@@ -6,6 +6,12 @@ directory (`.step-000040.pt.<writer's pid>.<random>.tmp`), fsyncs it, reads it b
 with os.replace and fsyncs the directory: a crash mid-write never leaves a half-written `step-000040.pt`, and a
 file that does not load back never gets a checkpoint's name. Older checkpoints are removed only after the new one
 has loaded back, and a temporary file only by its writer or once its writer's process is gone.
+
+The directory and its files are private (labkit._private_files): a directory is created 0700 and its files 0600,
+and one that another user owns or can write in is refused, as is a file that is a link or not the user's own: a
+forged file in this format would otherwise load as the run's own (the SHA-256 is a checksum, not a MAC). A load
+beside a run that saves with keep=1 lists the directory, and the file it listed can be rotated away before it is
+opened: it then lists again, so that it never reports "no checkpoint" (or "none intact") while one exists.
 Sources: POSIX rename(2), fsync(2) (of the file and of its directory); torch.save and torch.load(weights_only=True)
 (https://pytorch.org/docs/stable/generated/torch.load.html).
 """
@@ -22,20 +28,34 @@ from pathlib import Path
 
 import torch
 
+from labkit import _private_files
 from labkit.checkpoint.failures import CheckpointError
 
-__all__ = ["checkpoint_bytes", "checkpoint_path", "newest_intact", "read_checkpoint", "remove_old",
-           "write_atomically"]
+__all__ = ["checkpoint_bytes", "checkpoint_directory", "checkpoint_path", "newest_intact", "read_checkpoint",
+           "remove_old", "write_atomically"]
 
 _MAGIC = b"LKCKPT01"
 _HEADER = struct.Struct(">8sQ32s")  # magic, payload length, sha256 of the payload
 _NAME = re.compile(r"step-(\d+)\.pt")
 _TEMPORARY = re.compile(r"\.step-\d+\.pt\.(\d+)\.[0-9a-f]+\.tmp")  # .step-000040.pt.<writer's pid>.<random>.tmp
+# A listed checkpoint vanishes only when a newer save has rotated it away, so each new listing follows a save; a
+# directory that changes under this many listings in a row belongs to a run saving faster than it can be read.
+_LISTINGS = 100
+
+
+class _Vanished(Exception):
+    """A listed checkpoint was removed before it could be opened: list the directory again."""
 
 
 def checkpoint_path(directory, step: int) -> Path:
     """Where step `step`'s checkpoint lives in `directory`: step-000040.pt (zero-padded, so names sort by step)."""
     return Path(directory) / f"step-{step:06d}.pt"
+
+
+def checkpoint_directory(directory, *, create: bool) -> Path:
+    """`directory` once checked to be private (created 0700 if `create` and missing): PermissionError naming its
+    owner and mode otherwise, FileNotFoundError if it does not exist (and not `create`), NotADirectoryError."""
+    return _private_files.private_directory(Path(directory), "checkpoint directory", create=create)
 
 
 def checkpoint_bytes(payload: dict) -> bytes:
@@ -52,7 +72,8 @@ def write_atomically(path: Path, payload: dict) -> None:
     data = checkpoint_bytes(payload)
     temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                     _private_files.FILE_MODE)
     except OSError as exc:
         raise _naming(path, exc) from exc
     try:
@@ -92,8 +113,9 @@ def _naming(path: Path, exc: OSError) -> OSError:
 
 
 def _checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint file in `directory`, newest first."""
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.fullmatch(p.name)) and p.is_file()]
+    """(step, path) of every checkpoint name in `directory`, newest first. One listing: what each name is (a file,
+    still there) is learnt when it is opened, since a save may rotate it away meanwhile."""
+    found = [(int(m.group(1)), directory / name) for name in os.listdir(directory) if (m := _NAME.fullmatch(name))]
     return sorted(found, reverse=True)
 
 
@@ -101,7 +123,8 @@ def remove_old(directory: Path, step: int, keep: int) -> None:
     """Remove the checkpoints below `step` but its newest keep - 1, and the temporary files of crashed saves
     (their writer's process is gone); another writer's temporary file is never touched."""
     older = [path for s, path in _checkpoints(directory) if s < step][keep - 1:]
-    crashed = [p for p in directory.iterdir() if (m := _TEMPORARY.fullmatch(p.name)) and not _alive(int(m.group(1)))]
+    crashed = [directory / name for name in os.listdir(directory)
+               if (m := _TEMPORARY.fullmatch(name)) and not _alive(int(m.group(1)))]
     for path in older + crashed:
         path.unlink(missing_ok=True)
 
@@ -121,15 +144,29 @@ def _alive(pid: int) -> bool:
 
 def newest_intact(directory: Path):
     """(path, payload, [(name, problem) of the newer ones skipped]), or None when there is no checkpoint.
-    FileNotFoundError, NotADirectoryError for a bad `directory`; CheckpointError when none is intact."""
-    if not directory.exists():
+    FileNotFoundError, NotADirectoryError for a bad `directory`, PermissionError for one that is not private;
+    CheckpointError when none is intact."""
+    if not os.path.lexists(directory):
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist. Create it to start from "
                                 "scratch (save_checkpoint creates it too), or check the path.")
-    if not directory.is_dir():
-        raise NotADirectoryError(f"{directory} is a file, not a checkpoint directory.")
+    checkpoint_directory(directory, create=False)
+    for _ in range(_LISTINGS):
+        try:
+            return _newest_listed(directory)
+        except _Vanished:
+            continue
+    raise CheckpointError(f"the checkpoints in {directory} were rotated away {_LISTINGS} times in a row while "
+                          "being read: is another run saving there as fast as it can?")
+
+
+def _newest_listed(directory: Path):
+    """newest_intact's answer from one listing of `directory`; _Vanished if a listed checkpoint is gone."""
     skipped = []
     for _, path in _checkpoints(directory):
-        payload, problem = read_checkpoint(path)
+        try:
+            payload, problem = read_checkpoint(path)
+        except FileNotFoundError:  # rotated away since the listing: a newer one is there now
+            raise _Vanished from None
         if payload is not None:
             return path, payload, skipped
         skipped.append((path.name, problem))
@@ -140,9 +177,16 @@ def newest_intact(directory: Path):
 
 
 def read_checkpoint(path: Path) -> tuple[dict | None, str]:
-    """(payload, "") for an intact checkpoint file, else (None, what is wrong with it)."""
+    """(payload, "") for an intact checkpoint file, else (None, what is wrong with it); FileNotFoundError when
+    there is no file at `path` (rotated away: the caller lists again). A link, or a file not the user's own, is
+    refused: a forged one would load as the run's own."""
     try:
-        data = path.read_bytes()
+        with os.fdopen(_private_files.open_private(path, os.O_RDONLY, "checkpoint file"), "rb") as file:
+            data = file.read()
+    except FileNotFoundError:
+        raise
+    except PermissionError as exc:
+        return None, f"refused ({exc})"
     except OSError as exc:
         return None, f"unreadable ({exc.strerror or exc})"
     magic, length, digest = _HEADER.unpack_from(data.ljust(_HEADER.size, b"\0"))

@@ -7,6 +7,13 @@ home directory, never the repository, and no server. It is written atomically (a
 os.replace, as notebook 09 teaches), so a kernel killed mid-write leaves the previous file whole, and under a
 lock, so two kernels grading at once both count.
 
+The file is the student's alone (labkit._private_files): its folder is created 0700 and the file 0600; a folder
+another user owns or can write in is not used (a progress file planted in a shared folder showed someone else's
+passes), said in a warning. The lock is a 0600 file beside it (`.progress.json.lock`), since any user who can open
+a folder can flock it, and it is waited for at most LOCK_WAIT_SECONDS. Whatever the file holds (a number past a
+float's range, a nesting 100,000 deep, a FIFO, a link to /dev/zero), it is read at most 3 MB, never followed or
+waited on, and a file that does not read as progress is set aside with a warning: grading never depends on it.
+
 The course's own solutions are folded Markdown cells that a student's Run All never executes; CI runs them
 (tests/notebooks/solutions.py turns them into code) through the same graders with `record=False`: running them
 is not the student passing.
@@ -23,13 +30,10 @@ import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
-try:
-    import fcntl
-except ImportError:  # Windows
-    fcntl = None
+from labkit import _private_files
 
-__all__ = ["EXERCISES", "RENAMED_NOTEBOOKS", "graded", "load_progress", "progress_path", "record_attempt",
-           "show_progress"]
+__all__ = ["EXERCISES", "LOCK_WAIT_SECONDS", "RENAMED_NOTEBOOKS", "graded", "load_progress", "progress_path",
+           "record_attempt", "show_progress"]
 
 EXERCISES = {  # name: (notebook, what the student builds), in course order
     "average_gradients": ("01_training_step", "average the gradients by hand after backward()"),
@@ -57,6 +61,9 @@ RENAMED_NOTEBOOKS = {
     "13_bug_zoo": "15_bug_zoo",
 }
 
+LOCK_WAIT_SECONDS = 10.0  # a kernel holds the lock for milliseconds; one held longer is stuck, and grading goes on
+_MAX_NBYTES = 3 * 2**20  # the course's 13 exercises take about 2 kB: a bigger file is not one labkit wrote
+
 
 def progress_path() -> Path:
     """Where the progress is kept: $LABKIT_PROGRESS, else ~/.labkit/progress.json."""
@@ -67,25 +74,60 @@ def load_progress() -> dict:
     """The recorded attempts, {exercise: {"passed": bool, "attempts": int, "passed_at": str | None}}; {} when there
     is no file yet. Entries of exercises this labkit does not know (another version's) are kept as they are. A
     file that cannot be read as such is moved aside to progress.json.unreadable-<time>, never lost, and never
-    raised into a grader: its content is the student's."""
+    raised into a grader: its content is the student's. A folder that is not the student's own is not read (a
+    warning says why)."""
     path = progress_path()
     try:
-        recorded = json.loads(path.read_text())
-        if not isinstance(recorded, dict):
-            raise ValueError(f"a JSON {type(recorded).__name__}, not an object")
-        return {name: _entry(entry) if name in EXERCISES else entry for name, entry in recorded.items()}
+        _progress_folder(path, create=False)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError, TypeError) as error:
-        kept = path.with_name(f"{path.name}.unreadable-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")
-        try:
-            path.replace(kept)
-            where = f"it is kept as {kept}"
-        except OSError:
-            where = "it is left where it is"
-        warnings.warn(f"labkit: could not read your progress file {path} ({error}); {where}, and a new one starts",
-                      stacklevel=2)
+    except OSError as refusal:  # another user's folder, or one they can write in: not read, not touched
+        warnings.warn(f"labkit: your progress is not read from {path}: {refusal}", stacklevel=2)
         return {}
+    try:
+        return _parse(_read_capped(path))
+    except FileNotFoundError:
+        return {}
+    except Exception as error:  # noqa: BLE001 - whatever the file holds, it must not break a grader: set it aside
+        _set_aside(path, error)
+        return {}
+
+
+def _progress_folder(path: Path, *, create: bool) -> Path:
+    """The progress file's folder, checked to be private (created 0700 if `create`)."""
+    return _private_files.private_directory(path.parent, "progress folder", create=create)
+
+
+def _read_capped(path: Path) -> str:
+    """The progress file's text: a regular file of the student's own, not followed if a link, never waited on
+    if a FIFO, and at most _MAX_NBYTES (a link to /dev/zero would read until memory ran out)."""
+    with os.fdopen(_private_files.open_private(path, os.O_RDONLY, "progress file"), "rb") as file:
+        data = file.read(_MAX_NBYTES + 1)
+    if len(data) > _MAX_NBYTES:
+        raise ValueError(f"over {_MAX_NBYTES // 2**20} MB, far more than labkit writes")
+    return data.decode("utf-8")
+
+
+def _parse(text: str) -> dict:
+    """The progress recorded in `text`, each known exercise's entry checked; raises when it is not progress."""
+    recorded = json.loads(text)
+    if not isinstance(recorded, dict):
+        raise ValueError(f"a JSON {type(recorded).__name__}, not an object")
+    return {name: _entry(entry) if name in EXERCISES else entry for name, entry in recorded.items()}
+
+
+def _set_aside(path: Path, error: Exception) -> None:
+    """Move the unreadable progress file (whatever it is: a file, a link, a FIFO) to progress.json.unreadable-<time>
+    beside it, and say so once."""
+    kept = path.with_name(f"{path.name}.unreadable-{datetime.now(timezone.utc):%Y%m%dT%H%M%S}")
+    try:
+        os.replace(path, kept)  # renames the link or the FIFO itself, never what it points to
+        where = f"it is kept as {kept}"
+    except OSError:
+        where = "it is left where it is"
+    warnings.warn(f"labkit: could not read your progress file {path} ({type(error).__name__}: {error}); {where}, "
+                  "and a new one starts",
+                  stacklevel=3)
 
 
 def _entry(entry) -> dict:
@@ -101,38 +143,41 @@ def record_attempt(exercise: str, passed: bool) -> None:
     (say, while experimenting) does not take it back. A file that cannot be written is reported, not raised."""
     if exercise not in EXERCISES:
         raise ValueError(f"unknown exercise {exercise!r}; the course's exercises are {', '.join(EXERCISES)}")
+    path = progress_path()
     try:
-        with _locked(progress_path().parent):
+        with _locked(path):
             progress = load_progress()
             entry = progress.setdefault(exercise, {"passed": False, "attempts": 0, "passed_at": None})
             entry["attempts"] += 1
             if passed and not entry["passed"]:
                 entry["passed"], entry["passed_at"] = True, datetime.now(timezone.utc).isoformat(timespec="seconds")
-            _write_atomically(progress_path(), json.dumps(progress, indent=1, sort_keys=True) + "\n")
-    except OSError as error:
-        warnings.warn(f"labkit: your progress was not saved to {progress_path()} ({error}); set LABKIT_PROGRESS "
-                      "to a file you can write", stacklevel=2)
+            _write_atomically(path, json.dumps(progress, indent=1, sort_keys=True) + "\n")
+    except Exception as error:  # noqa: BLE001 - the progress file is never a reason for a grader to fail
+        warnings.warn(f"labkit: your progress was not saved to {path} ({error}); set LABKIT_PROGRESS to a file "
+                      "in a folder of your own", stacklevel=2)
 
 
 @contextlib.contextmanager
-def _locked(directory: Path):
-    """Hold an exclusive flock(2) on `directory` while the progress file in it is read and rewritten, so that two
-    kernels grading at the same moment do not both read the old file and lose one attempt. The lock goes with
-    the process (a killed kernel holds none). Where there is no flock (Windows), there is no lock."""
-    directory.mkdir(parents=True, exist_ok=True)
-    if fcntl is None:
-        yield
-        return
-    fd = os.open(directory, os.O_RDONLY)
+def _locked(path: Path):
+    """Hold an exclusive flock(2) on the lock file beside the progress file `path` while it is read and rewritten,
+    so that two kernels grading at the same moment do not both read the old file and lose one attempt. The lock
+    goes with the process (a killed kernel holds none); it is waited for LOCK_WAIT_SECONDS at most, then
+    TimeoutError. Where there is no flock (Windows), there is no lock."""
+    lock_file = _progress_folder(path, create=True) / f".{path.name}.lock"
+    fd = _private_files.hold_lock(lock_file, "progress lock file", wait_seconds=LOCK_WAIT_SECONDS)
+    if fd is None:
+        raise TimeoutError(f"another process has held {lock_file} for over {LOCK_WAIT_SECONDS:g} s: is a kernel "
+                           "stuck while recording? Restart it")
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Write `text` to a temporary file beside `path`, fsync it, and rename it onto `path` (rename(2))."""
+    """Write `text` to a temporary file beside `path` (mode 0600, as mkstemp makes it), fsync it, and rename it
+    onto `path` (rename(2))."""
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False) as f:
         f.write(text)
         f.flush()

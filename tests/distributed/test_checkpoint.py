@@ -24,6 +24,7 @@ import labkit
 import labkit.checkpoint.files
 from labkit import groups
 from labkit.checkpoint import CheckpointError, CheckpointWarning, load_latest_checkpoint, save_checkpoint
+from labkit.checkpoint.lock import LOCK_NAME
 from labkit.models import make_classification, mlp
 from labkit.parallel import average_gradients, broadcast_parameters
 
@@ -100,7 +101,8 @@ def same_state(a, b) -> bool:
 
 
 def names(directory) -> list[str]:
-    return sorted(os.listdir(directory))
+    """What the directory holds but the run's lock file (labkit.checkpoint.lock.LOCK_NAME, there for good)."""
+    return sorted(name for name in os.listdir(directory) if name != LOCK_NAME)
 
 
 def test_a_run_killed_mid_way_resumes_bit_identical_to_one_never_stopped(tmp_path):

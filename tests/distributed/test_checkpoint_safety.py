@@ -25,6 +25,7 @@ import labkit.checkpoint.files
 import labkit.checkpoint.fits
 from labkit import groups
 from labkit.checkpoint import CheckpointError, load_latest_checkpoint, save_checkpoint
+from labkit.checkpoint.lock import LOCK_NAME
 from labkit.models import make_classification, mlp
 
 
@@ -44,7 +45,8 @@ def sgd(model, groups=1):
 
 
 def checkpoint_names(directory) -> list[str]:
-    return sorted(name for name in os.listdir(directory))
+    """What the directory holds but the run's lock file (there for good)."""
+    return sorted(name for name in os.listdir(directory) if name != LOCK_NAME)
 
 
 def digests(directory) -> dict[str, str]:
