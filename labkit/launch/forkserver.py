@@ -35,7 +35,7 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
 
-from labkit.launch import protocol
+from labkit.launch import netns, protocol
 from labkit.launch.protocol import Exited, Forked, ForkRank, RankSpec, SignalRanks
 
 __all__ = ["ForkServer", "describe_exit", "serve", "set_parent_death_signal", "start_method"]
@@ -106,6 +106,8 @@ class ForkServer:
             message = self._receive()
             if isinstance(message, Forked) and message.request_id == request_id:
                 self.exit_status.pop(message.pid, None)  # a pid the system has handed out again
+                if message.network_refused:
+                    netns.warn_once(message.network_refused)
                 return message.pid
         raise RuntimeError("labkit's fork server has ended; the next call starts a new one.")
 
@@ -198,6 +200,7 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
         import labkit.launch.serialize  # noqa: F401
         import labkit.launch.worker  # noqa: F401
     children: dict[int, object] = {}
+    networks = netns.PoolNetworks()
     optimizers_imported = method != "fork"
     try:
         while True:
@@ -206,10 +209,13 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
                     request = protocol.receive(connection)
                 except (EOFError, OSError):
                     return  # the owner is gone
-                _answer(request, children, method, sock, connection)
+                _answer(request, children, method, (sock, connection), networks)
             elif not optimizers_imported:
                 optimizers_imported = _import_what_optimizers_import()
+            else:
+                networks.make_spare()  # idle: the next pool's namespace, so that its start does not wait
             _reap(children, connection)
+            networks.release_ended(children)
     finally:
         for pid in children:
             _signal_group(pid, signal.SIGKILL)
@@ -224,14 +230,21 @@ def _import_what_optimizers_import() -> bool:
     return True
 
 
-def _answer(request: ForkRank | SignalRanks, children: dict, method: str, sock: socket.socket,
-            connection: Connection) -> None:
-    """Start the rank a ForkRank asks for (its fds follow on `sock`), or signal the ranks SignalRanks names."""
+def _answer(request: ForkRank | SignalRanks, children: dict, method: str,
+            server_handles: tuple[socket.socket, Connection], networks: netns.PoolNetworks) -> None:
+    """Start the rank a ForkRank asks for (its fds follow on the socket), in its pool's network namespace where it
+    asks for one, or signal the ranks SignalRanks names."""
+    sock, connection = server_handles
     if isinstance(request, ForkRank):
         fds = recvfds(sock, 4)
-        pid, handle = _start_rank(request.spec, fds, method, (sock, connection))
+        spec = request.spec
+        namespace = networks.for_pool(spec.store_path) if spec.network == netns.PRIVATE else None
+        pid, handle = _start_rank(spec, fds, method, server_handles, namespace)
         children[pid] = handle
-        protocol.send(connection, Forked(request.request_id, pid))
+        if namespace is not None:
+            networks.joined(spec.store_path, pid)
+        refused = networks.refusal if spec.network == netns.PRIVATE and namespace is None else None
+        protocol.send(connection, Forked(request.request_id, pid, refused))
     elif isinstance(request, SignalRanks):
         for pid in request.pids:
             if pid in children:
@@ -243,30 +256,34 @@ def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def _start_rank(spec: RankSpec, fds: list[int], method: str, server_handles) -> tuple[int, object]:
+def _start_rank(spec: RankSpec, fds: list[int], method: str, server_handles,
+                namespace: netns.Namespace | None) -> tuple[int, object]:
     job, control, stdout, stderr = fds
     if method == "spawn":
         process = subprocess.Popen(
             [sys.executable, "-c", "import sys; from labkit.launch.worker import spawned_main; spawned_main()",
              pickle.dumps(spec).hex(), str(job), str(control)],
             pass_fds=(job, control), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=None if namespace is None else lambda: netns.enter(namespace),
         )
         pid, handle = process.pid, process
     else:
         server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _become_rank(spec, fds, server_pid, server_handles)
+            _become_rank(spec, fds, server_pid, server_handles, namespace)
         handle = None
     for fd in fds:
         os.close(fd)
     return pid, handle
 
 
-def _become_rank(spec: RankSpec, fds: list[int], server_pid: int, server_handles) -> None:
+def _become_rank(spec: RankSpec, fds: list[int], server_pid: int, server_handles,
+                 namespace: netns.Namespace | None) -> None:
     job, control, stdout, stderr = fds
     try:
+        if namespace is not None:
+            netns.enter(namespace)  # first: while this process is sure to be single-threaded
         os.setsid()
         set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != server_pid:
