@@ -31,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
@@ -260,12 +261,13 @@ def _start_rank(spec: RankSpec, fds: list[int], method: str, server_handles,
                 namespace: netns.Namespace | None) -> tuple[int, object]:
     job, control, stdout, stderr = fds
     if method == "spawn":
-        process = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from labkit.launch.worker import spawned_main; spawned_main()",
-             pickle.dumps(spec).hex(), str(job), str(control)],
-            pass_fds=(job, control), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-            start_new_session=True, preexec_fn=None if namespace is None else lambda: netns.enter(namespace),
-        )
+        with _spec_file(spec) as spec_file:  # not in argv: /proc/<pid>/cmdline is every user's to read
+            process = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from labkit.launch.worker import spawned_main; spawned_main()",
+                 str(spec_file.fileno()), str(job), str(control)],
+                pass_fds=(spec_file.fileno(), job, control), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                start_new_session=True, preexec_fn=None if namespace is None else lambda: netns.enter(namespace),
+            )
         pid, handle = process.pid, process
     else:
         server_pid = os.getpid()
@@ -276,6 +278,15 @@ def _start_rank(spec: RankSpec, fds: list[int], method: str, server_handles,
     for fd in fds:
         os.close(fd)
     return pid, handle
+
+
+def _spec_file(spec: RankSpec):
+    """`spec` pickled in an unlinked temporary file (mode 0600, no name left to open), read from its start."""
+    spec_file = tempfile.TemporaryFile()
+    spec_file.write(pickle.dumps(spec))
+    spec_file.flush()
+    spec_file.seek(0)
+    return spec_file
 
 
 def _become_rank(spec: RankSpec, fds: list[int], server_pid: int, server_handles,
