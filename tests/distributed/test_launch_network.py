@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from sockets import listening_sockets
 
 import labkit
 from labkit.launch.cells import run_cell
@@ -70,33 +71,6 @@ def _limit_fds(soft: int) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
-def _socket_inodes(pid: int) -> set[str]:
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    return inodes
-
-
-def listening_ports(pid: int) -> list[tuple[str, int]]:
-    """(address, port) of every TCP socket process `pid` listens on, read in its own network namespace
-    (/proc/<pid>/net/tcp* is the table of the namespace the process is in)."""
-    mine = _socket_inodes(pid)
-    found = []
-    for table, host in (("tcp", "127.0.0.1"), ("tcp6", "::1")):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                local, state, inode = fields[1], fields[3], fields[9]
-                if state == "0A" and inode in mine:  # 0A: TCP_LISTEN
-                    found.append((host, int(local.split(":")[1], 16)))
-    return found
-
-
 def test_another_user_cannot_connect_to_a_ranks_port_and_the_ranks_survive_a_flood(as_another_user, monkeypatch,
                                                                                    namespaces_allowed):
     monkeypatch.delenv("LABKIT_RANK_NETWORK", raising=False)
@@ -104,7 +78,7 @@ def test_another_user_cannot_connect_to_a_ranks_port_and_the_ranks_survive_a_flo
     assert labkit.run(_limit_fds, FD_LIMIT, world_size=2) == [FD_LIMIT, FD_LIMIT]
     labkit.run(run_cell, "kept = 41 + labkit.rank()", "<network test: state>", world_size=2)
     pids = OWNER.kept_pool(2, "gloo").pids()
-    ports = [port for pid in pids for port in listening_ports(pid)]
+    ports = [port for pid in pids for port in listening_sockets(pid)]
     assert ports, "gloo's ranks listen on no port: nothing to probe"
 
     flood = as_another_user([sys.executable, "-c", FLOOD, json.dumps(ports), str(FLOOD_CONNECTIONS)], timeout=300)
@@ -147,12 +121,13 @@ import json, subprocess, sys, time
 sys.path.insert(0, "tests/distributed")
 import labkit
 from labkit.launch.owner import OWNER
-from test_launch_network import FLOOD, FD_LIMIT, _limit_fds, listening_ports
+from sockets import listening_sockets
+from test_launch_network import FLOOD, FD_LIMIT, _limit_fds
 
 labkit.run(_limit_fds, FD_LIMIT, world_size=3)  # a first pool, so that the message is seen to come once
 labkit.run(_limit_fds, FD_LIMIT, world_size=2)
 pool = OWNER.kept_pool(2, "gloo")
-ports = [port for pid in pool.pids() for port in listening_ports(pid)]
+ports = [port for pid in pool.pids() for port in listening_sockets(pid)]
 subprocess.run([sys.executable, "-c", FLOOD, json.dumps(ports), "2200"], check=True, capture_output=True)
 deadline = time.monotonic() + 60
 while pool.healthy() and time.monotonic() < deadline:
