@@ -49,8 +49,9 @@ FALLBACK_MESSAGE = ("labkit: other users on this machine can connect to the rank
                     "a network of their own ({why}). gloo does not authenticate peers, and a flood of connections "
                     "aborts a rank ('accept: Too many open files'). To protect them, allow unprivileged user "
                     "namespaces here; LABKIT_RANK_NETWORK=shared silences this.")
-TOO_MANY_FILES_CAUSE = ("gloo aborts a rank that runs out of file descriptors, and other users on this machine can "
-                        "do that by flooding its port with connections: the ranks shared the host's network")
+TOO_MANY_FILES_CAUSE = ("gloo aborts a rank that runs out of file descriptors: its own files and sockets, or, where "
+                        "the ranks share the host's network (labkit says so when they start), other users on this "
+                        "machine flooding its port with connections")
 # Why unshare(CLONE_NEWUSER | CLONE_NEWNET) fails, by errno (user_namespaces(7), unshare(2)).
 _USER_NAMESPACE_REFUSALS = {
     errno.EPERM: "unprivileged user namespaces are disabled (sysctl kernel.unprivileged_userns_clone, or "

@@ -77,7 +77,7 @@ class Pool(Lifecycle):
             return "labkit's fork server ended, and its ranks with it"
         why = f"{rank_list(r.rank for r in dead)} died while idle ({describe_exit(exits.get(dead[0].pid))})"
         if any("Too many open files" in _unread_stderr(r) for r in dead):
-            why += f"; it said 'Too many open files': {netns.TOO_MANY_FILES_CAUSE}"
+            why += f"; a rank said 'Too many open files': {netns.TOO_MANY_FILES_CAUSE}"
         return why
 
 
