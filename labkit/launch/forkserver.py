@@ -210,7 +210,7 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
                     request = protocol.receive(connection)
                 except (EOFError, OSError):
                     return  # the owner is gone
-                _answer(request, children, method, (sock, connection), networks)
+                _answer(request, children, method, (sock, connection, networks))
             elif not optimizers_imported:
                 optimizers_imported = _import_what_optimizers_import()
             else:
@@ -232,10 +232,10 @@ def _import_what_optimizers_import() -> bool:
 
 
 def _answer(request: ForkRank | SignalRanks, children: dict, method: str,
-            server_handles: tuple[socket.socket, Connection], networks: netns.PoolNetworks) -> None:
+            server_handles: tuple[socket.socket, Connection, netns.PoolNetworks]) -> None:
     """Start the rank a ForkRank asks for (its fds follow on the socket), in its pool's network namespace where it
-    asks for one, or signal the ranks SignalRanks names."""
-    sock, connection = server_handles
+    asks for one, or signal the ranks SignalRanks names. A forked rank closes its copies of `server_handles`."""
+    sock, connection, networks = server_handles
     if isinstance(request, ForkRank):
         fds = recvfds(sock, 4)
         spec = request.spec

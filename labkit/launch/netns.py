@@ -220,6 +220,13 @@ class PoolNetworks:
         """Rank `pid` of `pool` has been started in the pool's namespace."""
         self._pool_of[pid] = pool
 
+    def close(self) -> None:
+        """Close every namespace's descriptors: in a forked rank, once it has joined its own (the server's are
+        its own to release)."""
+        for namespace in [self._spare, *self._by_pool.values()]:
+            if namespace is not None:
+                namespace.close()
+
     def release_ended(self, running_pids) -> None:
         """Forget ranks no longer in `running_pids`; close the namespaces no rank is left in."""
         for pid in [p for p in self._pool_of if p not in running_pids]:

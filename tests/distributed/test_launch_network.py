@@ -102,6 +102,9 @@ def test_each_pool_has_a_network_namespace_of_its_own_unless_labkit_rank_network
     host = os.readlink("/proc/self/ns/net")
     two, three = _namespaces(2), _namespaces(3)
     assert len(two) == 1 and len(three) == 1 and two != three and host not in two | three
+    held = [os.readlink(f"/proc/{pid}/fd/{fd}") for pid in OWNER.kept_pool(3, "gloo").pids()
+            for fd in os.listdir(f"/proc/{pid}/fd")]
+    assert not [f for f in held if f.startswith(("net:", "user:"))], "a rank keeps other pools' namespaces alive"
     monkeypatch.setenv("LABKIT_RANK_NETWORK", "shared")  # read at each pool's start
     labkit.shutdown(world_size=2)
     try:
