@@ -15,6 +15,9 @@ descriptors (an open /proc/<pid>/ns file keeps a namespace alive after its last 
 the pool joins it with setns(2) before anything else; a rank in a user namespace then drops the capabilities it
 holds there. Root ranks never get a user namespace: inside one, root's capabilities would stop applying to the
 host's files. A spare namespace is made ahead, at an idle moment, so that a pool's start does not wait for one.
+A cost of the user namespace (user_namespaces(7), "Unmapped user and group IDs"): in such a rank every uid but the
+user's own, root's included, reads as the overflow uid (65534, `nobody`), so an ownership check made inside a rank
+cannot tell root's files from another user's; make such checks in the owner, or compare with the user's own uid.
 
 Where the kernel refuses (no unprivileged user namespaces, not Linux), the ranks share the host's network and
 `warn_once` says so in the notebook, once. `LABKIT_RANK_NETWORK=shared` opts out. NCCL pools stay in the host's
