@@ -26,7 +26,7 @@ import signal
 import sys
 import time
 
-from labkit.launch import _conclude, protocol, serialize
+from labkit.launch import _conclude, netns, protocol, serialize
 from labkit.launch._channels import Channels
 from labkit.launch.backend import BackendChoice, threads_per_rank
 from labkit.launch.errors import RankError, rank_list
@@ -117,7 +117,7 @@ class Lifecycle:
             env["TORCH_FR_BUFFER_SIZE"] = str(BUFFER_SIZE)  # the hang report's Flight Recorder, on NCCL too
         return RankSpec(rank=rank, world_size=self._world_size, backend=self._choice.backend, store_path=store_path,
                         pg_timeout_seconds=pg_timeout_seconds, threads=threads, cwd=os.getcwd(),
-                        sys_path=list(sys.path), env=env)
+                        sys_path=list(sys.path), env=env, network=netns.rank_network(self._choice.backend))
 
     def _wait_until_ready(self, deadline: float, budget_seconds: float) -> None:
         ranks = self._channels.ranks

@@ -41,7 +41,7 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import recvfds, sendfds
 
-from labkit.launch import protocol
+from labkit.launch import netns, protocol
 from labkit.launch.protocol import Exited, Forked, ForkRank, RankSpec, SignalRanks
 
 __all__ = ["STDERR_TAIL_LINES", "ForkServer", "describe_exit", "describe_returncode", "serve",
@@ -117,6 +117,8 @@ class ForkServer:
             message = self._receive()
             if isinstance(message, Forked) and message.request_id == request_id:
                 self.exit_status.pop(message.pid, None)  # a pid the system has handed out again
+                if message.network_refused:
+                    netns.warn_once(message.network_refused)
                 return message.pid
         raise RuntimeError(self.ended(" before it started a rank" if request_id == 0 else "",
                                       "The next call starts a new one."))
@@ -260,6 +262,7 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
         import labkit.launch.serialize  # noqa: F401
         import labkit.launch.worker  # noqa: F401
     children: dict[int, object] = {}
+    networks = netns.PoolNetworks()
     optimizers_imported = method != "fork"
     try:
         while True:
@@ -268,10 +271,13 @@ def serve(fd: int, die_with_parent: bool, method: str) -> None:
                     request = protocol.receive(connection)
                 except (EOFError, OSError):
                     return  # the owner is gone
-                _answer(request, children, method, sock, connection)
+                _answer(request, children, method, (sock, connection, networks))
             elif not optimizers_imported:
                 optimizers_imported = _import_what_optimizers_import(children, connection)
+            else:
+                networks.make_spare()  # idle: the next pool's namespace, so that its start does not wait
             _reap(children, connection)
+            networks.release_ended(children)
     finally:
         for pid in children:
             _signal_group(pid, signal.SIGKILL)
@@ -303,14 +309,21 @@ def _import_what_optimizers_import(children: dict, connection: Connection) -> bo
     return True
 
 
-def _answer(request: ForkRank | SignalRanks, children: dict, method: str, sock: socket.socket,
-            connection: Connection) -> None:
-    """Start the rank a ForkRank asks for (its fds follow on `sock`), or signal the ranks SignalRanks names."""
+def _answer(request: ForkRank | SignalRanks, children: dict, method: str,
+            server_handles: tuple[socket.socket, Connection, netns.PoolNetworks]) -> None:
+    """Start the rank a ForkRank asks for (its fds follow on the socket), in its pool's network namespace where it
+    asks for one, or signal the ranks SignalRanks names. A forked rank closes its copies of `server_handles`."""
+    sock, connection, networks = server_handles
     if isinstance(request, ForkRank):
         fds = recvfds(sock, 4)
-        pid, handle = _start_rank(request.spec, fds, method, (sock, connection))
+        spec = request.spec
+        namespace = networks.for_pool(spec.store_path) if spec.network == netns.PRIVATE else None
+        pid, handle = _start_rank(spec, fds, method, server_handles, namespace)
         children[pid] = handle
-        protocol.send(connection, Forked(request.request_id, pid))
+        if namespace is not None:
+            networks.joined(spec.store_path, pid)
+        refused = networks.refusal if spec.network == netns.PRIVATE and namespace is None else None
+        protocol.send(connection, Forked(request.request_id, pid, refused))
     elif isinstance(request, SignalRanks):
         for pid in request.pids:
             if pid in children:
@@ -322,30 +335,44 @@ def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def _start_rank(spec: RankSpec, fds: list[int], method: str, server_handles) -> tuple[int, object]:
+def _start_rank(spec: RankSpec, fds: list[int], method: str, server_handles,
+                namespace: netns.Namespace | None) -> tuple[int, object]:
     job, control, stdout, stderr = fds
     if method == "spawn":
-        process = subprocess.Popen(
-            [sys.executable, "-c", "import sys; from labkit.launch.worker import spawned_main; spawned_main()",
-             pickle.dumps(spec).hex(), str(job), str(control)],
-            pass_fds=(job, control), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-            start_new_session=True,
-        )
+        with _spec_file(spec) as spec_file:  # not in argv: /proc/<pid>/cmdline is every user's to read
+            process = subprocess.Popen(
+                [sys.executable, "-c", "import sys; from labkit.launch.worker import spawned_main; spawned_main()",
+                 str(spec_file.fileno()), str(job), str(control)],
+                pass_fds=(spec_file.fileno(), job, control), stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                start_new_session=True, preexec_fn=None if namespace is None else lambda: netns.enter(namespace),
+            )
         pid, handle = process.pid, process
     else:
         server_pid = os.getpid()
         pid = os.fork()
         if pid == 0:
-            _become_rank(spec, fds, server_pid, server_handles)
+            _become_rank(spec, fds, server_pid, server_handles, namespace)
         handle = None
     for fd in fds:
         os.close(fd)
     return pid, handle
 
 
-def _become_rank(spec: RankSpec, fds: list[int], server_pid: int, server_handles) -> None:
+def _spec_file(spec: RankSpec):
+    """`spec` pickled in an unlinked temporary file (mode 0600, no name left to open), read from its start."""
+    spec_file = tempfile.TemporaryFile()
+    spec_file.write(pickle.dumps(spec))
+    spec_file.flush()
+    spec_file.seek(0)
+    return spec_file
+
+
+def _become_rank(spec: RankSpec, fds: list[int], server_pid: int, server_handles,
+                 namespace: netns.Namespace | None) -> None:
     job, control, stdout, stderr = fds
     try:
+        if namespace is not None:
+            netns.enter(namespace)  # first: while this process is sure to be single-threaded
         os.setsid()
         set_parent_death_signal(signal.SIGKILL)
         if os.getppid() != server_pid:

@@ -24,8 +24,10 @@ This module adds the read-only hooks the owner and the tests read; the pool's st
 
 from __future__ import annotations
 
+import os
 from multiprocessing.connection import Connection
 
+from labkit.launch import netns
 from labkit.launch._channels import RankHandle
 from labkit.launch._lifecycle import Lifecycle, cold_start_seconds, start_budget_seconds
 from labkit.launch.errors import rank_list
@@ -73,4 +75,21 @@ class Pool(Lifecycle):
         dead = [r for r in self._channels.ranks if r.gone or r.pid in exits]
         if not dead:
             return "labkit's fork server ended, and its ranks with it"
-        return f"{rank_list(r.rank for r in dead)} died while idle ({describe_exit(exits.get(dead[0].pid))})"
+        why = f"{rank_list(r.rank for r in dead)} died while idle ({describe_exit(exits.get(dead[0].pid))})"
+        if any("Too many open files" in _unread_stderr(r) for r in dead):
+            why += f"; a rank said 'Too many open files': {netns.TOO_MANY_FILES_CAUSE}"
+        return why
+
+
+def _unread_stderr(r: RankHandle) -> str:
+    """What rank `r` wrote on stderr that no call has shown: the last words of a rank that died between calls
+    (gloo's "accept: Too many open files"); at most 1 MiB, without waiting."""
+    fd = r.pipes["stderr"]
+    os.set_blocking(fd, False)
+    chunks: list[bytes] = []
+    try:
+        while sum(map(len, chunks)) < 1 << 20 and (chunk := os.read(fd, 1 << 16)):
+            chunks.append(chunk)
+    except OSError:  # nothing more to read now (BlockingIOError), or the pipe is closed already
+        pass
+    return b"".join(chunks).decode(errors="replace")

@@ -79,6 +79,7 @@ class RankSpec(NamedTuple):
     cwd: str  # the owner's, so that relative paths mean the same on every rank
     sys_path: list[str]  # the owner's, so that the same modules import
     env: dict[str, str]  # added to the rank's environment: RANK, WORLD_SIZE, OMP_NUM_THREADS, ...
+    network: str = "private"  # netns.PRIVATE: a network namespace of the pool's own; netns.SHARED: the host's
 
 
 # ---- owner and fork server ---------------------------------------------------------------------------
@@ -98,10 +99,12 @@ class SignalRanks(NamedTuple):
 
 
 class Forked(NamedTuple):
-    """The rank asked for by `ForkRank` number `request_id` runs as process `pid`."""
+    """The rank asked for by `ForkRank` number `request_id` runs as process `pid`. `network_refused`: why it shares
+    the host's network although its spec asked for a namespace of its own (netns.py), None if it did not."""
 
     request_id: int
     pid: int
+    network_refused: str | None = None
 
 
 class Exited(NamedTuple):

@@ -328,5 +328,8 @@ def health_probe() -> float:
 
 
 def spawned_main() -> None:
-    """Entry point where ranks are spawned instead of forked (platforms without a safe fork)."""
-    main(pickle.loads(bytes.fromhex(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]))
+    """Entry point where ranks are spawned instead of forked (platforms without a safe fork): argv names the fds
+    of the pickled RankSpec (an unlinked file: argv is every user's to read), the job and the control socket."""
+    with os.fdopen(int(sys.argv[1]), "rb") as spec_file:
+        spec = pickle.load(spec_file)
+    main(spec, int(sys.argv[2]), int(sys.argv[3]))
