@@ -749,11 +749,24 @@ def test_right_solutions_pass_on_every_draw():
             assert verdict, verdict
 
 
+def sizes_when(ready: list[int], named, full, limit: int) -> list[int]:
+    """The buckets' numbers of elements when a bucket is sent once full(its gradients' sizes, limit)."""
+    buckets, bucket = [], []
+    for index in ready:
+        bucket.append(named[index][1])
+        if full(bucket, limit):
+            buckets.append(sum(bucket))
+            bucket = []
+    return buckets + [sum(bucket)] * bool(bucket)
+
+
 def test_every_draw_makes_every_mistake_show():
     """Sizes never the notebook's; the bucket size leaves a last bucket for finish() (first case) or is filled
-    exactly by the first two gradients (second); both cases' right buckets differ from one per parameter."""
+    exactly by the first two gradients (second); both cases' right buckets differ from one per parameter, and the
+    two mistaken rules' (newest gradient only, > for >=) from each other (a draw where they did not was 1 grading
+    in 10 of strictly_more, named as the other)."""
     rng = random.Random(0)
-    for _ in range(100):
+    for _ in range(400):
         first, second = draw_cases(rng)
         for case in (first, second):
             assert (case["features"], case["hidden"]) != (6, 8) and 2 <= case["steps"] <= 4, case
@@ -761,6 +774,10 @@ def test_every_draw_makes_every_mistake_show():
             ready = list(range(len(named)))[::-1]
             at_least, _ = expected_buckets(ready, case["bucket_nbytes"], named)
             assert len(at_least) < len(named), case
+            newest, more = (sizes_when(ready, named, full, case["bucket_nbytes"]) for full in (
+                lambda sizes, limit: sizes[-1] * 8 >= limit, lambda sizes, limit: sum(sizes) * 8 > limit))
+            assert newest != more, ("the two mistaken rules make the same buckets: a verdict cannot tell which "
+                                    f"was made (once told as the other) {newest} {case}")
         assert sum(named[i][1] for i in ready[:2]) * 8 == second["bucket_nbytes"], second
         named = first["named"]
         at_least, _ = expected_buckets(list(range(len(named)))[::-1], first["bucket_nbytes"], named)
