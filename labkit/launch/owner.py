@@ -270,7 +270,9 @@ def shutdown(world_size: int | None = None) -> None:
     """Stop every rank this process started, and the fork server. The next run starts afresh.
 
     With `world_size`, stop only the pools of that many ranks (say, ranks left out of step by a wrong
-    answer), now, and wait for their processes to end; other world sizes' pools and the fork server stay."""
+    answer), now, and wait for their processes to end; other world sizes' pools and the fork server stay, and
+    so do the graders' own pools (inside `pools_apart(whose)`, only that caller's pools of that size stop).
+    A call under way in another thread is waited for, at most SHUTDOWN_WAIT_SECONDS."""
     what = "labkit.shutdown()" if world_size is None else f"labkit.shutdown(world_size={world_size})"
     world_size = None if world_size is None else rank_count(world_size)
     with OWNER.turn.held(what, SHUTDOWN_WAIT_SECONDS):

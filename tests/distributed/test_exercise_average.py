@@ -507,8 +507,9 @@ DRAWS = 2  # gradings per new wrong row: each draws its cases afresh, and each m
                          ids=[f"{row[0]}: {row[1].__name__}" for row in NEW_WRONG])
 def test_new_wrong_solutions_are_refused_on_every_draw(fn, named):
     for _ in range(DRAWS):
-        for world_size in AVERAGE_WORLD_SIZES:  # what a row kept belongs to one grading: a student grades once
-            labkit.run(_forget_what_rows_kept, world_size=world_size)
+        with pools_apart(GRADERS):  # on the graders' own ranks
+            for world_size in AVERAGE_WORLD_SIZES:  # what a row kept belongs to one grading: a student grades once
+                labkit.run(_forget_what_rows_kept, world_size=world_size)
         verdict = check_average_gradients(fn)
         assert not verdict and named in verdict.message, verdict
         assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict
