@@ -1,6 +1,7 @@
 """Threads of one process calling labkit.run at once (a widget's callback beside a cell, a thread pool): calls
 take turns, first come first served, each gets its own result; a wait is bounded and says who holds the turn; a
-nested call is refused at once (issue 28: 2 x 10 calls gave 1-4 wrong or failed, and hangs)."""
+nested call is refused at once (issue 28: 2 x 10 calls gave 1-4 wrong or failed, and hangs). That a %%ranks cell
+holds the turn for the whole cell is in test_magic.py, whose IPython shell is the process's one."""
 
 import os
 import subprocess
@@ -10,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from IPython.testing.globalipapp import start_ipython
 
 import labkit
 from labkit.launch.owner import OWNER
@@ -129,25 +129,6 @@ def test_prestart_skips_while_a_call_holds_the_turn():
         assert OWNER.fork_server is None  # it did not touch the owner under the holder's feet
     labkit.prestart()
     assert OWNER.fork_server is not None
-
-
-def test_a_ranks_cell_holds_the_turn_for_the_whole_cell(tmp_path):
-    shell = start_ipython()
-    shell.run_cell("%load_ext labkit")
-    started, release = str(tmp_path / "started"), str(tmp_path / "release")
-    cell = (f"%%ranks 2\nimport os, time, pathlib\nif labkit.rank() == 0: pathlib.Path({started!r}).touch()\n"
-            f"while not os.path.exists({release!r}): time.sleep(0.01)")
-    results = []
-    cell_thread = in_threads(lambda _: results.append(shell.run_cell(cell)), 1)[0]
-    try:
-        while not os.path.exists(started):
-            time.sleep(0.01)
-        with pytest.raises(TimeoutError, match=r"%%ranks 2 cell"):
-            labkit.run(tagged, 0, 0, world_size=2, timeout=1)
-    finally:
-        Path(release).touch()
-        cell_thread.join(120)
-    assert results and results[0].success, results
 
 
 EXITS = """
