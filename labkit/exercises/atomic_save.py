@@ -7,8 +7,9 @@ directory too, so that the rename itself survives a power cut. labkit.checkpoint
 switched off while the exercise is graded.
 
 `check_atomic_save(save)` runs the student's save in a process of its own (labkit.run on 1 rank, so that a save
-that hangs is stopped and a killed one does not take the notebook with it), every file inside one temporary
-directory, and checks, in this order:
+that hangs is stopped and a killed one does not take the notebook with it; a rank of the grader's own, never the
+student's, discarded after each run: a save killed or limited by setrlimit leaves nothing to a later call), every
+file inside one temporary directory, and checks, in this order:
 
 1. three normal saves of different state_dicts, into an empty directory and over the previous checkpoint, each
    load back with torch.load equal to the state_dict that call was given (labkit.checkpoint's own save is
@@ -74,6 +75,7 @@ from labkit.exercises._kit._messages import first_failure, not_callable_message,
 from labkit.exercises._kit._stack import outermost_caller
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
+from labkit.launch import pools_apart
 
 try:
     import resource
@@ -84,6 +86,7 @@ __all__ = ["FORMS", "Layout", "check_atomic_save"]
 
 _TIMEOUT_SECONDS = 20.0  # per run of the save's process; a right save of 130 kB takes milliseconds
 _TARGET = "model.pt"  # the checkpoint's name in each of the grader's directories
+_GRADER = "the atomic-save grader"  # whose 1-rank pool each run gets (labkit.launch.pools_apart), then discards
 _CAN_KILL = resource is not None and hasattr(signal, "SIGXFSZ")  # Linux, macOS, WSL
 _OVERTAKE_SECONDS = 3.0  # how long a first save waits for a second one to overtake it (a right one takes ms)
 _READY_MADE = (str(Path(labkit.checkpoint.__file__).parent) + os.sep, progress.__file__)  # the course's atomic writes
@@ -135,7 +138,8 @@ def _run(function, save, scratch: Path, layout: Layout, timeout_seconds: float) 
     """Run `function(save, scratch, layout)` on 1 rank: the report, and what went wrong with the process itself (a
     hang, or a death the grader did not cause), or None."""
     try:
-        labkit.run(function, save, str(scratch), layout, world_size=1, timeout=timeout_seconds)
+        with pools_apart(_GRADER, keep=False):
+            labkit.run(function, save, str(scratch), layout, world_size=1, timeout=timeout_seconds)
     except labkit.RankTimeout as hang:
         return _Report.read(scratch), (f"your save did not return within {timeout_seconds:g} s, so it was stopped "
                                       f"({where_ranks_waited(hang, 1)}). Does it wait for something, a lock or "

@@ -30,7 +30,7 @@ from IPython.display import display
 from labkit.checks import rank_count, timeout_seconds
 from labkit.launch.cells import run_cell
 from labkit.launch.errors import CellSyntaxError, Interrupted
-from labkit.launch.owner import OWNER, prestart, run
+from labkit.launch.owner import OWNER, PoolKey, prestart
 
 __all__ = ["RanksMagics", "assigned_names", "load_ipython_extension"]
 
@@ -39,7 +39,7 @@ class _PoolUsed(NamedTuple):
     """The pool a world size's cells last ran in: its key in OWNER, and its serial number then (a pool
     restarted since has another, and the variables of those cells are gone)."""
 
-    key: tuple[int, str]  # (world size, backend)
+    key: PoolKey  # (world size, backend, whose)
     serial: int | None
 
 
@@ -66,10 +66,10 @@ class RanksMagics(Magics):
         shown = [f"%%ranks {line}\n", *cell.splitlines(True)]
         linecache.cache[filename] = (sum(map(len, shown)), None, shown, filename)
         tree = _parse("\n" + cell, filename, self._notebook_cell_filename() or filename)
-        self._announce_losses(world_size, OWNER.pool_key(world_size, options.backend))
         try:
-            values = run(run_cell, "\n" + cell, filename, world_size=world_size, backend=options.backend,
-                         timeout=timeout)
+            with OWNER.turn.held(f"a %%ranks {world_size} cell", timeout):  # the pool checked is the one used
+                self._announce_losses(world_size, OWNER.pool_key(world_size, options.backend))
+                values = OWNER.call(run_cell, ("\n" + cell, filename), {}, world_size, options.backend, timeout)
         except Interrupted:
             raise Interrupted(in_ranks_cell=True) from None  # the cell's lines ran on the ranks, none here
         self._names.setdefault(world_size, set()).update(assigned_names(tree))
@@ -77,7 +77,7 @@ class RanksMagics(Magics):
             if value is not None:
                 self._show(rank, value)
 
-    def _announce_losses(self, world_size: int, key: tuple[int, str]) -> None:
+    def _announce_losses(self, world_size: int, key: PoolKey) -> None:
         """Say once, before the cell runs, if the variables of earlier cells on `world_size` ranks
         are gone (their pool was restarted), or live in other world sizes' pools only."""
         serial = OWNER.serial(key)

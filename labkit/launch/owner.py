@@ -9,59 +9,92 @@ Ranks meet through a torch.distributed.FileStore, one file per pool with an ungu
 (secrets.token_hex) in a directory only this user can enter (tempfile.mkdtemp creates it with mode
 0700). A TCP store on 127.0.0.1 would let any local user list its keys, read the ranks' addresses,
 or plant keys for the next pool; a file another user cannot open leaves nothing to reach.
+
+One call at a time: every call, `%%ranks` cell and shutdown holds the owner's turn (_turn.py) while it
+touches the pools, so two threads never read each other's replies. Pools are kept per (world size, backend,
+whose): `whose` is None for the student's own calls, and a name inside `pools_apart(name)` (a grader's), so
+that what graded code leaves in its ranks never reaches the student's, nor the student's `%%ranks`
+variables a grader.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextvars
 import os
 import secrets
 import shutil
 import tempfile
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from labkit.checks import rank_count, timeout_seconds
 from labkit.launch import serialize
+from labkit.launch._turn import Turn
 from labkit.launch.backend import BackendChoice, choose_backend, usable_gpu_count
 from labkit.launch.errors import Interrupted
 from labkit.launch.forkserver import ForkServer
 from labkit.launch.pool import Pool
 from labkit.tables import print_line
 
-__all__ = ["MAX_LIVE_RANKS", "OWNER", "PG_TIMEOUT_SECONDS", "START_TIMEOUT_SECONDS", "Owner", "prestart", "run",
-           "shutdown"]
+__all__ = ["EXIT_WAIT_SECONDS", "MAX_LIVE_RANKS", "OWNER", "PG_TIMEOUT_SECONDS", "PoolKey", "SHUTDOWN_WAIT_SECONDS",
+           "START_TIMEOUT_SECONDS", "Owner", "pools_apart", "prestart", "run", "shutdown"]
 
 MAX_LIVE_RANKS = 16  # ranks kept warm across all pools before the least recently used is stopped
 PG_TIMEOUT_SECONDS = float(os.environ.get("LABKIT_PG_TIMEOUT", 30))
 START_TIMEOUT_SECONDS = float(os.environ.get("LABKIT_START_TIMEOUT", 120))
+SHUTDOWN_WAIT_SECONDS = 60.0  # how long labkit.shutdown() waits for a call of another thread to end
+EXIT_WAIT_SECONDS = 5.0  # at exit, how long to wait for such a call before stopping the ranks anyway
+
+PoolKey = tuple[int, str, str | None]  # (world size, backend, whose: None for the student's own pools)
+_whose: contextvars.ContextVar[str | None] = contextvars.ContextVar("labkit_pools_whose", default=None)
 
 
 class Owner:
     """What this process holds for its ranks: the fork server, the warm pools, the store directory.
-    There is one, OWNER; `run`, `shutdown` and %%ranks use it.
+    There is one, OWNER; `run`, `shutdown` and %%ranks use it, each holding its `turn`.
 
     Each pool gets a serial number; when a pool goes, `why_ended(serial)` says why, so that %%ranks can
     tell the student why the variables it held are gone. Its state is its own: the read-only hooks
-    (`kept_pool`, `store_directory`, `fork_server`, `serial`, `why_ended`, `gpu_count`) are what others read."""
+    (`kept_pool`, `store_directory`, `fork_server`, `serial`, `why_ended`, `gpu_count`, `turn`) are what others
+    read."""
 
     def __init__(self):
         self._store_dir: str | None = None
         self._server: ForkServer | None = None
-        self._pools: OrderedDict[tuple[int, str], Pool] = OrderedDict()
-        self._serials: dict[tuple[int, str], int] = {}  # the serial number of the pool now kept for a key
+        self._pools: OrderedDict[PoolKey, Pool] = OrderedDict()
+        self._serials: dict[PoolKey, int] = {}  # the serial number of the pool now kept for a key
         self._ended: dict[int, str] = {}  # why the pool with this serial number was stopped
         self._announced: set[str] = set()
         self._gpu_count: int | None = None
         self._pools_started = 0
+        self._turn = Turn()
+
+    @property
+    def turn(self) -> Turn:
+        """The one turn every call, cell and shutdown holds while it touches the pools (_turn.py)."""
+        return self._turn
+
+    def call(self, fn, args: tuple, kwargs: dict, world_size: int, backend: str, timeout: float) -> list:
+        """`fn(*args, **kwargs)` on a pool of `world_size` ranks (`run`'s work); the caller holds the turn."""
+        payload = _pickle_call(fn, args, kwargs)
+        __tracebackhide__ = True  # IPython shows the student's lines, not labkit's
+        try:
+            return self.pool(world_size, backend).call(payload, timeout)
+        except KeyboardInterrupt:
+            pass  # the pool has said what became of the ranks
+        raise Interrupted from None  # without the selector and pool frames it interrupted
 
     def pool(self, world_size: int, backend: str) -> Pool:
         """A healthy pool for `world_size` ranks on `backend` ("auto", "gloo" or "nccl"), started if need be."""
         return self._pools[self.pool_key(world_size, backend)]
 
-    def pool_key(self, world_size: int, backend: str) -> tuple[int, str]:
-        """The key of a healthy pool for `world_size` ranks on `backend`, started if need be."""
+    def pool_key(self, world_size: int, backend: str) -> PoolKey:
+        """The key of a healthy pool for `world_size` ranks on `backend`, for whoever asks (`pools_apart`),
+        started if need be."""
         choice = choose_backend(backend, world_size, self.gpu_count())
-        key = (world_size, choice.backend)
+        key = (world_size, choice.backend, _whose.get())
         pool = self._pools.get(key)
         if pool is not None and pool.healthy():
             self._pools.move_to_end(key)
@@ -85,17 +118,20 @@ class Owner:
         store_path = os.path.join(self._store_dir, secrets.token_hex(16))
         return Pool(world_size, choice, self._server, store_path, PG_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS)
 
-    def _retire(self, key: tuple[int, str], reason: str) -> None:
+    def _retire(self, key: PoolKey, reason: str) -> None:
         """Stop the pool kept for `key` and remember why."""
         self._pools.pop(key).close()
         self._ended[self._serials.pop(key)] = reason
 
     def _make_room(self, world_size: int) -> None:
+        """Stop closed pools, then the least recently used until `world_size` more ranks fit: pools apart (the
+        graders') before the student's own, whose ranks hold their %%ranks variables."""
         for key in [k for k, p in self._pools.items() if p.closed]:
             self._retire(key, self._pools[key].why_unhealthy())
         while self._pools and sum(p.world_size for p in self._pools.values()) + world_size > MAX_LIVE_RANKS:
-            self._retire(next(iter(self._pools)), f"it was stopped to make room for {world_size} ranks: labkit "
-                                                 f"keeps at most {MAX_LIVE_RANKS} ranks running")
+            oldest = min(self._pools, key=lambda k: k[2] is None)  # the first apart pool, else the oldest
+            self._retire(oldest, f"it was stopped to make room for {world_size} ranks: labkit "
+                                 f"keeps at most {MAX_LIVE_RANKS} ranks running")
 
     def announce(self, world_size: int, choice: BackendChoice) -> None:
         """Say how `world_size` ranks will run: the backend, why, and each rank's device; once per reason."""
@@ -103,7 +139,7 @@ class Owner:
             self._announced.add(choice.reason)
             print_line(f"labkit: {world_size} ranks, {choice.reason}; {_devices(world_size, choice.backend)}.")
 
-    def serial(self, key: tuple[int, str]) -> int | None:
+    def serial(self, key: PoolKey) -> int | None:
         """The serial number of the pool kept for `key`, None if none is kept."""
         return self._serials.get(key)
 
@@ -111,9 +147,10 @@ class Owner:
         """Why the pool with serial number `serial` was stopped; None if it was not (or never existed)."""
         return self._ended.get(serial)
 
-    def kept_pool(self, world_size: int, backend: str = "gloo") -> Pool | None:
-        """The pool kept for `world_size` ranks on `backend` ("gloo" or "nccl"), None if none is; starts nothing."""
-        return self._pools.get((world_size, backend))
+    def kept_pool(self, world_size: int, backend: str = "gloo", whose: str | None = None) -> Pool | None:
+        """The pool kept for `world_size` ranks on `backend` ("gloo" or "nccl") for `whose` (None: the student's
+        own), None if none is; starts nothing."""
+        return self._pools.get((world_size, backend, whose))
 
     def gpu_count(self) -> int:
         """The usable GPUs, counted once (backend.usable_gpu_count) on first asking."""
@@ -132,17 +169,25 @@ class Owner:
         return self._server
 
     def prestart(self) -> None:
-        """Start the fork server now, if none runs."""
-        if self._server is None:
-            self._server = ForkServer()
+        """Start the fork server now, if none runs and no call is under way (a call starts its own)."""
+        with self._turn.held_if_free("labkit.prestart()") as free:
+            if free and self._server is None:
+                self._server = ForkServer()
 
     def stop(self, world_size: int) -> None:
-        """Stop the pools of `world_size` ranks (any backend), now; other pools and the fork server stay."""
-        for key in [k for k in self._pools if k[0] == world_size]:
+        """Stop the pools of `world_size` ranks (any backend) of whoever asks (`pools_apart`), now; other pools
+        and the fork server stay. The caller holds the turn."""
+        whose = _whose.get()
+        for key in [k for k in self._pools if k[0] == world_size and k[2] == whose]:
             self._retire(key, f"labkit.shutdown(world_size={world_size}) stopped it")
 
+    def stop_apart(self, whose: str) -> None:
+        """Stop every pool kept apart for `whose` (`pools_apart`); the caller holds the turn."""
+        for key in [k for k in self._pools if k[2] == whose]:
+            self._retire(key, f"the pools apart for {whose} were discarded")
+
     def shutdown(self) -> None:
-        """Stop every pool and the fork server, and remove the store directory."""
+        """Stop every pool and the fork server, and remove the store directory. The caller holds the turn."""
         for key in list(self._pools):
             self._retire(key, "labkit.shutdown() stopped it")
         if self._server is not None:
@@ -151,6 +196,29 @@ class Owner:
         if self._store_dir is not None:
             shutil.rmtree(self._store_dir, ignore_errors=True)
             self._store_dir = None
+
+    def shutdown_at_exit(self) -> None:
+        """`shutdown` as the process exits: after the call under way in another thread, if any, ends within
+        EXIT_WAIT_SECONDS; else without waiting longer (the process is going, and its ranks must not stay)."""
+        try:
+            with self._turn.held("labkit's shutdown at exit", EXIT_WAIT_SECONDS):
+                self.shutdown()
+        except (TimeoutError, RuntimeError):
+            self.shutdown()
+
+
+@contextmanager
+def pools_apart(whose: str, keep: bool = True) -> Iterator[None]:
+    """Inside the block, this thread's labkit.run and labkit.shutdown(world_size=...) use pools of `whose` own,
+    never the student's (nor their %%ranks variables); with keep=False those pools are stopped as it ends."""
+    token = _whose.set(whose)
+    try:
+        yield
+    finally:
+        _whose.reset(token)
+        if not keep:
+            with OWNER.turn.held(f"the end of {whose}'s pools", SHUTDOWN_WAIT_SECONDS):
+                OWNER.stop_apart(whose)
 
 
 def _devices(world_size: int, backend: str) -> str:
@@ -163,7 +231,7 @@ def _devices(world_size: int, backend: str) -> str:
 
 
 OWNER = Owner()
-atexit.register(OWNER.shutdown)
+atexit.register(OWNER.shutdown_at_exit)
 
 
 def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 60.0, **kwargs) -> list:
@@ -174,7 +242,8 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
     GPUs (or backend="nccl" asks for them). Functions defined in a notebook or a script's
     ``__main__`` work: they travel with cloudpickle. Each rank's prints appear prefixed with
     ``[rank N]``. If a rank raises, dies or hangs past `timeout` seconds, a `RankError` names the
-    ranks and shows the root cause in your own lines.
+    ranks and shows the root cause in your own lines. Calls from several threads take turns, first
+    come first served: one waits (at most `timeout` seconds) while another's ranks run.
 
     Example::
 
@@ -192,24 +261,25 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
         raise TypeError(f"labkit.run needs a function to call, got {type(fn).__name__} {fn!r:.60}.")
     if _inside_rank():
         raise RuntimeError("labkit.run cannot be called from inside a rank: call it from the notebook or script.")
-    payload = _pickle_call(fn, args, kwargs)
     __tracebackhide__ = True  # IPython shows the student's lines, not labkit's
-    try:
-        return OWNER.pool(world_size, backend).call(payload, timeout)
-    except KeyboardInterrupt:
-        pass  # the pool has said what became of the ranks
-    raise Interrupted from None  # without the selector and pool frames it interrupted
+    with OWNER.turn.held(f"labkit.run(world_size={world_size})", timeout):
+        return OWNER.call(fn, args, kwargs, world_size, backend, timeout)
 
 
 def shutdown(world_size: int | None = None) -> None:
     """Stop every rank this process started, and the fork server. The next run starts afresh.
 
     With `world_size`, stop only the pools of that many ranks (say, ranks left out of step by a wrong
-    answer), now, and wait for their processes to end; other world sizes' pools and the fork server stay."""
-    if world_size is None:
-        OWNER.shutdown()
-    else:
-        OWNER.stop(rank_count(world_size))
+    answer), now, and wait for their processes to end; other world sizes' pools and the fork server stay, and
+    so do the graders' own pools (inside `pools_apart(whose)`, only that caller's pools of that size stop).
+    A call under way in another thread is waited for, at most SHUTDOWN_WAIT_SECONDS."""
+    what = "labkit.shutdown()" if world_size is None else f"labkit.shutdown(world_size={world_size})"
+    world_size = None if world_size is None else rank_count(world_size)
+    with OWNER.turn.held(what, SHUTDOWN_WAIT_SECONDS):
+        if world_size is None:
+            OWNER.shutdown()
+        else:
+            OWNER.stop(world_size)
 
 
 def prestart() -> None:

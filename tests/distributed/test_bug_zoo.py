@@ -12,9 +12,11 @@ import torch.nn.functional as F
 
 import labkit
 from labkit.exercises import Verdict, where_ranks_waited
+from labkit.exercises._kit._runner import GRADERS
 from labkit.exercises.bug_zoo import ANSWERS, BATCH, CAUSES, Symptoms, cause_gap, confirmation, reference_run, zoo_run
 from labkit.exercises.bug_zoo_fix import check_fixed_training, draw_cases
 from labkit.exercises.progress import load_progress
+from labkit.launch import pools_apart
 from labkit.parallel import average_gradients, broadcast_parameters
 from labkit.widgets.zoo_diagnosis import DiagnosisCard, diagnosis_widget
 
@@ -24,8 +26,9 @@ HANG_SECONDS = 2.0  # a deadlocked fix is stopped after this long (a right one t
 @pytest.fixture(scope="module", autouse=True)
 def warm_pools():
     """Start the pools of 2 and 3 ranks with the grader's rank side imported, so no timeout is spent starting."""
-    for world_size in (2, 3):
-        labkit.run(importlib.import_module, "labkit.exercises.bug_zoo_fix", world_size=world_size)
+    with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's
+        for world_size in (2, 3):
+            labkit.run(importlib.import_module, "labkit.exercises.bug_zoo_fix", world_size=world_size)
 
 
 # ---- the zoo: every run shows its symptom, on 3 ranks ---------------------------------------------------

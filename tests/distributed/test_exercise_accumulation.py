@@ -29,8 +29,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import labkit
+from labkit.exercises._kit._runner import GRADERS
 from labkit.exercises.accumulation import MICROBATCHES, WORLD_SIZES, check_no_sync_accumulation, draw_cases, warm_up
 from labkit.exercises.verdict import Verdict
+from labkit.launch import pools_apart
 
 HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
 
@@ -39,8 +41,9 @@ HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right 
 def warm_pools():
     """Start the pools of 2, 3 and 4 ranks (the world sizes a grading draws from) and wrap a model in DDP once in
     each, as the grader does before every case: then the first test's time is not the pools' start."""
-    for world_size in WORLD_SIZES:
-        labkit.run(warm_up, world_size=world_size)
+    with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's
+        for world_size in WORLD_SIZES:
+            labkit.run(warm_up, world_size=world_size)
 
 
 def loss_of(ddp_model, x, y, k):

@@ -26,7 +26,9 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import labkit
 from labkit.exercises import Verdict, check_average_gradients
+from labkit.exercises._kit._runner import GRADERS
 from labkit.exercises.average import attempt_average, draw_case, with_dead_rank
+from labkit.launch import pools_apart
 from labkit.parallel import BucketedDDP, all_reduce_sum, average_gradients
 
 HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds per step)
@@ -36,8 +38,9 @@ HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right 
 def warm_pools():
     """Start the pools of 2, 3 and 4 ranks and import the grader's rank side in them, so that no case's timeout
     is spent starting processes on a loaded machine."""
-    for world_size in (2, 3, 4):
-        labkit.run(importlib.import_module, "labkit.exercises.average", world_size=world_size)
+    with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's
+        for world_size in (2, 3, 4):
+            labkit.run(importlib.import_module, "labkit.exercises.average", world_size=world_size)
 
 
 def n():
@@ -504,8 +507,9 @@ DRAWS = 2  # gradings per new wrong row: each draws its cases afresh, and each m
                          ids=[f"{row[0]}: {row[1].__name__}" for row in NEW_WRONG])
 def test_new_wrong_solutions_are_refused_on_every_draw(fn, named):
     for _ in range(DRAWS):
-        for world_size in AVERAGE_WORLD_SIZES:  # what a row kept belongs to one grading: a student grades once
-            labkit.run(_forget_what_rows_kept, world_size=world_size)
+        with pools_apart(GRADERS):  # on the graders' own ranks
+            for world_size in AVERAGE_WORLD_SIZES:  # what a row kept belongs to one grading: a student grades once
+                labkit.run(_forget_what_rows_kept, world_size=world_size)
         verdict = check_average_gradients(fn)
         assert not verdict and named in verdict.message, verdict
         assert verdict.message.startswith("On 3 ranks (a batch of 24 rows, 8 per rank; models of "), verdict

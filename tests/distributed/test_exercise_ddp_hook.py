@@ -23,8 +23,10 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 import labkit
+from labkit.exercises._kit._runner import GRADERS
 from labkit.exercises.ddp_hook import check_bucketed_ddp_hook, draw_cases, expected_buckets
 from labkit.exercises.verdict import Verdict
+from labkit.launch import pools_apart
 from labkit.parallel import BucketedDDP, average_gradients
 
 DRAWS = 2  # gradings of a row that must be refused on every draw: each draws its cases afresh
@@ -35,8 +37,9 @@ HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right 
 def warm_pools():
     """Start the pools of 2 and 3 ranks and import the grader's rank side in them, so that no case's timeout is
     spent starting processes on a loaded machine."""
-    for world_size in (2, 3):
-        labkit.run(importlib.import_module, "labkit.exercises.ddp_hook", world_size=world_size)
+    with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's
+        for world_size in (2, 3):
+            labkit.run(importlib.import_module, "labkit.exercises.ddp_hook", world_size=world_size)
 
 
 def n():

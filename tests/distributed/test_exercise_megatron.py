@@ -19,8 +19,10 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as autograd_collectives
 
 import labkit
+from labkit.exercises._kit._runner import GRADERS
 from labkit.exercises.megatron import WORLD_SIZES, check_megatron_f_g, draw_cases
 from labkit.exercises.verdict import Verdict
+from labkit.launch import pools_apart
 from labkit.parallel import all_reduce_sum, copy_to_tensor_parallel, reduce_from_tensor_parallel
 
 HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right one takes milliseconds)
@@ -30,8 +32,9 @@ HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right 
 def warm_pools():
     """Start the pools of 2, 3 and 4 ranks and import the grader's rank side in them, so that no case's timeout is
     spent starting processes on a loaded machine."""
-    for world_size in WORLD_SIZES:
-        labkit.run(importlib.import_module, "labkit.exercises.megatron", world_size=world_size)
+    with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's
+        for world_size in WORLD_SIZES:
+            labkit.run(importlib.import_module, "labkit.exercises.megatron", world_size=world_size)
 
 
 def summed(x):
@@ -625,8 +628,9 @@ class Stub(torch.autograd.Function):
                                 "counts)"),
 ])
 def test_wrong_solutions_are_rejected_naming_the_mistake(f, g, named):
-    for world_size in WORLD_SIZES:
-        labkit.run(forget_the_caches, world_size=world_size)
+    with pools_apart(GRADERS):  # on the graders' own ranks
+        for world_size in WORLD_SIZES:
+            labkit.run(forget_the_caches, world_size=world_size)
     verdict = check_megatron_f_g(f, g, record=False)
     assert not verdict and named in verdict.message, verdict
     assert re.match(r"On [234] ranks \(the MLP's \d+ hidden features split [\d+]+; float(32|64), \d+ tokens of \d+ "

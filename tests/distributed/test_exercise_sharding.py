@@ -14,6 +14,7 @@ import labkit
 from labkit.exercises import ForbiddenCall, Verdict, check_sharded_step, ring_nbytes_per_rank, step_inputs
 from labkit.exercises._kit._group_call import Kind
 from labkit.exercises._kit._record import Call
+from labkit.exercises._kit._runner import GRADERS
 from labkit.exercises._step_diagnosis import (
     LR,
     TOLERANCES,
@@ -27,6 +28,7 @@ from labkit.exercises._step_diagnosis import (
     wrong_step,
 )
 from labkit.exercises.sharded_step import DRAWN, StepGuard, draw_cases, padded, unpad_into
+from labkit.launch import pools_apart
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes
 
@@ -223,7 +225,13 @@ def test_the_guard_always_restores_what_it_replaced():
 
 
 def rank_pids():
-    return os.getpid()
+    return os.getpid()  # run by reference to this module, which the rank then imports, the grader's side with it
+
+
+def graders_rank_pids() -> list[int]:
+    """The pids of the graders' own 3 ranks (they grade apart from the student's)."""
+    with pools_apart(GRADERS):
+        return labkit.run(rank_pids, world_size=3)
 
 
 def hangs_on_rank_0(param, grad, lr):
@@ -232,7 +240,7 @@ def hangs_on_rank_0(param, grad, lr):
 
 
 def test_a_hang_is_stopped_with_a_clear_message_and_leaves_no_rank_behind():
-    pids = labkit.run(rank_pids, world_size=3)
+    pids = graders_rank_pids()
     verdict = check_sharded_step(hangs_on_rank_0, timeout_seconds=HANG_SECONDS)
     assert not verdict and "it never finished (stopped after 2 s)" in verdict.message, verdict
     assert "rank 0 was still running in broadcast" in verdict.message, verdict
@@ -249,10 +257,10 @@ def leaves_a_broadcast_posted(param, grad, lr):
 
 
 def test_a_collective_left_unmatched_is_reported_and_its_ranks_replaced():
-    pids = labkit.run(rank_pids, world_size=3)
+    pids = graders_rank_pids()
     verdict = check_sharded_step(leaves_a_broadcast_posted, timeout_seconds=HANG_SECONDS)
     assert not verdict and "a broadcast of 4 bytes from rank 0" in verdict.message, verdict
-    assert set(labkit.run(rank_pids, world_size=3)).isdisjoint(pids)  # the pool was replaced
+    assert set(graders_rank_pids()).isdisjoint(pids)  # the pool was replaced
     assert check_sharded_step(notebook_11_solution)
 
 

@@ -22,8 +22,9 @@ from labkit.exercises._kit._group_call import GroupCall, Kind, wrap_group_method
 from labkit.exercises._kit._guard import Guard
 from labkit.exercises._kit._messages import hang_message, unwaited_message
 from labkit.exercises._kit._record import Call, Recorder
-from labkit.exercises._kit._runner import Case, Spec, case_problem, grade, stop_if_out_of_step
+from labkit.exercises._kit._runner import GRADERS, Case, Spec, case_problem, grade, stop_if_out_of_step
 from labkit.exercises._kit._store import LastAttempt
+from labkit.launch import pools_apart
 from labkit.launch.owner import OWNER
 
 READY_MADE = "the toy's ready_made_sum"
@@ -210,11 +211,16 @@ def test_a_hang_is_told_and_the_pool_stopped():
 
 def test_after_an_error_the_pool_is_kept_when_the_ranks_agree_and_stopped_when_not():
     case = Case(2, {"numel": 3, "dtype": torch.float32})
-    pids = labkit.run(os.getpid, world_size=2)
+
+    def graders_pids():  # the graders grade on ranks of their own
+        with pools_apart(GRADERS):
+            return labkit.run(os.getpid, world_size=2)
+
+    pids = graders_pids()
     assert "a mistake of its own" in case_problem(SPEC, (raises_after_one_call,), case, TIMEOUT_SECONDS)
-    assert labkit.run(os.getpid, world_size=2) == pids  # both ranks made the same one all_reduce: kept
+    assert graders_pids() == pids  # both ranks made the same one all_reduce: kept
     assert "a mistake of its own" in case_problem(SPEC, (raises_out_of_step,), case, TIMEOUT_SECONDS)
-    assert set(labkit.run(os.getpid, world_size=2)).isdisjoint(pids)  # rank 0's all_reduce had no partner
+    assert set(graders_pids()).isdisjoint(pids)  # rank 0's all_reduce had no partner
 
 
 def test_the_rule_reads_the_store_when_labkit_kept_the_pool():

@@ -177,3 +177,23 @@ def test_an_interrupted_run_shows_the_message_and_the_students_lines_only(fresh,
     for internal in ("selectors", "pool.py", "owner.py", "magic.py", "hidden", "run_cell_magic"):
         assert internal not in captured.out, captured.out
     assert len(captured.out.strip().splitlines()) <= 8, captured.out
+
+
+def test_a_ranks_cell_holds_the_turn_for_the_whole_cell(ip, tmp_path):
+    """Another thread's labkit.run waits for the cell (issue 28: two callers at once took each other's replies),
+    bounded by its own timeout, and says that a %%ranks cell holds the turn."""
+    started, release = tmp_path / "started", tmp_path / "release"
+    cell = (f"%%ranks 2\nimport os, time, pathlib\nif labkit.rank() == 0: pathlib.Path({str(started)!r}).touch()\n"
+            f"while not os.path.exists({str(release)!r}): time.sleep(0.01)")
+    results = []
+    cell_thread = threading.Thread(target=lambda: results.append(ip.run_cell(cell)), daemon=True)
+    cell_thread.start()
+    try:
+        while not started.exists():
+            time.sleep(0.01)
+        with pytest.raises(TimeoutError, match=r"%%ranks 2 cell"):
+            labkit.run(os.getpid, world_size=2, timeout=1)
+    finally:
+        release.touch()
+        cell_thread.join(120)
+    assert results and results[0].success, results

@@ -31,7 +31,9 @@ from labkit.exercises import (
     check_sharded_step,
     check_stack_map,
 )
+from labkit.exercises._kit._runner import GRADERS
 from labkit.exercises.progress import load_progress
+from labkit.launch import pools_apart
 from labkit.parallel.pipeline import schedule
 
 # The reference solutions' code and formulas, as the old verdicts spelled them: none may appear in a wrong attempt's
@@ -304,8 +306,9 @@ STUBS = [  # (exercise, grade the stub)
 @pytest.fixture(scope="module", autouse=True)
 def warm_pools():
     """Start the pools with the graders' rank sides imported, so that no case's timeout is spent starting."""
-    for world_size in (2, 3, 4):
-        labkit.run(importlib.import_module, "labkit.exercises.ddp_hook", world_size=world_size)
+    with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's
+        for world_size in (2, 3, 4):
+            labkit.run(importlib.import_module, "labkit.exercises.ddp_hook", world_size=world_size)
 
 
 @pytest.fixture(autouse=True)

@@ -12,6 +12,8 @@
                  RankError (which failure, which forbidden call)
     _wait_watch  which collectives graded code waited for (handles, futures): the one wait watcher
     _stack       is the course's own answer on the call stack? (the outermost ready-made frame)
+    _leftovers   on a rank: what graded code left behind (patched callables, threads, modes, env, cwd, signal
+                 handlers), so that the runner stops a pool a solution changed
     _runner      one grading loop driven by an exercise's `Spec`, with one rule after a RankError
     _file_watch  what graded code does to one file, seen where it happens (audit hooks, torch.save, the
                  sync functions followed): notebook 09's watch in the saving process

@@ -16,6 +16,10 @@ once, so every grader behaves the same:
   order), or their messages do not pair up (each send with its recv), or that cannot be read, the pool of that
   world size is stopped (labkit.shutdown(world_size=...)), so the next case or the next grading starts on ranks
   with no collective or message left unmatched;
+- graders grade on ranks of their own (labkit.launch.pools_apart(GRADERS)), never the student's, nor their
+  `%%ranks` variables; each rank notes what the attempt left behind (labkit.exercises._kit._leftovers: a
+  patched function, a thread, a mode, ...), and a pool whose ranks found anything is stopped, as is one out of
+  step, so that no later grading meets it;
 - then the spec's checks, in order: the first problem is the verdict, prefixed by how the case is described;
 - once every case has passed, the spec's `final_checks` read each case's outcomes again, in the cases' order: a
   problem that only matters once the others are fixed (the AllReduce's order that would hang on NCCL, told
@@ -31,13 +35,16 @@ from dataclasses import dataclass, field
 import labkit
 from labkit._refusals import refusing
 from labkit.checks import timeout_seconds as checked_timeout
-from labkit.exercises._kit import _store
+from labkit.exercises._kit import _leftovers, _store
 from labkit.exercises._kit._group_call import Kind
 from labkit.exercises._kit._messages import first_failure, forbidden_message, not_callable_message
 from labkit.exercises.verdict import Verdict
+from labkit.launch import pools_apart
 from labkit.launch.errors import NoReply
 
 __all__: list[str] = []
+
+GRADERS = "labkit's graders"  # whose pools the graders run in (labkit.launch.pools_apart)
 
 
 @dataclass(frozen=True)
@@ -84,12 +91,13 @@ def grade(spec: Spec, *solutions, timeout_seconds: float) -> Verdict:
     given = next((s for s in solutions if not callable(s)), None)
     if given is not None or not solutions:
         return Verdict(False, not_callable_message(spec.example, given))
-    cases, passed = list(spec.cases()), []
-    for case in cases:
-        problem, outcomes = _run_case(spec, solutions, case, timeout_seconds)
-        if problem:
-            return Verdict(False, f"{spec.describe(case)}, {problem}")
-        passed.append((case, outcomes))
+    with pools_apart(GRADERS):
+        cases, passed = list(spec.cases()), []
+        for case in cases:
+            problem, outcomes = _run_case(spec, solutions, case, timeout_seconds)
+            if problem:
+                return Verdict(False, f"{spec.describe(case)}, {problem}")
+            passed.append((case, outcomes))
     late = next(((case, p) for case, outcomes in passed for check in spec.final_checks
                  if (p := check(outcomes, case))), None)
     if late is not None:
@@ -99,7 +107,8 @@ def grade(spec: Spec, *solutions, timeout_seconds: float) -> Verdict:
 
 def case_problem(spec: Spec, solutions: tuple, case: Case, timeout_seconds: float) -> str | None:
     """What is wrong with the solutions on one case, or None (module docstring)."""
-    return _run_case(spec, solutions, case, timeout_seconds)[0]
+    with pools_apart(GRADERS):
+        return _run_case(spec, solutions, case, timeout_seconds)[0]
 
 
 def _run_case(spec: Spec, solutions: tuple, case: Case, timeout_seconds: float) -> tuple[str | None, list | None]:
@@ -117,6 +126,7 @@ def _run_case(spec: Spec, solutions: tuple, case: Case, timeout_seconds: float) 
         return spec.on_error(error, attempts, case), None
     outcomes, attempts = [r[0] for r in results], [r[1] for r in results]
     stop_if_out_of_step(case.world_size, attempts)
+    stop_if_left_behind(case.world_size, attempts)
     for rank, attempt in enumerate(attempts):
         if attempt.refused:
             return forbidden_message(rank, attempt.refused[0], True, spec.why_forbidden), outcomes
@@ -129,10 +139,11 @@ def after_error(error: labkit.RankError, world_size: int) -> list[_store.LastAtt
     if error.pool_stopped or any(f.kind == NoReply.DIED for f in error.failures):
         return None
     try:
-        attempts = labkit.run(_store.last_attempt, world_size=world_size)
+        attempts = labkit.run(_read_back, world_size=world_size)
     except labkit.RankError:
         return None  # then labkit has stopped the pool itself
     stop_if_out_of_step(world_size, attempts)
+    stop_if_left_behind(world_size, attempts)
     return attempts
 
 
@@ -141,6 +152,13 @@ def stop_if_out_of_step(world_size: int, attempts: list[_store.LastAttempt]) -> 
     pair up (a send with no recv posted for it, or the reverse): a collective or a message may be left unmatched,
     for the next case's calls to meet."""
     if any(a.signatures != attempts[0].signatures for a in attempts) or not _messages_pair_up(attempts):
+        labkit.shutdown(world_size=world_size)
+
+
+def stop_if_left_behind(world_size: int, attempts: list[_store.LastAttempt]) -> None:
+    """Stop the pool of `world_size` ranks if the attempt left anything behind in a rank (a patched function, a
+    thread, ...: labkit.exercises._kit._leftovers), before any later call meets it."""
+    if any(a.leftovers for a in attempts):
         labkit.shutdown(world_size=world_size)
 
 
@@ -154,9 +172,11 @@ def _messages_pair_up(attempts: list[_store.LastAttempt]) -> bool:
 
 
 def _on_rank(attempt: Callable, ready_made: tuple[str, ...], solutions: tuple, case: Case):
-    """On a rank: a fresh last attempt, the attempt with the ready-made helpers refusing; (outcome, last attempt).
-    Refusals of the helpers themselves (in any thread) join the store, even when the attempt raised."""
+    """On a rank: a fresh last attempt, the attempt with the ready-made helpers refusing; (outcome, last attempt,
+    with what it left behind). Refusals of the helpers themselves (in any thread) join the store, even when the
+    attempt raised."""
     _store.begin()
+    _leftovers.take()
     made: list[str] = []
     try:
         with refusing(ready_made) as made:
@@ -164,4 +184,11 @@ def _on_rank(attempt: Callable, ready_made: tuple[str, ...], solutions: tuple, c
     finally:
         for spelling in made:
             _store.refused(spelling)
-    return outcome, _store.last_attempt()
+    return outcome, _read_back()
+
+
+def _read_back() -> _store.LastAttempt:
+    """On a rank: its last attempt, with what the attempt left behind (read now)."""
+    attempt = _store.last_attempt()
+    attempt.leftovers = _leftovers.found()
+    return attempt

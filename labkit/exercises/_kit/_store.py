@@ -17,10 +17,12 @@ __all__: list[str] = []
 @dataclass
 class LastAttempt:
     """One rank's last attempt: every call recorded (labkit.exercises._kit._record.Call), and every call refused
-    (its spelling), in order, including those that graded code caught."""
+    (its spelling), in order, including those that graded code caught; and what it left behind in the rank, read
+    by the runner (labkit.exercises._kit._leftovers)."""
 
     calls: list = field(default_factory=list)
     refused: list[str] = field(default_factory=list)
+    leftovers: list[str] = field(default_factory=list)  # what the attempt left changed (_leftovers.found)
 
     @property
     def signatures(self) -> list[tuple[str, int]]:
