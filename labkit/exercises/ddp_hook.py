@@ -446,8 +446,8 @@ def _shows_mistakes(ready: list[int], limit: int, named, exact: bool) -> bool:
     """Whether, with these sizes and this limit, the right buckets (either rule) differ from those of every
     mistake (one all_reduce per parameter, 4 bytes a number, the notebook's 480 bytes written in, buckets fixed in
     the parameters' order on some ranks); those of the two mistaken rules (`_MISTAKEN_RULES`) are not one per
-    parameter, send a bucket before the backward ends, differ from each other, and from the right ones where the
-    limit is exact;
+    parameter, send a bucket before the backward ends, differ from each other where they differ from the right
+    ones, and from the right ones where the limit is exact;
     and, where it is not, a last bucket is left for finish() and the first is full before the last gradient."""
     numels = _numels_of(named)
 
@@ -462,8 +462,9 @@ def _shows_mistakes(ready: list[int], limit: int, named, exact: bool) -> bool:
     rules = [numels(_filled(ready, lambda b, full=full: full(b, limit, named))) for full, _ in _MISTAKEN_RULES]
     if any(w in right for w in wrong) or wrong[0] in rules or any(len(rule) < 2 for rule in rules):
         return False  # (a mistaken rule that sends nothing before the backward ends is told as no overlap)
-    if len({tuple(rule) for rule in rules}) < len(rules):
-        return False  # two mistaken rules alike: the verdict would name the first for either
+    shown = [tuple(rule) for rule in rules if rule not in right]
+    if len(set(shown)) < len(shown):
+        return False  # two mistaken rules alike where they show: the verdict would name the first for either
     if exact:
         return all(rule not in right for rule in rules)
     buckets = _filled(ready, at_least)
