@@ -204,7 +204,20 @@ class Owner:
             with self._turn.held("labkit's shutdown at exit", EXIT_WAIT_SECONDS):
                 self.shutdown()
         except (TimeoutError, RuntimeError):
-            self.shutdown()
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """At exit while another thread's call still runs: close the fork server, which kills every rank as it
+        ends, and remove the store directory, without a word on the pools' sockets: that call's thread reads
+        them too, and an orderly close waiting for the ranks' exit reports once blocked the exit forever on a
+        message the other thread had taken (two readers of one socket)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self._pools.clear()
+        if self._store_dir is not None:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
 
 
 @contextmanager
