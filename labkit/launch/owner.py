@@ -139,6 +139,11 @@ class Owner:
             self._announced.add(choice.reason)
             print_line(f"labkit: {world_size} ranks, {choice.reason}; {_devices(world_size, choice.backend)}.")
 
+    @property
+    def pools_started(self) -> int:
+        """How many pools this owner has started (a read-only hook: benchmarks/grading_beside_student_pools.py)."""
+        return self._pools_started
+
     def serial(self, key: PoolKey) -> int | None:
         """The serial number of the pool kept for `key`, None if none is kept."""
         return self._serials.get(key)
