@@ -1,10 +1,11 @@
 """How long do gradings take while the student's own pools are running? labkit.launch.owner.Owner._make_room.
 
-Graders grade on pools of their own (issue 28), beside the student's, and labkit keeps at most MAX_LIVE_RANKS (16)
-ranks: the ring grader's cases need 2, 3 and 4 ranks (9), so with the student's pools holding more than 7, every
-case stops a graders' pool to start the next, and a grading pays cold starts. Found by the full test suite, whose
-grader tests took 3 to 8 times as long as alone; measured here on six gradings of right ring solutions. Not yet
-fixed: the figure to bring down.
+Graders grade on pools of their own (issue 28), beside the student's. When both shared one budget of
+MAX_LIVE_RANKS (16) ranks, the ring grader's cases (2, 3 and 4 ranks: 9) beside the student's pools of more
+than 7 ranks stopped a graders' pool for every case, and a grading paid cold starts: six gradings took 3.7 s
+beside no student pools and 66.5 s (36 pool starts) beside pools of 2, 3 and 4 ranks, on 2 cores (fee7e0a).
+Now the graders' pools have a budget of their own (MAX_APART_RANKS): the figures should not depend on the
+student's pools, and no pool should start during the six gradings.
 
     python benchmarks/grading_beside_student_pools.py
 """

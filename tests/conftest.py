@@ -124,14 +124,3 @@ def another_users_flock(as_another_user):
     for holder in holders:
         holder.kill()
         holder.wait()
-
-
-@pytest.fixture(scope="module")
-def room_for_the_graders():
-    """Every pool stopped as a graders' test module starts. Why: graders grade on pools of their own beside the
-    student's, and labkit keeps at most MAX_LIVE_RANKS (16) ranks; the 2- to 8-rank pools earlier modules of this
-    worker left would make every grading stop and restart a graders' pool (the catalogue took 349 s in the full
-    suite, 42 s alone). Within a module the graders' pools are then kept, as in a student's kernel."""
-    import labkit
-
-    labkit.shutdown()

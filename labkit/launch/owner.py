@@ -38,10 +38,11 @@ from labkit.launch.forkserver import ForkServer
 from labkit.launch.pool import Pool
 from labkit.tables import print_line
 
-__all__ = ["EXIT_WAIT_SECONDS", "MAX_LIVE_RANKS", "OWNER", "PG_TIMEOUT_SECONDS", "PoolKey", "SHUTDOWN_WAIT_SECONDS",
-           "START_TIMEOUT_SECONDS", "Owner", "pools_apart", "prestart", "run", "shutdown"]
+__all__ = ["EXIT_WAIT_SECONDS", "MAX_APART_RANKS", "MAX_LIVE_RANKS", "OWNER", "PG_TIMEOUT_SECONDS", "PoolKey",
+           "SHUTDOWN_WAIT_SECONDS", "START_TIMEOUT_SECONDS", "Owner", "pools_apart", "prestart", "run", "shutdown"]
 
-MAX_LIVE_RANKS = 16  # ranks kept warm across all pools before the least recently used is stopped
+MAX_LIVE_RANKS = 16  # the student's own ranks kept warm before their least recently used pool is stopped
+MAX_APART_RANKS = 16  # the same for all pools apart (the graders') together: neither budget evicts the other's
 PG_TIMEOUT_SECONDS = float(os.environ.get("LABKIT_PG_TIMEOUT", 30))
 START_TIMEOUT_SECONDS = float(os.environ.get("LABKIT_START_TIMEOUT", 120))
 SHUTDOWN_WAIT_SECONDS = 60.0  # how long labkit.shutdown() waits for a call of another thread to end
@@ -101,7 +102,7 @@ class Owner:
             return key
         if pool is not None:
             self._retire(key, pool.why_unhealthy())
-        self._make_room(world_size)
+        self._make_room(world_size, key[2])
         self.announce(world_size, choice)
         self._pools[key] = self._start_pool(world_size, choice)
         self._serials[key] = self._pools_started
@@ -123,15 +124,21 @@ class Owner:
         self._pools.pop(key).close()
         self._ended[self._serials.pop(key)] = reason
 
-    def _make_room(self, world_size: int) -> None:
-        """Stop closed pools, then the least recently used until `world_size` more ranks fit: pools apart (the
-        graders') before the student's own, whose ranks hold their %%ranks variables."""
+    def _make_room(self, world_size: int, whose: str | None) -> None:
+        """Stop closed pools, then the least recently used of the same budget until `world_size` more ranks fit.
+        Two budgets, so that neither evicts the other: the student's own pools (MAX_LIVE_RANKS), whose ranks hold
+        their %%ranks variables, and all pools apart (MAX_APART_RANKS). Why: one shared budget let a grading
+        beside the student's pools of 2, 3 and 4 ranks stop its previous case's pool for every case, 36 cold
+        starts in six gradings (benchmarks/grading_beside_student_pools.py); an idle rank keeps about 5 MB of its
+        own (the rest is shared with the fork server), so 32 idle ranks cost little."""
         for key in [k for k, p in self._pools.items() if p.closed]:
             self._retire(key, self._pools[key].why_unhealthy())
-        while self._pools and sum(p.world_size for p in self._pools.values()) + world_size > MAX_LIVE_RANKS:
-            oldest = min(self._pools, key=lambda k: k[2] is None)  # the first apart pool, else the oldest
-            self._retire(oldest, f"it was stopped to make room for {world_size} ranks: labkit "
-                                 f"keeps at most {MAX_LIVE_RANKS} ranks running")
+        apart = whose is not None
+        limit, ranks = (MAX_APART_RANKS, "graders' ranks") if apart else (MAX_LIVE_RANKS, "ranks")
+        same = [k for k in self._pools if (k[2] is not None) == apart]  # least recently used first
+        while same and sum(self._pools[k].world_size for k in same) + world_size > limit:
+            self._retire(same.pop(0), f"it was stopped to make room for {world_size} ranks: labkit keeps at most "
+                                      f"{limit} {ranks} running")
 
     def announce(self, world_size: int, choice: BackendChoice) -> None:
         """Say how `world_size` ranks will run: the backend, why, and each rank's device; once per reason."""

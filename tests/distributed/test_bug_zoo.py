@@ -24,7 +24,7 @@ HANG_SECONDS = 2.0  # a deadlocked fix is stopped after this long (a right one t
 
 
 @pytest.fixture(scope="module", autouse=True)
-def warm_pools(room_for_the_graders):
+def warm_pools():
     """Start the pools of 2 and 3 ranks with the grader's rank side imported, so no timeout is spent starting."""
     with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's
         for world_size in (2, 3):

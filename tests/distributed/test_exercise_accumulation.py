@@ -38,7 +38,7 @@ HANG_SECONDS = 3.0  # a deadlocked solution is stopped after this long (a right 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def warm_pools(room_for_the_graders):
+def warm_pools():
     """Start the pools of 2, 3 and 4 ranks (the world sizes a grading draws from) and wrap a model in DDP once in
     each, as the grader does before every case: then the first test's time is not the pools' start."""
     with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's

@@ -30,7 +30,7 @@ from labkit.exercises.atomic_save import FORMS, Layout, check_atomic_save
 
 
 @pytest.fixture(scope="module", autouse=True)
-def warm_pool(room_for_the_graders):
+def warm_pool():
     """Start the fork server (its import of torch) with a first 1-rank call, so that no case's timeout is spent on
     it on a loaded machine (each save run gets a fresh 1-rank pool of the grader's own, discarded after it)."""
     labkit.run(__import__, "labkit.exercises.atomic_save", world_size=1)

@@ -34,7 +34,7 @@ HANG_SECONDS = 2.0  # a deadlocked solution is stopped after this long (a right 
 
 
 @pytest.fixture(scope="module", autouse=True)
-def warm_pools(room_for_the_graders):
+def warm_pools():
     """Start the pools of 2 and 3 ranks and import the grader's rank side in them, so that no case's timeout is
     spent starting processes on a loaded machine."""
     with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's

@@ -32,8 +32,6 @@ from labkit.launch import pools_apart
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes
 
-pytestmark = pytest.mark.usefixtures("room_for_the_graders")  # tests/conftest.py: why
-
 HANG_SECONDS = 2.0
 
 

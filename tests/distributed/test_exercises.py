@@ -33,8 +33,6 @@ from labkit.exercises.allreduce import (
 from labkit.exercises.diagnosis import Outcome, hub_contents, ring_contents
 from labkit.plan.traffic import ring_allreduce_bytes
 
-pytestmark = pytest.mark.usefixtures("room_for_the_graders")  # tests/conftest.py: why
-
 
 def notebook_02_solution(t):
     """The solution in notebook 02's folded cell."""

@@ -22,8 +22,6 @@ from labkit.exercises.sharded_step import padded, unpad_into
 from labkit.launch import pools_apart
 from labkit.plan.counts import shard_sizes
 
-pytestmark = pytest.mark.usefixtures("room_for_the_graders")  # tests/conftest.py: why
-
 DEADLOCK_SECONDS = 3.0  # a wrong solution that hangs is stopped after this long (right ones take milliseconds)
 
 

@@ -23,8 +23,6 @@ from labkit.exercises._kit._runner import GRADERS
 from labkit.launch import pools_apart
 from labkit.launch.owner import OWNER
 
-pytestmark = pytest.mark.usefixtures("room_for_the_graders")  # tests/conftest.py: why
-
 LATER_SECONDS = 20.0  # a later call's timeout: well past a right call's milliseconds, short of a 30 s hang
 
 

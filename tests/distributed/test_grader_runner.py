@@ -27,8 +27,6 @@ from labkit.exercises._kit._store import LastAttempt
 from labkit.launch import pools_apart
 from labkit.launch.owner import OWNER
 
-pytestmark = pytest.mark.usefixtures("room_for_the_graders")  # tests/conftest.py: why
-
 READY_MADE = "the toy's ready_made_sum"
 TIMEOUT_SECONDS = 10.0
 

@@ -135,6 +135,33 @@ def test_a_pool_stopped_to_make_room_is_announced(fresh, capsys, monkeypatch):
             "at most 4 ranks running): variables from earlier %%ranks 2 cells are gone.") in capsys.readouterr().err
 
 
+def test_graders_pools_and_the_students_make_room_each_in_their_own_budget(fresh, capsys, monkeypatch):
+    """A grader's pools never stop the student's (their %%ranks variables), nor the student's a grader's: with one
+    budget for both, each case of a grading beside the student's pools stopped the previous case's pool."""
+    from labkit.launch import owner, pools_apart
+    monkeypatch.setattr(owner, "MAX_LIVE_RANKS", 5)
+    monkeypatch.setattr(owner, "MAX_APART_RANKS", 5)
+    labkit.shutdown()
+    assert run(fresh, "%%ranks 2\nv = 1").success
+    labkit.run(labkit.rank, world_size=3)  # the student's 5 ranks: full
+    started = owner.OWNER.pools_started
+    with pools_apart("graders"):
+        for _ in range(2):  # twice: the second time both pools are still warm
+            labkit.run(labkit.rank, world_size=2)
+            labkit.run(labkit.rank, world_size=3)
+    assert owner.OWNER.pools_started == started + 2
+    capsys.readouterr()
+    assert run(fresh, "%%ranks 2\nassert v == 1").success  # the student's 2 ranks kept their variable
+    assert "restarted" not in capsys.readouterr().err
+    with pools_apart("graders"):
+        labkit.run(labkit.rank, world_size=4)  # 2 + 3 + 4 > 5: the graders' two pools make room, not the student's
+        assert owner.OWNER.pools_started == started + 3
+    labkit.run(labkit.rank, world_size=3)
+    assert run(fresh, "%%ranks 2\nassert v == 1").success
+    assert owner.OWNER.pools_started == started + 3
+    assert "restarted" not in capsys.readouterr().err
+
+
 @pytest.fixture
 def ctrl_c_after():
     """Ctrl-C to this process after some seconds, with Python's own SIGINT handler (as ipykernel's)."""

@@ -304,7 +304,7 @@ STUBS = [  # (exercise, grade the stub)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def warm_pools(room_for_the_graders):
+def warm_pools():
     """Start the pools with the graders' rank sides imported, so that no case's timeout is spent starting."""
     with pools_apart(GRADERS):  # the graders' own ranks, apart from the student's
         for world_size in (2, 3, 4):
