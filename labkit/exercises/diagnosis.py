@@ -110,12 +110,13 @@ def wrong_values(outcomes: list[Outcome], inputs: list[torch.Tensor], ring: bool
             return (f"rank {rank} got {got.tolist()}, expected {total.tolist()}: the sum is missing rank "
                     f"{missing[0]}'s input {inputs[missing[0]].tolist()}. Did every rank's tensor get added, once?")
         if ring:
-            return _wrong_ring_values(rank, got, total, world_size, numel)
+            return _wrong_ring_values(rank, got, inputs, world_size, numel)
         return f"rank {rank} got {got.tolist()}, expected {total.tolist()}."
     return None
 
 
-def _wrong_ring_values(rank: int, got: torch.Tensor, total: torch.Tensor, world_size: int, numel: int) -> str:
+def _wrong_ring_values(rank: int, got: torch.Tensor, inputs: list[torch.Tensor], world_size: int, numel: int) -> str:
+    total = sum(inputs)
     expected = f"rank {rank} got {got.tolist()}, expected {total.tolist()}."
     if numel % world_size:  # the cases that N divides come first, so those passed
         return (f"{expected} The cases where {world_size} divides the size passed; here {numel} is not a multiple "
@@ -123,13 +124,25 @@ def _wrong_ring_values(rank: int, got: torch.Tensor, total: torch.Tensor, world_
                 "elements: a chunk or a buffer sized as if they were equal.")
     chunks = list(zip(got.tensor_split(world_size), total.tensor_split(world_size), strict=True))
     complete = [c for c, (g, t) in enumerate(chunks) if torch.equal(g, t)]
-    if len(complete) == 1:
+    wrong = [c for c in range(world_size) if c not in complete]
+    if len(complete) == 1 and all(_partial_sum(rank, c, got, inputs) for c in wrong):
         return (f"on rank {rank} only chunk {complete[0]} is fully reduced: the reduce-scatter worked; the "
                 "all-gather that passes the finished chunks around the ring is missing.")
-    wrong = [c for c in range(world_size) if c not in complete]
     right = f" (chunks {complete} are right)" if complete else " (no chunk holds its sum)"
     return (f"{expected} Chunks {wrong} of t.tensor_split({world_size}) are wrong{right}: some step sent, or added "
             "into, another chunk than the ring's. Check which chunk each step sends and which it adds into.")
+
+
+def _partial_sum(rank: int, chunk: int, got: torch.Tensor, inputs: list[torch.Tensor]) -> bool:
+    """Whether chunk `chunk` of rank `rank`'s t holds the sum of some ranks' inputs, its own among them: what a
+    reduce-scatter leaves in the chunks a rank does not complete. Why ask: with a chunk of one element, a wrong
+    value can equal the sum by chance, and one right chunk alone is not yet the sign of a missing all-gather."""
+    n = len(inputs)
+    parts = [x.tensor_split(n)[chunk] for x in inputs]
+    others = [r for r in range(n) if r != rank]
+    return any(torch.equal(got.tensor_split(n)[chunk], parts[rank] + sum((parts[r] for r in subset),
+                                                                          torch.zeros_like(parts[rank])))
+               for size in range(n - 1) for subset in itertools.combinations(others, size))
 
 
 def ring_traffic(outcomes: list[Outcome], numel: int, element_size: int) -> str | None:

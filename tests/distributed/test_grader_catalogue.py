@@ -831,7 +831,7 @@ RING_WRONG += [  # issue 27: one row per honest mistake each class lets through
     (ring_sends_float32_copies, "sent a float32 tensor"),
     (ring_caches_on_the_class, CALLED_AGAIN),  # state across calls
     (ring_decoy_messages, "message at step 1 of the reduce-scatter carried"),  # counting is not checking
-    (ring_recomputes_the_inputs, "of t.tensor_split(3) are wrong (no chunk holds its sum)"),
+    (ring_recomputes_the_inputs, "of t.tensor_split(3) are wrong ("),  # a 1-element chunk may be right by chance
     (labkit_ring_in_a_thread, "called labkit.comm's ring_allreduce" + CAUGHT),  # ready-made, out of sight
     (labkit_ring_in_a_thread_then_own, "called labkit.comm's ring_allreduce" + CAUGHT),
     (labkit_reduce_scatter_then_allgather, "called labkit.comm's ring_reduce_scatter. labkit.comm's collectives"),
