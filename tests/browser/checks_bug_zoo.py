@@ -5,7 +5,7 @@ no feedback is double-spaced (every card had a scrollbar, 4 px too wide, and wra
 
 from pathlib import Path
 
-from playwright.sync_api import Page
+from playwright.sync_api import Page, expect
 from settle import wait_for_layout
 from widget_checks import check_widget_text
 
@@ -38,7 +38,8 @@ def check(page: Page, cells: list[dict]) -> None:
         answer_with(card, found["options"].index(CAUSES[answer].label))
         feedback = card.locator(".widget-html").last.inner_text()
         assert "Right" in feedback, (letter, feedback)
-        assert f"{i + 1} of {len(ANSWERS)} runs diagnosed right" in score.inner_text(), score.inner_text()
+        # the count is another widget: its new value comes in a message of its own, after the card's feedback
+        expect(score).to_contain_text(f"{i + 1} of {len(ANSWERS)} runs diagnosed right", timeout=30_000)
     check_widget_text(page, "the bug zoo's cards, every one answered")
     page.set_viewport_size({"width": 1280, "height": 1800})
     wait_for_layout(page)
