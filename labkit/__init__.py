@@ -14,15 +14,16 @@ from typing import TYPE_CHECKING
 
 from labkit.checks import MAX_WORLD_SIZE
 from labkit.groups import device, local_rank, rank, world_size
+from labkit.version import VERSION
 
 if TYPE_CHECKING:  # for readers and type checkers; at run time `__getattr__` below imports them on first use
-    from labkit.launch import RankError, RankTimeout, prestart, run, shutdown
+    from labkit.launch import RankError, RankTimeout, attach, attached, prestart, run, shutdown
 
-__all__ = ["MAX_WORLD_SIZE", "RankError", "RankTimeout", "device", "load_ipython_extension", "local_rank", "prestart",
-           "rank", "run", "shutdown", "world_size"]
-__version__ = "0.1.0"
+__all__ = ["MAX_WORLD_SIZE", "RankError", "RankTimeout", "attach", "attached", "device", "load_ipython_extension",
+           "local_rank", "prestart", "rank", "run", "shutdown", "world_size"]
+__version__ = VERSION
 
-_FROM_LAUNCH = ("RankError", "RankTimeout", "prestart", "run", "shutdown")  # served from labkit.launch
+_FROM_LAUNCH = ("RankError", "RankTimeout", "attach", "attached", "prestart", "run", "shutdown")  # from labkit.launch
 
 
 def __getattr__(name: str):

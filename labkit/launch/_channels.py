@@ -48,6 +48,7 @@ class Tag(TextEnum):
     JOB = "job"  # a rank's start report and replies
     STDOUT = "stdout"
     STDERR = "stderr"
+    OUTPUT = "output"  # an attached rank's output, both streams in `OutputChunk` frames (attach.py)
 
 
 @dataclass
@@ -58,8 +59,10 @@ class RankHandle:
     pid: int
     job: Connection
     control: Connection
-    pipes: dict[str, int]  # "stdout"/"stderr" -> the read end of that pipe
+    pipes: dict[str, int]  # "stdout"/"stderr" -> the read end of that pipe (none for an attached rank)
     output: RankOutput
+    output_link: Connection | None = None  # an attached rank's output connection, instead of pipes
+    where: str = ""  # an attached rank's node, "on node-b (10.0.0.3)"; "" for a local rank
     started: Ready | StartFailed | None = None  # its first message (None: not yet)
     replies: dict[int, Reply] = field(default_factory=dict)  # by call id, until the call is concluded
     returning: dict[int, int] = field(default_factory=dict)  # call id -> the nbytes of a big result being sent
@@ -79,11 +82,12 @@ class Channels:
     """Every rank's handle, in rank order (`ranks`), and the one selector that reads what they and the fork
     server send."""
 
-    def __init__(self, server: ForkServer):
-        self.server = server
+    def __init__(self, server: ForkServer | None):
+        self.server = server  # None for attached ranks: torchrun, not labkit, started them
         self.ranks: list[RankHandle] = []
         self._selector = selectors.DefaultSelector()
-        self._selector.register(server.fileno(), selectors.EVENT_READ, (Tag.SERVER, None))
+        if server is not None:
+            self._selector.register(server.fileno(), selectors.EVENT_READ, (Tag.SERVER, None))
 
     def open_rank(self, spec: RankSpec, timeout_seconds: float) -> RankHandle:
         """Have the fork server start rank `spec.rank` with fresh sockets and pipes, and watch them."""
@@ -110,6 +114,17 @@ class Channels:
         self._selector.register(handle.job.fileno(), selectors.EVENT_READ, (Tag.JOB, handle))
         for stream, fd in handle.pipes.items():
             self._selector.register(fd, selectors.EVENT_READ, (Tag(stream), handle))
+        return handle
+
+    def add_attached(self, rank: int, pid: int, job, control, output_link, host: str) -> RankHandle:
+        """Watch an attached rank's three signed connections (attach.py): job, control, and its output; `host`
+        names its node in its output's labels and in errors."""
+        where = f"on {host} ({job.peer.rsplit(':', 1)[0]})"
+        handle = RankHandle(rank, pid, job, control, {}, RankOutput(rank, live=rank == 0, host=host),
+                            output_link=output_link, where=where)
+        self.ranks.append(handle)
+        self._selector.register(job.fileno(), selectors.EVENT_READ, (Tag.JOB, handle))
+        self._selector.register(output_link.fileno(), selectors.EVENT_READ, (Tag.OUTPUT, handle))
         return handle
 
     def send_to_all(self, frame: bytes) -> None:
@@ -143,10 +158,12 @@ class Channels:
                         self._selector.unregister(key.fd)
                 elif tag is Tag.JOB:
                     self.receive(r)
+                elif tag is Tag.OUTPUT:
+                    self._read_output_link(r)
                 else:
                     self._read_pipe(r, tag)
             for r in self.ranks:
-                if not r.gone and r.pid in self.server.exit_status:
+                if not r.gone and self.server is not None and r.pid in self.server.exit_status:
                     self.mark_gone(r)
             release_held([r.output for r in self.ranks])
 
@@ -173,6 +190,19 @@ class Channels:
         r.output.feed(stream.value, data)
         if not data:
             self._selector.unregister(fd)
+
+    def _read_output_link(self, r: RankHandle) -> None:
+        """One `OutputChunk` of an attached rank; at the connection's end (or a frame that fails its check), both
+        of its streams are closed."""
+        try:
+            chunk = protocol.receive(r.output_link)
+        except (EOFError, OSError):
+            self._selector.unregister(r.output_link.fileno())
+            for stream in STREAMS:
+                if not r.output.closed[stream]:
+                    r.output.feed(stream, b"")
+            return
+        r.output.feed(chunk.stream, chunk.data)
 
     def mark_gone(self, r: RankHandle) -> None:
         """Rank `r` will say no more: its job socket closed or its exit was reported."""
@@ -216,4 +246,6 @@ class Channels:
             r.control.close()
             for fd in r.pipes.values():
                 os.close(fd)
+            if r.output_link is not None:
+                r.output_link.close()
         self._selector.close()

@@ -123,7 +123,13 @@ def start_failure(channels: Channels, r: RankHandle, stack: Stack | None, when: 
 
 def death(channels: Channels, r: RankHandle, before: str = "before replying") -> Failure:
     """A dead rank, named with its signal or exit code (`before`: at which point it died) and its last lines of
-    stderr; one that died because the fork server did, named so, with how the server ended."""
+    stderr; one that died because the fork server did, named so, with how the server ended; an attached rank
+    (no fork server: torchrun started it) by the connection it lost and its node."""
+    if channels.server is None:
+        channels.pump(time.monotonic() + DEATH_DETAILS_SECONDS, lambda: all(r.output.closed.values()))
+        return Failure(r.rank, NoReply.DIED, f"lost {before}: its connection to the notebook closed (the process "
+                       f"{r.where} ended or was killed, or its node or network went down; torchrun says why there)",
+                       time=r.gone_at, stderr_tail=list(r.output.stderr_tail))
     channels.server.wait_for_exit([r.pid], DEATH_DETAILS_SECONDS)
     channels.pump(time.monotonic() + DEATH_DETAILS_SECONDS, lambda: all(r.output.closed.values()))
     status = channels.server.exit_status.get(r.pid)

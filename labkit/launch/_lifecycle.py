@@ -257,6 +257,10 @@ class Lifecycle:
 
     # ---- stop -------------------------------------------------------------------------------------
 
+    def release(self) -> None:
+        """The owner is done with this pool (labkit.shutdown): for local ranks, `close`."""
+        self.close()
+
     def close(self) -> None:
         """Stop every rank now and release every file descriptor. Idempotent."""
         if self._closed:

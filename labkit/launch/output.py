@@ -81,8 +81,9 @@ class _PartialLine:
 class RankOutput:
     """The two output pipes of one rank. `live`: shown as they come from the start of every call."""
 
-    def __init__(self, rank: int, live: bool):
+    def __init__(self, rank: int, live: bool, host: str = ""):
         self.rank = rank
+        self.host = host  # an attached rank's node, shown in its label; "" for a local rank
         self.always_live = live
         self.live = live
         self.release_at = float("inf")
@@ -122,9 +123,15 @@ class RankOutput:
         if stream == "stderr":
             self.stderr_tail.append(line)
         if self.live:
-            show_line(stream, self.rank, line)
+            self._show(stream, line)
         else:
             self._held.append((stream, line))
+
+    def _show(self, stream: str, line: str) -> None:
+        if self.host:
+            show_line(stream, self.rank, line, self.host)
+        else:
+            show_line(stream, self.rank, line)
 
     def hold(self, now: float) -> None:
         """A call starts: hold this rank's lines until `now + HOLD_SECONDS` (rank 0's never)."""
@@ -134,7 +141,7 @@ class RankOutput:
     def flush(self) -> None:
         """Show held lines; called at the end of every call, in rank order."""
         for stream, line in self._held:
-            show_line(stream, self.rank, line)
+            self._show(stream, line)
         self._held.clear()
 
 
@@ -156,8 +163,10 @@ def release_held(outputs: list[RankOutput]) -> None:
             output.live = True
 
 
-def show_line(stream: str, rank: int, line: str) -> None:
-    """Show one line of rank `rank`'s `stream` ("stdout" or "stderr") on the same stream here: `[rank N] line`."""
+def show_line(stream: str, rank: int, line: str, host: str = "") -> None:
+    """Show one line of rank `rank`'s `stream` ("stdout" or "stderr") on the same stream here: `[rank N] line`, or
+    `[rank N @ node-b] line` for a rank attached from another machine."""
     target = sys.stdout if stream == "stdout" else sys.stderr
-    target.write(f"[rank {rank}] {line}\n")
+    label = f"rank {rank} @ {host}" if host else f"rank {rank}"
+    target.write(f"[{label}] {line}\n")
     target.flush()

@@ -49,6 +49,7 @@ SHUTDOWN_WAIT_SECONDS = 60.0  # how long labkit.shutdown() waits for a call of a
 EXIT_WAIT_SECONDS = 5.0  # at exit, how long to wait for such a call before stopping the ranks anyway
 
 PoolKey = tuple[int, str, str | None]  # (world size, backend, whose: None for the student's own pools)
+ATTACHED = "attached"  # the backend field of the key of the pool of attached ranks (labkit.attach)
 _whose: contextvars.ContextVar[str | None] = contextvars.ContextVar("labkit_pools_whose", default=None)
 
 
@@ -71,6 +72,7 @@ class Owner:
         self._gpu_count: int | None = None
         self._pools_started = 0
         self._turn = Turn()
+        self._attachment = None  # _attached.Attachment: ranks torchrun started, for one world size
 
     @property
     def turn(self) -> Turn:
@@ -94,6 +96,9 @@ class Owner:
     def pool_key(self, world_size: int, backend: str) -> PoolKey:
         """The key of a healthy pool for `world_size` ranks on `backend`, for whoever asks (`pools_apart`),
         started if need be."""
+        attachment = self._attachment
+        if attachment is not None and world_size == attachment.world_size and _whose.get() is None:
+            return self._attached_key(backend)
         choice = choose_backend(backend, world_size, self.gpu_count())
         key = (world_size, choice.backend, _whose.get())
         pool = self._pools.get(key)
@@ -108,6 +113,50 @@ class Owner:
         self._serials[key] = self._pools_started
         return key
 
+    def adopt(self, attachment) -> None:
+        """Serve the student's calls on `attachment.world_size` ranks with its pool of attached ranks, from now on;
+        a previous attachment is ended. The caller holds the turn."""
+        self.detach()
+        self._attachment = attachment
+        key = (attachment.world_size, ATTACHED, None)
+        if key in self._pools:
+            self._retire(key, "labkit.attach() replaced it")
+        self._pools_started += 1
+        self._pools[key] = attachment.pool
+        self._serials[key] = self._pools_started
+
+    def _attached_key(self, backend: str) -> PoolKey:
+        """The key of the healthy pool of attached ranks; after torchrun restarted them, the pool they form again."""
+        attachment = self._attachment
+        if backend not in ("auto", attachment.pool._choice.backend):
+            raise ValueError(f"backend={backend!r}: the {attachment.world_size} attached ranks run "
+                             f"{attachment.pool._choice.backend} (labkit.attach chose it); leave backend='auto'.")
+        key = (attachment.world_size, ATTACHED, None)
+        pool = self._pools.get(key)
+        if pool is not None and pool.healthy():
+            return key
+        if pool is not None:
+            self._retire(key, pool.why_unhealthy())
+        self._pools_started += 1
+        self._pools[key] = attachment.next_pool(START_TIMEOUT_SECONDS, PG_TIMEOUT_SECONDS)
+        self._serials[key] = self._pools_started
+        return key
+
+    def detach(self) -> None:
+        """End the attached ranks (they exit 0, and torchrun ends) and stop listening. The caller holds the turn."""
+        if self._attachment is None:
+            return
+        key = (self._attachment.world_size, ATTACHED, None)
+        if key in self._pools:
+            self._retire(key, "labkit.shutdown() ended the attached ranks", release=True)
+        self._attachment.close()
+        self._attachment = None
+
+    @property
+    def attachment(self):
+        """The attached ranks' `Attachment` (labkit.attach), None if none."""
+        return self._attachment
+
     def _start_pool(self, world_size: int, choice: BackendChoice) -> Pool:
         if self._server is None or not self._server.alive or self._server.process.poll() is not None:
             if self._server is not None:
@@ -119,9 +168,11 @@ class Owner:
         store_path = os.path.join(self._store_dir, secrets.token_hex(16))
         return Pool(world_size, choice, self._server, store_path, PG_TIMEOUT_SECONDS, START_TIMEOUT_SECONDS)
 
-    def _retire(self, key: PoolKey, reason: str) -> None:
-        """Stop the pool kept for `key` and remember why."""
-        self._pools.pop(key).close()
+    def _retire(self, key: PoolKey, reason: str, release: bool = False) -> None:
+        """Stop the pool kept for `key` and remember why; `release`: the owner is done with it (attached ranks then
+        exit 0 rather than ask torchrun for a restart)."""
+        pool = self._pools.pop(key)
+        pool.release() if release else pool.close()
         self._ended[self._serials.pop(key)] = reason
 
     def _make_room(self, world_size: int, whose: str | None) -> None:
@@ -135,7 +186,7 @@ class Owner:
             self._retire(key, self._pools[key].why_unhealthy())
         apart = whose is not None
         limit, ranks = (MAX_APART_RANKS, "graders' ranks") if apart else (MAX_LIVE_RANKS, "ranks")
-        same = [k for k in self._pools if (k[2] is not None) == apart]  # least recently used first
+        same = [k for k in self._pools if k[1] != ATTACHED and (k[2] is not None) == apart]  # least recently used
         while same and sum(self._pools[k].world_size for k in same) + world_size > limit:
             self._retire(same.pop(0), f"it was stopped to make room for {world_size} ranks: labkit keeps at most "
                                       f"{limit} {ranks} running")
@@ -190,6 +241,8 @@ class Owner:
         """Stop the pools of `world_size` ranks (any backend) of whoever asks (`pools_apart`), now; other pools
         and the fork server stay. The caller holds the turn."""
         whose = _whose.get()
+        if whose is None and self._attachment is not None and self._attachment.world_size == world_size:
+            self.detach()
         for key in [k for k in self._pools if k[0] == world_size and k[2] == whose]:
             self._retire(key, f"labkit.shutdown(world_size={world_size}) stopped it")
 
@@ -199,7 +252,9 @@ class Owner:
             self._retire(key, f"the pools apart for {whose} were discarded")
 
     def shutdown(self) -> None:
-        """Stop every pool and the fork server, and remove the store directory. The caller holds the turn."""
+        """Stop every pool and the fork server, end the attached ranks, and remove the store directory. The caller
+        holds the turn."""
+        self.detach()
         for key in list(self._pools):
             self._retire(key, "labkit.shutdown() stopped it")
         if self._server is not None:
@@ -226,6 +281,8 @@ class Owner:
         if self._server is not None:
             self._server.close()
             self._server = None
+        if self._attachment is not None:  # its ranks exit when their connections close with this process
+            self._attachment.listener.close()
         self._pools.clear()
         if self._store_dir is not None:
             shutil.rmtree(self._store_dir, ignore_errors=True)

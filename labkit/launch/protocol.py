@@ -11,8 +11,11 @@ fork server -> owner           `Forked` (answers `ForkRank`), `Exited` (whenever
 owner -> rank, job socket      `Call`
 rank -> owner, job socket      `Ready` or `StartFailed` once, then one `Reply` per `Call` (a big result's
                                `Returning` before it)
-owner -> rank, control socket  `StackRequest`, `Interrupt`
+owner -> rank, control socket  `StackRequest`, `Interrupt`, `Leave` (attached ranks only)
 rank -> owner, control socket  `Stack` (the answer to `StackRequest`)
+attached rank -> owner         `Hello` first on each of its three connections (attach.py), then as above;
+                               `OutputChunk`s on the third, its output
+owner -> attached rank, job    `Welcome` or `Refused`, before any `Call`
 =============================  ===================================================================
 
 A rank is started from a `RankSpec`. Errors travel as plain data (`ExceptionDescription`, made of
@@ -35,8 +38,9 @@ from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 __all__ = ["Call", "Chained", "ExceptionDescription", "ExceptionLink", "Exited", "ForkRank", "Forked",
-           "Frame", "GroupCollectives", "Interrupt", "Outcome", "RankSpec", "Ready", "Reply", "Returning",
-           "SignalRanks", "Stack", "StackRequest", "StartFailed", "TextEnum", "encode", "receive", "send"]
+           "Frame", "GroupCollectives", "Hello", "Interrupt", "Leave", "Outcome", "OutputChunk", "RankSpec", "Ready",
+           "Refused", "Reply", "Returning", "Role", "SignalRanks", "Stack", "StackRequest", "StartFailed", "TextEnum",
+           "Welcome", "encode", "receive", "send"]
 
 
 class TextEnum(str, Enum):
@@ -207,6 +211,63 @@ class Stack(NamedTuple):
     sending_result_nbytes: int | None = None
     synchronizing: bool = False
     collectives: tuple[GroupCollectives, ...] | None = None
+
+
+# ---- attached ranks (attach.py, labkit.agent): ranks that torchrun started, on any machine ----------------
+
+class Role(TextEnum):
+    """Which of an attached rank's three connections to the notebook this is."""
+
+    JOB = "job"  # Welcome, Call in; Ready, Reply out: the local ranks' job socket
+    CONTROL = "control"  # StackRequest, Interrupt, Leave in; Stack out: the local ranks' control socket
+    OUTPUT = "output"  # OutputChunk out: what the local ranks' two pipes carry
+
+
+class Hello(NamedTuple):
+    """The first frame on each connection of an attached rank: who it is, where, and with what software."""
+
+    role: Role
+    agent_id: str  # random, the same on the rank's three connections
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int  # torchrun's GROUP_RANK
+    host: str  # socket.gethostname() on the node
+    pid: int
+    restart_count: int  # torchrun's TORCHELASTIC_RESTART_COUNT: how often it has restarted the workers
+    gpu_count: int  # usable CUDA GPUs on the node (backend.usable_gpu_count)
+    labkit_version: str
+    torch_version: str
+    python_version: str
+
+
+class Welcome(NamedTuple):
+    """The notebook takes the rank: join the default group on `backend` ("gloo" or "nccl"), with `threads` threads."""
+
+    backend: str
+    pg_timeout_seconds: float
+    threads: int  # torch.set_num_threads; 0: the node's cores shared out among its ranks (the notebook cannot see them)
+
+
+class Refused(NamedTuple):
+    """The notebook does not take the rank (another version, another world size); the agent exits saying why."""
+
+    reason: str
+
+
+class Leave(NamedTuple):
+    """End the process now with `exit_code`: 0 when the notebook is done with the ranks (torchrun then ends), 1 when
+    their pool is given up after a failure (torchrun restarts them if --max-restarts allows)."""
+
+    exit_code: int
+
+
+class OutputChunk(NamedTuple):
+    """Bytes the attached rank wrote on `stream` ("stdout" or "stderr"); b"" once that stream has closed."""
+
+    stream: str
+    data: bytes
 
 
 # ---- errors as data ----------------------------------------------------------------------------------

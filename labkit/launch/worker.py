@@ -49,6 +49,7 @@ from labkit.launch.protocol import (
     Call,
     ExceptionDescription,
     Interrupt,
+    Leave,
     Outcome,
     RankSpec,
     Ready,
@@ -58,7 +59,8 @@ from labkit.launch.protocol import (
     StartFailed,
 )
 
-__all__ = ["GROUP_TIMEOUT_MARGIN_SECONDS", "health_probe", "main", "sequence_numbers", "spawned_main"]
+__all__ = ["GROUP_TIMEOUT_MARGIN_SECONDS", "health_probe", "main", "prepare_process", "sequence_numbers", "serve",
+           "spawned_main"]
 
 GROUP_TIMEOUT_MARGIN_SECONDS = 15.0
 RESULT_NOTE_MIN_NBYTES = 1 << 20  # a result this big is announced (protocol.Returning) before it is pickled
@@ -72,12 +74,22 @@ _output_fds: dict[int, int] = {}  # 1 and 2 -> a duplicate of the pipe the owner
 def main(spec: RankSpec, job_fd: int, control_fd: int) -> None:
     """Run rank `spec.rank` until the owner closes the job socket; never returns."""
     job, control = Connection(job_fd), Connection(control_fd)
-    _prepare_process(spec)
+    os.environ.update(spec.env)
+    os.chdir(spec.cwd)
+    sys.path[:] = spec.sys_path
+    prepare_process(spec.threads)
+    serve(job, control, lambda: _init_process_group(spec))
+
+
+def serve(job, control, join_group) -> None:
+    """Join the group with `join_group()`, say `Ready` (or `StartFailed`) on `job`, then answer calls until the owner
+    goes; never returns. `job` and `control` are Connections: socketpairs for a forked rank, signed TCP connections
+    for an attached one (labkit.agent); fds 1 and 2 are already the pipes the owner's side reads."""
     _output_fds.update({fd: os.dup(fd) for fd in (1, 2)})
     main_thread = threading.main_thread().ident
     threading.Thread(target=_serve_control, args=(control, main_thread), daemon=True).start()
     try:
-        _init_process_group(spec)
+        join_group()
     except BaseException as exc:  # noqa: BLE001 - reported to the owner, which raises it
         protocol.send(job, StartFailed(describe_exception(exc)))
         os._exit(1)
@@ -85,16 +97,14 @@ def main(spec: RankSpec, job_fd: int, control_fd: int) -> None:
     _serve_calls(job)
 
 
-def _prepare_process(spec: RankSpec) -> None:
-    os.environ.update(spec.env)
-    os.chdir(spec.cwd)
-    sys.path[:] = spec.sys_path
+def prepare_process(threads: int) -> None:
+    """What every rank sets before it joins a group: the interrupt handler, line-buffered streams, its threads."""
     signal.signal(signal.SIGINT, _on_interrupt)  # only the owner's control message raises: see _run
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)
     import torch
 
-    torch.set_num_threads(spec.threads)
+    torch.set_num_threads(threads)
 
 
 def _init_process_group(spec: RankSpec) -> None:
@@ -121,6 +131,8 @@ def _serve_control(control: Connection, main_thread: int) -> None:
             protocol.send(control, stack._replace(collectives=recorded_collectives()))
         elif isinstance(request, Interrupt):
             _interrupt(request.call_id, main_thread)
+        elif isinstance(request, Leave):  # an attached rank's pool is done (protocol.Leave says which way)
+            os._exit(request.exit_code)
 
 
 def _interrupt(call_id: int, main_thread: int) -> None:

@@ -1,0 +1,153 @@
+"""The rank side of `python -m labkit.agent --connect HOST:PORT`: a rank that torchrun started, attached to a notebook.
+
+torchrun (torch elastic) starts the ranks on every node, does their rendezvous and restarts them; this module only
+connects each one to the notebook that called `labkit.attach` (labkit/launch/attach.py) and then serves that
+notebook's calls exactly as a local rank does (labkit.launch.worker.serve): a Call in, a Reply out, stacks and
+interrupts on a second connection, its output on a third. `python -m labkit.agent` (labkit/agent.py) runs `main`.
+
+In order: read torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, ...); die with torchrun (a parent-death
+SIGKILL, so that a torchrun killed from outside leaves no rank behind); read the session's secret (attach.py says
+where) and open three signed connections (labkit.launch._signed), each starting with a `Hello`; send fds 1 and 2 to
+the notebook; wait for `Welcome` (or `Refused`: another version, another world size); join the default group from
+torchrun's environment (env://, MASTER_ADDR and MASTER_PORT) on the backend the notebook chose; serve calls. When
+the notebook goes (its kernel ends, restarts, or calls labkit.shutdown()) the connections close and the rank exits
+0, so torchrun ends too; when the notebook gives up the ranks after a failure it asks for exit code 1, and torchrun
+restarts them if `--max-restarts` allows, and they attach again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import secrets
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+
+__all__ = ["CONNECT_SECONDS", "main"]
+
+CONNECT_SECONDS = 30.0  # how long to retry a notebook that does not listen yet (or no more: then give up)
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse(argv)
+    missing = [name for name in _REQUIRED_ENV if name not in os.environ]
+    if missing:
+        sys.exit(f"labkit.agent: {', '.join(missing)} not set: start it with torchrun, as labkit.attach() prints "
+                 "(torchrun ... -m labkit.agent --connect HOST:PORT).")
+    from labkit.launch import forkserver
+
+    forkserver.set_parent_death_signal(signal.SIGKILL)  # torchrun killed: no rank stays behind
+    if os.getppid() == 1:
+        os._exit(0)  # torchrun ended before the signal was armed
+    from labkit.launch import _listener, protocol
+
+    host, port = _listener.parse_address(args.connect)
+    secret = _listener.read_secret(host, port)
+    links = _connect(host, port, secret, _hello_fields())
+    job, control, output = (links[role] for role in protocol.Role)
+    terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the node's own stderr, for the refusal below
+    _forward_output(output)
+    welcome = protocol.receive(job)
+    if isinstance(welcome, protocol.Refused):
+        terminal.write(f"labkit.agent (rank {os.environ['RANK']}): the notebook refused this rank: {welcome.reason}\n")
+        os._exit(3)
+    _serve(welcome, job, control)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m labkit.agent", description=__doc__.splitlines()[0])
+    parser.add_argument("--connect", required=True, metavar="HOST:PORT",
+                        help="the address labkit.attach() printed in the notebook")
+    return parser.parse_args(argv)
+
+
+def _hello_fields() -> dict:
+    """Everything a `Hello` says but its role and agent id."""
+    import torch
+
+    from labkit.launch.backend import usable_gpu_count
+    from labkit.version import VERSION
+
+    env = os.environ
+    return dict(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env["LOCAL_RANK"]),
+                local_world_size=int(env["LOCAL_WORLD_SIZE"]), node_rank=int(env.get("GROUP_RANK", 0)),
+                host=socket.gethostname(), pid=os.getpid(),
+                restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", 0)), gpu_count=usable_gpu_count(),
+                labkit_version=VERSION, torch_version=torch.__version__,
+                python_version=platform.python_version())
+
+
+def _connect(host: str, port: int, secret: bytes, fields: dict) -> dict:
+    """The three signed connections, each opened with its `Hello`; retried for CONNECT_SECONDS while refused."""
+    from labkit.launch import protocol
+    from labkit.launch._signed import connect_signed
+
+    agent_id = secrets.token_hex(8)
+    deadline = time.monotonic() + CONNECT_SECONDS
+    links = {}
+    for role in protocol.Role:
+        hello = protocol.encode(protocol.Hello(role=role, agent_id=agent_id, **fields))
+        while True:
+            try:
+                links[role] = connect_signed((host, port), secret, hello)
+                break
+            except (TimeoutError, ConnectionRefusedError) as exc:
+                if time.monotonic() > deadline:
+                    sys.exit(f"labkit.agent: no notebook listens at {host}:{port} ({exc}); run labkit.attach() "
+                             "there first, and use the command it prints.")
+                time.sleep(0.5)
+    return links
+
+
+def _forward_output(output) -> None:
+    """Point fds 1 and 2 at pipes whose bytes a thread sends to the notebook as `OutputChunk`s (the local ranks'
+    output goes through pipes the owner reads; these cross the network instead)."""
+    from labkit.launch import protocol
+
+    ends = {}
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        read_end, write_end = os.pipe()
+        os.dup2(write_end, fd)
+        os.close(write_end)
+        ends[read_end] = stream
+
+    def pump() -> None:
+        while ends:
+            readable, _, _ = select.select(list(ends), [], [])
+            for fd in readable:
+                data = os.read(fd, 1 << 16)
+                try:
+                    protocol.send(output, protocol.OutputChunk(ends[fd], data))
+                except OSError:
+                    os._exit(0)  # the notebook is gone
+                if not data:
+                    del ends[fd]
+
+    threading.Thread(target=pump, name="labkit-output", daemon=True).start()
+
+
+def _serve(welcome, job, control) -> None:
+    """Join the default group from torchrun's environment on the notebook's backend, then serve its calls."""
+    from labkit.launch import worker
+    from labkit.launch.backend import init_process_group
+
+    os.environ["LABKIT_RANK_PROCESS"] = "1"
+    if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
+        from labkit.launch.inflight import BUFFER_SIZE
+
+        os.environ["TORCH_FR_BUFFER_SIZE"] = str(BUFFER_SIZE)  # the hang report's Flight Recorder, as local ranks
+    from labkit.launch.backend import threads_per_rank
+
+    worker.prepare_process(welcome.threads or threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
+    timeout = datetime.timedelta(seconds=welcome.pg_timeout_seconds)
+    local_rank = int(os.environ["LOCAL_RANK"])
+    worker.serve(job, control, lambda: init_process_group(welcome.backend, local_rank=local_rank,
+                                                          init_method="env://", timeout=timeout))
+
