@@ -52,7 +52,8 @@ class AttachedPool(Lifecycle):
         """Tell every rank to join its group (`Welcome`), and wait until all say `Ready`."""
         deadline = time.monotonic() + budget_seconds
         try:
-            self._channels.send_to_all(protocol.encode(Welcome(self._choice.backend, self._pg_timeout_seconds, 0)))
+            welcome = Welcome(self._choice.backend, self._pg_timeout_seconds, 0, f"labkit/{secrets.token_hex(8)}")
+            self._channels.send_to_all(protocol.encode(welcome))
             self._wait_until_ready(deadline, budget_seconds)
         except BaseException:
             self.close()

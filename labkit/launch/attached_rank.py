@@ -136,7 +136,6 @@ def _forward_output(output) -> None:
 def _serve(welcome, job, control) -> None:
     """Join the default group from torchrun's environment on the notebook's backend, then serve its calls."""
     from labkit.launch import worker
-    from labkit.launch.backend import init_process_group
 
     os.environ["LABKIT_RANK_PROCESS"] = "1"
     if not {"TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"} & set(os.environ):
@@ -146,8 +145,28 @@ def _serve(welcome, job, control) -> None:
     from labkit.launch.backend import threads_per_rank
 
     worker.prepare_process(welcome.threads or threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
+    worker.serve(job, control, lambda: _join_group(welcome))
+
+
+def _join_group(welcome) -> None:
+    """The default group, met in torchrun's store under the pool's own `store_prefix`.
+
+    Not init_method="env://": under torchrun that prefixes the keys with TORCHELASTIC_RESTART_COUNT, which counts
+    one node's restarts only (a node restarted because another failed keeps its count), so after a restart the
+    nodes could meet under different prefixes and read the previous pool's addresses (gloo: "Connection refused").
+    The notebook gives every pool a fresh prefix instead. The store is the one torchrun's agent hosts
+    (TORCHELASTIC_USE_AGENT_STORE, torch.distributed.elastic's docs); without it rank 0 hosts it, as env:// does."""
+    import torch.distributed as dist
+
+    from labkit.launch.backend import init_process_group
+
+    env = os.environ
     timeout = datetime.timedelta(seconds=welcome.pg_timeout_seconds)
-    local_rank = int(os.environ["LOCAL_RANK"])
-    worker.serve(job, control, lambda: init_process_group(welcome.backend, local_rank=local_rank,
-                                                          init_method="env://", timeout=timeout))
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    hosts_store = env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and rank == 0
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world_size, is_master=hosts_store,
+                          timeout=timeout, wait_for_workers=False)
+    init_process_group(welcome.backend, local_rank=int(env["LOCAL_RANK"]),
+                       store=dist.PrefixStore(welcome.store_prefix, store), rank=rank, world_size=world_size,
+                       timeout=timeout)
 

@@ -248,6 +248,7 @@ class Welcome(NamedTuple):
     backend: str
     pg_timeout_seconds: float
     threads: int  # torch.set_num_threads; 0: the node's cores shared out among its ranks (the notebook cannot see them)
+    store_prefix: str  # the keys of this pool's rendezvous in torchrun's store: fresh for each pool (attached_rank.py)
 
 
 class Refused(NamedTuple):
