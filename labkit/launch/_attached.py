@@ -80,7 +80,7 @@ class AttachedPool(Lifecycle):
         """Open, and no rank has lost its connection (read without waiting)."""
         if self._closed:
             return False
-        self._channels.pump(time.monotonic() + 0.001, lambda: False)
+        self._channels.read_waiting()
         return not any(r.gone for r in self._channels.ranks)
 
     def why_unhealthy(self) -> str:

@@ -150,22 +150,30 @@ class Channels:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
-            for key, _ in self._selector.select(min(remaining, 0.5)):
-                tag, r = key.data
-                if tag is Tag.SERVER:
-                    self.server.read_reports()
-                    if not self.server.alive:  # its socket would stay readable at end of file
-                        self._selector.unregister(key.fd)
-                elif tag is Tag.JOB:
-                    self.receive(r)
-                elif tag is Tag.OUTPUT:
-                    self._read_output_link(r)
-                else:
-                    self._read_pipe(r, tag)
-            for r in self.ranks:
-                if not r.gone and self.server is not None and r.pid in self.server.exit_status:
-                    self.mark_gone(r)
-            release_held([r.output for r in self.ranks])
+            self._read_once(min(remaining, 0.5))
+
+    def read_waiting(self) -> None:
+        """Read what has already come (an attached rank's lost connection, say), without waiting."""
+        self._read_once(0.0)
+
+    def _read_once(self, timeout_seconds: float) -> None:
+        """One pass: wait at most `timeout_seconds` for something to read, and read all that is ready."""
+        for key, _ in self._selector.select(timeout_seconds):
+            tag, r = key.data
+            if tag is Tag.SERVER:
+                self.server.read_reports()
+                if not self.server.alive:  # its socket would stay readable at end of file
+                    self._selector.unregister(key.fd)
+            elif tag is Tag.JOB:
+                self.receive(r)
+            elif tag is Tag.OUTPUT:
+                self._read_output_link(r)
+            else:
+                self._read_pipe(r, tag)
+        for r in self.ranks:
+            if not r.gone and self.server is not None and r.pid in self.server.exit_status:
+                self.mark_gone(r)
+        release_held([r.output for r in self.ranks])
 
     def receive(self, r: RankHandle) -> None:
         """Take one message from rank `r`'s job socket: its start report, or a reply."""

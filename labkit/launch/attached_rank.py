@@ -53,12 +53,12 @@ def main(argv: list[str] | None = None) -> None:
     links = _connect(host, port, secret, _hello_fields())
     job, control, output = (links[role] for role in protocol.Role)
     terminal = os.fdopen(os.dup(2), "w", buffering=1)  # the node's own stderr, for the refusal below
-    _forward_output(output)
+    forwarder = _Forwarder(output)
     welcome = protocol.receive(job)
     if isinstance(welcome, protocol.Refused):
         terminal.write(f"labkit.agent (rank {os.environ['RANK']}): the notebook refused this rank: {welcome.reason}\n")
         os._exit(3)
-    _serve(welcome, job, control)
+    _serve(welcome, job, control, forwarder)
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -106,34 +106,60 @@ def _connect(host: str, port: int, secret: bytes, fields: dict) -> dict:
     return links
 
 
-def _forward_output(output) -> None:
-    """Point fds 1 and 2 at pipes whose bytes a thread sends to the notebook as `OutputChunk`s (the local ranks'
-    output goes through pipes the owner reads; these cross the network instead)."""
-    from labkit.launch import protocol
+class _Forwarder:
+    """Fds 1 and 2 point at pipes whose bytes go to the notebook as `OutputChunk`s: a thread sends them as they
+    come, so that a long call's prints show live (local ranks' pipes are read by the owner itself; these must cross
+    the network). At the end of a call the main thread drains the pipes itself and sends the end-of-call markers
+    after what it drained, holding the same lock as the thread: the marker can never overtake the call's output, and
+    a call's end costs no wake-up of the thread."""
 
-    ends = {}
-    for fd, stream in ((1, "stdout"), (2, "stderr")):
-        read_end, write_end = os.pipe()
-        os.dup2(write_end, fd)
-        os.close(write_end)
-        ends[read_end] = stream
+    def __init__(self, output):
+        self._output = output
+        self._lock = threading.Lock()
+        self._ends: dict[int, str] = {}
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            read_end, write_end = os.pipe()
+            os.dup2(write_end, fd)
+            os.close(write_end)
+            os.set_blocking(read_end, False)
+            self._ends[read_end] = stream
+        threading.Thread(target=self._pump, name="labkit-output", daemon=True).start()
 
-    def pump() -> None:
-        while ends:
-            readable, _, _ = select.select(list(ends), [], [])
-            for fd in readable:
+    def _pump(self) -> None:
+        while True:
+            readable, _, _ = select.select(list(self._ends), [], [])
+            with self._lock:
+                for fd in readable:
+                    self._send_available(fd)
+
+    def _send_available(self, fd: int) -> None:
+        """Send what pipe `fd` holds now, without waiting; the caller holds the lock."""
+        from labkit.launch import protocol
+
+        while True:
+            try:
                 data = os.read(fd, 1 << 16)
-                try:
-                    protocol.send(output, protocol.OutputChunk(ends[fd], data))
-                except OSError:
-                    os._exit(0)  # the notebook is gone
-                if not data:
-                    del ends[fd]
+            except BlockingIOError:
+                return
+            try:
+                protocol.send(self._output, protocol.OutputChunk(self._ends[fd], data))
+            except OSError:
+                os._exit(0)  # the notebook is gone
+            if not data:  # the write end closed: nothing more will come (fds 1 and 2 stay open while we live)
+                return
 
-    threading.Thread(target=pump, name="labkit-output", daemon=True).start()
+    def mark_end_of_call(self, call_id: int) -> None:
+        from labkit.launch import protocol
+        from labkit.launch.output import end_of_call_marker
+
+        with self._lock:
+            for fd in self._ends:
+                self._send_available(fd)
+            for stream in self._ends.values():
+                protocol.send(self._output, protocol.OutputChunk(stream, end_of_call_marker(call_id)))
 
 
-def _serve(welcome, job, control) -> None:
+def _serve(welcome, job, control, forwarder: _Forwarder) -> None:
     """Join the default group from torchrun's environment on the notebook's backend, then serve its calls."""
     from labkit.launch import worker
 
@@ -145,7 +171,7 @@ def _serve(welcome, job, control) -> None:
     from labkit.launch.backend import threads_per_rank
 
     worker.prepare_process(welcome.threads or threads_per_rank(int(os.environ["LOCAL_WORLD_SIZE"])))
-    worker.serve(job, control, lambda: _join_group(welcome))
+    worker.serve(job, control, lambda: _join_group(welcome), forwarder.mark_end_of_call)
 
 
 def _join_group(welcome) -> None:

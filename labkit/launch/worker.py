@@ -81,10 +81,17 @@ def main(spec: RankSpec, job_fd: int, control_fd: int) -> None:
     serve(job, control, lambda: _init_process_group(spec))
 
 
-def serve(job, control, join_group) -> None:
+def _mark_end_of_call(call_id: int) -> None:
+    os.write(1, end_of_call_marker(call_id))
+    os.write(2, end_of_call_marker(call_id))
+
+
+def serve(job, control, join_group, mark_end_of_call=_mark_end_of_call) -> None:
     """Join the group with `join_group()`, say `Ready` (or `StartFailed`) on `job`, then answer calls until the owner
     goes; never returns. `job` and `control` are Connections: socketpairs for a forked rank, signed TCP connections
-    for an attached one (labkit.agent); fds 1 and 2 are already the pipes the owner's side reads."""
+    for an attached one (labkit.agent); fds 1 and 2 are already the pipes the owner's side reads.
+    `mark_end_of_call(call_id)` puts the end-of-call marker after the call's output: on fds 1 and 2, or where an
+    attached rank's output goes."""
     _output_fds.update({fd: os.dup(fd) for fd in (1, 2)})
     main_thread = threading.main_thread().ident
     threading.Thread(target=_serve_control, args=(control, main_thread), daemon=True).start()
@@ -94,7 +101,7 @@ def serve(job, control, join_group) -> None:
         protocol.send(job, StartFailed(describe_exception(exc)))
         os._exit(1)
     protocol.send(job, Ready())
-    _serve_calls(job)
+    _serve_calls(job, mark_end_of_call)
 
 
 def prepare_process(threads: int) -> None:
@@ -158,7 +165,7 @@ def _take_interrupt(call_id: int) -> bool:
     return True
 
 
-def _serve_calls(job: Connection) -> None:
+def _serve_calls(job: Connection, mark_end_of_call) -> None:
     """Answer each Call with a Reply, forever. The reply says whether the call destroyed the default
     process group (dist.destroy_process_group()): then no group is up any more."""
     while True:
@@ -170,8 +177,7 @@ def _serve_calls(job: Connection) -> None:
         outcome, body = _run(call, job)
         steps = _steps_since(before)
         _restore_output()
-        os.write(1, end_of_call_marker(call.call_id))
-        os.write(2, end_of_call_marker(call.call_id))
+        mark_end_of_call(call.call_id)
         protocol.send(job, Reply(call.call_id, outcome, body, time.time(), steps, not group_is_up()))
 
 

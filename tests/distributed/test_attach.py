@@ -16,7 +16,7 @@ import textwrap
 import time
 
 import pytest
-from IPython.testing.globalipapp import start_ipython
+from IPython.testing import globalipapp
 
 import labkit
 from labkit.launch import owner
@@ -134,7 +134,7 @@ def test_a_hang_reports_every_ranks_stack_from_every_node(cluster):
 
 @pytest.fixture
 def ipython():
-    shell = start_ipython()
+    shell = globalipapp.start_ipython() or globalipapp.get_ipython()  # the one shell, whoever started it
     shell.run_cell("%load_ext labkit")
     return shell
 

@@ -8,14 +8,14 @@ import threading
 import time
 
 import pytest
-from IPython.testing.globalipapp import start_ipython
+from IPython.testing import globalipapp
 
 import labkit
 
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = start_ipython()
+    shell = globalipapp.start_ipython() or globalipapp.get_ipython()  # the one shell, whoever started it
     shell.run_cell("%load_ext labkit")
     return shell
 
