@@ -2,9 +2,11 @@
 
 As root (CI runs as root), each node is a network namespace of its own (network_namespaces(7)) and a UTS namespace
 with its own host name, node-a and node-b, joined to the notebook's namespace through a Linux bridge (`ip link add
-... type bridge`, veth pairs): ranks reach each other and the notebook over a non-loopback interface, `eth0`, as on a
-cluster, and gloo is told that interface (GLOO_SOCKET_IFNAME), the classic multi-node setting. Each namespace's veth
-has byte counters of its own (/sys/class/net/<veth>/statistics), which tests read as what crossed between nodes.
+... type bridge`, veth pairs, `eth0` in each node). The nodes also share a link of their own, `eth1` (one veth pair
+between node-a and node-b, as a cluster's inter-node fabric), which the ranks use among themselves: torchrun's
+rendezvous and gloo (GLOO_SOCKET_IFNAME=eth1, the classic multi-node setting) go over it, the notebook's control
+connections over eth0. So the kernel's byte counters of eth1 (`inter_node_nbytes`) are the bytes that crossed
+between the nodes, and nothing else.
 Without root, both nodes share loopback and the tests say so (`Nodes.network`).
 
 Everything made here is removed by `close()`: the torchrun process groups (killed), the namespaces, the bridge.
@@ -13,6 +15,7 @@ Everything made here is removed by `close()`: the torchrun process groups (kille
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -72,12 +75,15 @@ class Nodes:
             self.notebook_host, self.addresses = "127.0.0.1", ["127.0.0.1"] * self.count
             return
         self.notebook_host = f"{subnet}.1"
-        self.addresses = [f"{subnet}.{2 + i}" for i in range(self.count)]
+        self.addresses = [f"{subnet}.{2 + i}" for i in range(self.count)]  # on eth0, where the notebook is
+        self.fabric = [f"{subnet}.{130 + i}" for i in range(self.count)]  # on eth1, between the nodes
         try:
             _ip("link", "add", self._bridge, "type", "bridge")
             _ip("addr", "add", f"{self.notebook_host}/24", "dev", self._bridge)
             _ip("link", "set", self._bridge, "up")
-            names = zip(self.addresses, self.hosts, strict=True)
+            # a node's name is its address on the nodes' own link (torchrun's c10d rendezvous hosts its store on the
+            # node whose name resolves to the endpoint's address)
+            names = zip(self.fabric if self.count == 2 else self.addresses, self.hosts, strict=True)
             hosts = "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in names)
             for name, veth, address in zip(self._names, self.veths, self.addresses, strict=True):
                 # `ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts (ip-netns(8)): each node resolves
@@ -91,6 +97,14 @@ class Nodes:
                 _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
                 _ip("-n", name, "link", "set", "eth0", "up")
                 _ip("-n", name, "link", "set", "lo", "up")
+            if self.count == 2:
+                _ip("link", "add", "eth1", "netns", self._names[0], "type", "veth", "peer", "name", "eth1", "netns",
+                    self._names[1])
+                for name, address in zip(self._names, self.fabric, strict=True):
+                    _ip("-n", name, "addr", "add", f"{address}/32", "dev", "eth1")
+                    _ip("-n", name, "link", "set", "eth1", "up")
+                for name, other in zip(self._names, reversed(self.fabric), strict=True):
+                    _ip("-n", name, "route", "add", other, "dev", "eth1")
         except BaseException:
             self.close()
             raise
@@ -102,13 +116,13 @@ class Nodes:
         for i in range(self.count):
             args = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(self.count), "--node-rank", str(i),
                     "--nproc-per-node", str(ranks_per_node), "--max-restarts", str(max_restarts),
-                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.addresses[0]}:{rdzv_port}",
-                    "--rdzv-id", f"labkit-test-{os.getpid()}", "--local-addr", self.addresses[i],
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{self.fabric_addresses[0]}:{rdzv_port}",
+                    "--rdzv-id", f"labkit-test-{os.getpid()}", "--local-addr", self.fabric_addresses[i],
                     "-m", "labkit.agent", "--connect", connect]
             node_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                         "OMP_NUM_THREADS": "1", **(env or {})}
             if self.network == NAMESPACES:
-                node_env["GLOO_SOCKET_IFNAME"] = "eth0"
+                node_env["GLOO_SOCKET_IFNAME"] = "eth1" if self.count == 2 else "eth0"
                 args = ["ip", "netns", "exec", self._names[i], "unshare", "--uts", "sh", "-c",
                         f'hostname {self.hosts[i]} && exec "$@"', "sh", *args]
             else:
@@ -117,12 +131,19 @@ class Nodes:
             self.launches.append(subprocess.Popen(args, env=node_env, stdout=out, stderr=subprocess.STDOUT,
                                                   start_new_session=True, cwd=REPO))
 
-    def crossed_nbytes(self) -> int:
-        """Bytes sent and received by the nodes' links, as the kernel counts them (namespaces only)."""
+    @property
+    def fabric_addresses(self) -> list[str]:
+        """Where the nodes reach each other: eth1's addresses with two namespaced nodes, else `addresses`."""
+        return self.fabric if self.network == NAMESPACES and self.count == 2 else self.addresses
+
+    def inter_node_nbytes(self) -> int:
+        """Bytes the two nodes sent each other so far (eth1's tx counters in both, as `ip -s link` reads them:
+        Ethernet frames, so TCP/IP headers and acknowledgements included). Namespaces only."""
         total = 0
-        for veth in self.veths:
-            stats = Path(f"/sys/class/net/{veth}/statistics")
-            total += int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+        for name in self._names:
+            shown = subprocess.run(["ip", "-n", name, "-j", "-s", "link", "show", "eth1"], check=True,
+                                   capture_output=True, text=True).stdout
+            total += json.loads(shown)[0]["stats64"]["tx"]["bytes"]
         return total
 
     def wait(self, seconds: float) -> list[int | None]:
