@@ -338,3 +338,42 @@ def _layout(dp: int, pp: int, tp: int):
     from labkit.parallel.mesh_runs import MICROBATCHES
 
     return plan.ParallelLayout(dp, pp, tp, MICROBATCHES)
+
+
+def test_a_node_whose_network_vanishes_fails_the_call_within_the_keepalive_time(tmp_path):
+    """No FIN, no RST: node-b's link to the notebook goes down mid-call (a cable pulled). TCP keepalive (_signed.py:
+    5 s idle, then 3 probes 2 s apart) notices in about 11 s, well before the call's 60 s timeout."""
+    nodes = Nodes()
+    if nodes.network == LOOPBACK:
+        nodes.close()
+        pytest.skip("needs root for two network namespaces: loopback cannot be pulled from one node alone")
+    try:
+        attach_two_nodes(nodes, tmp_path)
+        import threading
+        threading.Timer(1.0, subprocess.run, (["ip", "link", "set", nodes.veths[1], "down"],)).start()
+        started = time.monotonic()
+        with pytest.raises(labkit.RankError) as caught:
+            labkit.run(time.sleep, 50, world_size=WORLD_SIZE, timeout=60)
+        assert time.monotonic() - started < 30, "noticed by keepalive, not at the call's timeout"
+        assert "ranks 2-3" in str(caught.value) and f"({nodes.addresses[1]})" in str(caught.value)
+    finally:
+        labkit.shutdown()
+        nodes.close()
+
+
+def test_ctrl_c_stops_attached_ranks_in_step_and_keeps_them(cluster, capfd):
+    import threading
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        labkit.run(labkit.rank, world_size=WORLD_SIZE)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            labkit.run(time.sleep, 20, world_size=WORLD_SIZE, timeout=60)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert "every rank stopped cleanly and the pool is kept" in capfd.readouterr().err
+    pids = rank_pids(owner.OWNER.attachment)
+    assert labkit.run(labkit.rank, world_size=WORLD_SIZE) == [0, 1, 2, 3]
+    assert rank_pids(owner.OWNER.attachment) == pids  # the same processes: nothing was restarted
