@@ -8,7 +8,7 @@ keeps a grader's calls on ranks of its own, apart from the student's (and their 
 
 from labkit.checks import MAX_WORLD_SIZE
 from labkit.groups import device, local_rank, rank, world_size
-from labkit.launch.attach import attach, attached
+from labkit.launch.attach import attach, attach_commands, attached
 from labkit.launch.backend import (
     BackendChoice,
     choose_backend,
@@ -20,6 +20,6 @@ from labkit.launch.backend import (
 from labkit.launch.errors import RankError, RankTimeout
 from labkit.launch.owner import pools_apart, prestart, run, shutdown
 
-__all__ = ["MAX_WORLD_SIZE", "BackendChoice", "RankError", "RankTimeout", "attach", "attached", "choose_backend",
-           "cpu_count", "device", "init_process_group", "local_rank", "pools_apart", "prestart", "rank", "run",
-           "shutdown", "threads_per_rank", "usable_gpu_count", "world_size"]
+__all__ = ["MAX_WORLD_SIZE", "BackendChoice", "RankError", "RankTimeout", "attach", "attach_commands", "attached",
+           "choose_backend", "cpu_count", "device", "init_process_group", "local_rank", "pools_apart", "prestart",
+           "rank", "run", "shutdown", "threads_per_rank", "usable_gpu_count", "world_size"]

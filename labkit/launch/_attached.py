@@ -30,6 +30,21 @@ __all__ = []
 RDZV_PORT = 29400  # torchrun's customary c10d rendezvous port (PyTorch's torchrun docs use it)
 
 
+def torchrun_command(world_size: int, nodes: int, connect: str, rdzv_id: str, rdzv_host: str = "NODE0") -> str:
+    """The command each node runs so that `world_size` ranks on `nodes` nodes attach to the notebook at `connect`:
+    torchrun's c10d rendezvous at the first node (`rdzv_host`), up to 3 restarts, labkit.agent as the program."""
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {world_size // nodes} --max-restarts 3 --rdzv-backend c10d "
+            f"--rdzv-endpoint {rdzv_host}:{RDZV_PORT} --rdzv-id {rdzv_id} -m labkit.agent --connect {connect}")
+
+
+def slurm_command(world_size: int, nodes: int, connect: str, rdzv_id: str) -> str:
+    """`torchrun_command` inside a Slurm allocation: srun starts one torchrun per node, the rendezvous at the
+    allocation's first node (`scontrol show hostnames`)."""
+    first_node = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
+    return (f"srun --nodes {nodes} --ntasks-per-node 1 bash -c "
+            f"'{torchrun_command(world_size, nodes, connect, rdzv_id, first_node)}'")
+
+
 class AttachedPool(Lifecycle):
     """`world_size` ranks that torchrun started and that attached through `Listener`; ready after `_start`."""
 
@@ -120,16 +135,11 @@ class Attachment:
 
     # ---- what the instructor runs ------------------------------------------------------------------
 
-    def torchrun_command(self, rdzv_host: str = "NODE0") -> str:
-        per_node = self.world_size // self.nodes
-        return (f"torchrun --nnodes {self.nodes} --nproc-per-node {per_node} --max-restarts 3 --rdzv-backend c10d "
-                f"--rdzv-endpoint {rdzv_host}:{RDZV_PORT} --rdzv-id {self.rdzv_id} "
-                f"-m labkit.agent --connect {self.listener.address}")
+    def torchrun_command(self) -> str:
+        return torchrun_command(self.world_size, self.nodes, self.listener.address, self.rdzv_id)
 
     def slurm_command(self) -> str:
-        first_node = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
-        return (f"srun --nodes {self.nodes} --ntasks-per-node 1 bash -c "
-                f"'{self.torchrun_command(first_node)}'")
+        return slurm_command(self.world_size, self.nodes, self.listener.address, self.rdzv_id)
 
     def instructions(self) -> str:
         return "\n".join([

@@ -13,11 +13,11 @@ from __future__ import annotations
 import socket
 
 from labkit.checks import rank_count, timeout_seconds
-from labkit.launch._attached import Attachment
+from labkit.launch._attached import Attachment, slurm_command, torchrun_command
 from labkit.launch.backend import BACKENDS
 from labkit.launch.owner import OWNER, PG_TIMEOUT_SECONDS
 
-__all__ = ["attach", "attached"]
+__all__ = ["attach", "attach_commands", "attached"]
 
 
 def attach(world_size: int, nodes: int = 1, host: str | None = None, port: int = 0, backend: str = "auto",
@@ -51,6 +51,21 @@ def attach(world_size: int, nodes: int = 1, host: str | None = None, port: int =
             raise
         OWNER.adopt(attachment)
     return attachment
+
+
+def attach_commands(world_size: int, nodes: int, connect: str = "NOTEBOOK_HOST:PORT") -> str:
+    """The two forms of the command `attach` prints for the nodes (torchrun by hand, and under Slurm's srun), for a
+    notebook that listens at `connect`, without listening: what an instructor's guide shows.
+
+    >>> print(attach_commands(4, 2).splitlines()[0])
+    torchrun --nnodes 2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 \
+--rdzv-id labkit-demo -m labkit.agent --connect NOTEBOOK_HOST:PORT
+    """
+    world_size = rank_count(world_size)
+    if not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
+        raise ValueError(f"nodes={nodes!r}: give a positive number of nodes that divides world_size={world_size}.")
+    return "\n".join((torchrun_command(world_size, nodes, connect, "labkit-demo"),
+                      slurm_command(world_size, nodes, connect, "labkit-demo")))
 
 
 def attached() -> Attachment | None:
