@@ -55,14 +55,6 @@ class AttachedPool(Lifecycle):
         for a in arrivals:
             self._channels.add_attached(a.hello.rank, a.hello.pid, a.job, a.control, a.output, a.hello.host)
 
-    @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     def _start(self, budget_seconds: float) -> None:
         """Tell every rank to join its group (`Welcome`), and wait until all say `Ready`."""
         deadline = time.monotonic() + budget_seconds

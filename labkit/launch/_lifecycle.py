@@ -87,6 +87,15 @@ class Lifecycle:
         self._start_timeout_seconds = start_timeout_seconds
         self._last_call_id = 0  # the id of the latest Call sent to the ranks (0: none yet)
 
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def closed(self) -> bool:
+        """True once the pool has stopped its ranks; a closed pool serves no further call."""
+        return self._closed
+
     # ---- start ------------------------------------------------------------------------------------
 
     def _start(self, budget_seconds: float) -> None:

@@ -41,15 +41,6 @@ class Pool(Lifecycle):
     (`_lifecycle.Lifecycle`), with the read-only hooks below."""
 
     @property
-    def world_size(self) -> int:
-        return self._world_size
-
-    @property
-    def closed(self) -> bool:
-        """True once the pool has stopped its ranks; a closed pool serves no further call."""
-        return self._closed
-
-    @property
     def store_path(self) -> str:
         """The FileStore the ranks meet in; removed when the pool closes."""
         return self._store_path

@@ -61,11 +61,16 @@ def test_a_connector_without_the_secret_is_refused_at_its_first_frame():
     assert isinstance(result["error"], Unauthenticated)
 
 
-def test_a_replayed_frame_is_refused_on_the_same_connection():
+def recorded_pair():
+    """(listener's connection, connector's, a Recorder of every byte the connector sends)."""
     result, connector = pair()
-    listener, _ = result["accepted"]
     recorder = Recorder(connector._sock)
     connector._sock = recorder
+    return result["accepted"][0], connector, recorder
+
+
+def test_a_replayed_frame_is_refused_on_the_same_connection():
+    listener, connector, recorder = recorded_pair()
     connector.send_bytes(b"run this once")
     assert listener.recv_bytes() == b"run this once"
     recorder.sock.sendall(bytes(recorder.sent))  # the same bytes again
@@ -74,10 +79,7 @@ def test_a_replayed_frame_is_refused_on_the_same_connection():
 
 
 def test_a_frame_sent_back_in_the_other_direction_is_refused():
-    result, connector = pair()
-    listener, _ = result["accepted"]
-    recorder = Recorder(connector._sock)
-    connector._sock = recorder
+    listener, connector, recorder = recorded_pair()
     connector.send_bytes(b"towards the listener")
     listener.recv_bytes()
     listener._sock.sendall(bytes(recorder.sent))  # reflected to the connector: the other direction's key
