@@ -283,57 +283,6 @@ def _repo() -> str:
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 2), (1, 2, 4)], ids=["dp-across-nodes", "pp-across-nodes"])
-def test_3d_training_on_two_attached_nodes_equals_one_process_and_only_dp_and_pp_cross(tmp_path, layout):
-    """Notebook 13's run, unchanged, on 2 nodes x 4 attached ranks. The mesh puts tp innermost, so a node's four
-    ranks hold whole tp groups: with dp=2 x pp=2 x tp=2 only dp's groups span the nodes, with 1 x 2 x 4 only pp's.
-    What crossed is read from the kernel's counters of the nodes' own link (two_nodes.py), not from labkit's, and
-    must be what plan predicts for the axes that span nodes: at least the payload plan.axis_wire_bytes gives, at most
-    that plus the frames' TCP/IP headers and acknowledgements and the groups' set-up (MARGIN)."""
-    from labkit import plan
-    from labkit.parallel.mesh_runs import STEPS, train_3d, train_alone
-
-    dp, pp, tp = layout
-    nodes = Nodes()
-    if nodes.network == LOOPBACK:
-        nodes.close()
-        pytest.skip("needs root for two network namespaces: on loopback no link separates the nodes")
-    try:
-        port = free_port(nodes.notebook_host)
-        nodes.start(f"{nodes.notebook_host}:{port}", ranks_per_node=4, log_dir=tmp_path)
-        labkit.attach(world_size=8, nodes=2, host=nodes.notebook_host, port=port, timeout=ATTACH_SECONDS)
-        before = nodes.inter_node_nbytes()
-        results = labkit.run(train_3d, dp, pp, tp, world_size=8, timeout=300)
-        crossed = nodes.inter_node_nbytes() - before
-        alone_losses, alone_params = train_alone()
-    finally:
-        labkit.shutdown()
-        nodes.close()
-    loss_gap = max(abs(a - b) for r in results for a, b in zip(r.losses, alone_losses, strict=True))
-    param_gap = max((results[0].params[name] - p).abs().max().item() for name, p in alone_params.items())
-    assert loss_gap <= 1e-10 and param_gap <= 1e-10  # float64: the same steps to rounding (notebook 13's bound)
-
-    across = ["dp"] if dp > 1 else ["pp"]
-    inside = [axis for axis in ("dp", "pp", "tp") if axis not in across]
-    wire = [plan.axis_wire_bytes(r.planned, _layout(dp, pp, tp)) for r in results]
-    predicted = STEPS * sum(w[axis] for w in wire for axis in across)
-    kept_inside = STEPS * sum(w[axis] for w in wire for axis in inside)
-    print(f"{layout}: crossed {crossed:,} bytes; plan: {predicted:,.0f} across ({', '.join(across)}), "
-          f"{kept_inside:,.0f} inside ({', '.join(inside)})")
-    assert predicted <= crossed <= 1.15 * predicted + MARGIN_NBYTES, (crossed, predicted)
-    assert crossed < predicted + 0.5 * kept_inside  # tp's (and the other axis's) traffic did not cross
-
-
-MARGIN_NBYTES = 1 << 20  # the groups' set-up across nodes (gloo's full mesh of connections, the store's keys)
-
-
-def _layout(dp: int, pp: int, tp: int):
-    from labkit import plan
-    from labkit.parallel.mesh_runs import MICROBATCHES
-
-    return plan.ParallelLayout(dp, pp, tp, MICROBATCHES)
-
-
 def test_a_node_whose_network_vanishes_fails_the_call_within_the_keepalive_time(tmp_path):
     """No FIN, no RST: node-b's link to the notebook goes down mid-call (a cable pulled). TCP keepalive (_signed.py:
     5 s idle, then 3 probes 2 s apart) notices in about 11 s, well before the call's 60 s timeout."""
