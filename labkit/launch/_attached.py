@@ -22,7 +22,7 @@ from labkit.launch._listener import Arrival, Listener, wait_for_ranks
 from labkit.launch.backend import BackendChoice, choose_backend
 from labkit.launch.errors import RankError, rank_list
 from labkit.launch.protocol import Leave, Refused, Welcome
-from labkit.tables import print_line, progress_bar, text_table
+from labkit.tables import LINE_CHARS, print_line, progress_bar, text_table, wrapped
 from labkit.version import VERSION
 
 __all__ = []
@@ -43,6 +43,19 @@ def slurm_command(world_size: int, nodes: int, connect: str, rdzv_id: str) -> st
     first_node = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)'
     return (f"srun --nodes {nodes} --ntasks-per-node 1 bash -c "
             f"'{torchrun_command(world_size, nodes, connect, rdzv_id, first_node)}'")
+
+
+def shell_lines(command: str, indent: str = "  ") -> str:
+    """`command` broken at spaces into lines of at most LINE_CHARS characters, each but the last ending in a
+    backslash (the shell joins them, also inside the single quotes of `bash -c '...'`, whose shell reads them again),
+    so that a notebook shows it whole, not broken mid-word (labkit.tables.wrapped says why)."""
+    lines, line = [], indent
+    for word in command.split(" "):
+        if line.strip() and len(line) + 1 + len(word) + 2 > LINE_CHARS:
+            lines.append(line + " \\")
+            line = indent + "    "
+        line += ("" if not line.strip() else " ") + word
+    return "\n".join([*lines, line])
 
 
 class AttachedPool(Lifecycle):
@@ -134,14 +147,15 @@ class Attachment:
         return slurm_command(self.world_size, self.nodes, self.listener.address, self.rdzv_id)
 
     def instructions(self) -> str:
+        nodes = f"{self.nodes} node{'s' if self.nodes > 1 else ''}"
         return "\n".join([
-            f"labkit: waiting for {self.world_size} ranks at {self.listener.address} (only this address; the session's "
-            f"secret is in {self.listener.secret_file}, mode 0600, which the nodes read from the shared home).",
-            f"On each of the {self.nodes} node{'s' if self.nodes > 1 else ''}, NODE0 being the first node's address:",
-            f"  {self.torchrun_command()}",
-            f"Or from a Slurm allocation of {self.nodes} node{'s' if self.nodes > 1 else ''} (salloc), one torchrun "
-            "per node:",
-            f"  {self.slurm_command()}",
+            wrapped(f"labkit: waiting for {self.world_size} ranks at {self.listener.address} (only this address; the "
+                    f"session's secret is in {self.listener.secret_file}, mode 0600, which the nodes read from the "
+                    "shared home)."),
+            f"On each of the {nodes}, NODE0 being the first node's address:",
+            shell_lines(self.torchrun_command()),
+            f"Or from a Slurm allocation of {nodes} (salloc), one torchrun per node:",
+            shell_lines(self.slurm_command()),
         ])
 
     # ---- ranks arriving ----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import socket
 
 from labkit.checks import rank_count, timeout_seconds
-from labkit.launch._attached import Attachment, slurm_command, torchrun_command
+from labkit.launch._attached import Attachment, shell_lines, slurm_command, torchrun_command
 from labkit.launch.backend import BACKENDS
 from labkit.launch.owner import OWNER, PG_TIMEOUT_SECONDS
 
@@ -53,19 +53,21 @@ def attach(world_size: int, nodes: int = 1, host: str | None = None, port: int =
     return attachment
 
 
-def attach_commands(world_size: int, nodes: int, connect: str = "NOTEBOOK_HOST:PORT") -> str:
+def attach_commands(world_size: int, nodes: int, connect: str = "NOTEBOOK_HOST:PORT", lines: bool = True) -> str:
     """The two forms of the command `attach` prints for the nodes (torchrun by hand, and under Slurm's srun), for a
-    notebook that listens at `connect`, without listening: what an instructor's guide shows.
+    notebook that listens at `connect`, without listening: what an instructor's guide shows. With `lines`, each is
+    broken into shell lines of at most 100 characters, as `attach` prints them; without, one line each.
 
-    >>> print(attach_commands(4, 2).splitlines()[0])
-    torchrun --nnodes 2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint NODE0:29400 \
---rdzv-id labkit-demo -m labkit.agent --connect NOTEBOOK_HOST:PORT
+    >>> print(attach_commands(4, 2, lines=False).splitlines()[0])  # doctest: +NORMALIZE_WHITESPACE
+    torchrun --nnodes 2 --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint NODE0:29400
+    --rdzv-id labkit-demo -m labkit.agent --connect NOTEBOOK_HOST:PORT
     """
     world_size = rank_count(world_size)
     if not isinstance(nodes, int) or nodes < 1 or world_size % nodes:
         raise ValueError(f"nodes={nodes!r}: give a positive number of nodes that divides world_size={world_size}.")
-    return "\n".join((torchrun_command(world_size, nodes, connect, "labkit-demo"),
-                      slurm_command(world_size, nodes, connect, "labkit-demo")))
+    commands = (torchrun_command(world_size, nodes, connect, "labkit-demo"),
+                slurm_command(world_size, nodes, connect, "labkit-demo"))
+    return "\n".join(map(shell_lines, commands) if lines else commands)
 
 
 def attached() -> Attachment | None:

@@ -87,9 +87,12 @@ def test_the_slurm_recipe_attaches_ranks_from_an_allocation(one_host_slurm, tmp_
     port = free_port("127.0.0.1")
     env = {**one_host_slurm, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "PYTHONPATH": str(REPO), "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    # labkit.attach prints this command and then waits: the same code gives it here, before attach listens
-    command = labkit.launch.attach_commands(2, 1, connect=f"127.0.0.1:{port}").splitlines()[1]
-    assert command.startswith("srun --nodes 1 --ntasks-per-node 1 bash -c 'torchrun --nnodes 1")
+    # labkit.attach prints this command, in shell lines of 100 characters, and then waits: the same code gives it
+    # here, before attach listens, and it runs as printed (its lines joined by the shell)
+    printed = labkit.launch.attach_commands(2, 1, connect=f"127.0.0.1:{port}")
+    command = printed[printed.index("  srun"):]
+    assert command.lstrip().startswith("srun --nodes 1 --ntasks-per-node 1 bash -c 'torchrun --nnodes 1")
+    assert command.count("\n") >= 1
     log = open(tmp_path / "salloc.log", "wb")
     job = subprocess.Popen(["salloc", "--nodes", "1", "bash", "-c", command], env=env, cwd=REPO, stdout=log,
                            stderr=subprocess.STDOUT, start_new_session=True)
