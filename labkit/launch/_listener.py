@@ -32,12 +32,16 @@ from pathlib import Path
 from typing import NamedTuple
 
 from labkit._private_files import open_private, private_directory
+from labkit.checks import MAX_WORLD_SIZE
 from labkit.launch import protocol
 from labkit.launch._signed import SignedConnection, Unauthenticated, accept_signed
 
 __all__ = []
 
 SECRET_ENV = "LABKIT_ATTACH_SECRET"
+# connections authenticated at once: every rank's three, and room; more are closed at once, so that a stranger's
+# flood of silent connections holds at most this many threads (each waits HANDSHAKE_SECONDS at most)
+MAX_HANDSHAKES = 4 * MAX_WORLD_SIZE
 _log = logging.getLogger("labkit.attach")
 
 
@@ -114,6 +118,7 @@ class Listener:
         self._arrived: list[Arrival] = []
         self._changed = threading.Condition()
         self._closed = False
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         threading.Thread(target=self._accept, name="labkit-attach", daemon=True).start()
 
     @property
@@ -126,9 +131,19 @@ class Listener:
                 sock, peer = self._sock.accept()
             except OSError:
                 return  # closed
+            if not self._handshakes.acquire(blocking=False):
+                sock.close()
+                self._refuse(f"{peer[0]}:{peer[1]}", f"{MAX_HANDSHAKES} connections were already being authenticated")
+                continue
             threading.Thread(target=self._authenticate, args=(sock, f"{peer[0]}:{peer[1]}"), daemon=True).start()
 
     def _authenticate(self, sock: socket.socket, peer: str) -> None:
+        try:
+            self._authenticate_one(sock, peer)
+        finally:
+            self._handshakes.release()
+
+    def _authenticate_one(self, sock: socket.socket, peer: str) -> None:
         try:
             link, first = accept_signed(sock, self.secret, peer)
             hello = pickle.loads(first)  # signed with the session's secret: one of ours sent it

@@ -17,6 +17,7 @@ import pytest
 
 import labkit
 from labkit.launch import owner
+from labkit.launch._listener import MAX_HANDSHAKES
 from labkit.launch._signed import GREETING, NONCE_NBYTES, connect_signed
 from tests.distributed.test_attach import free_port
 from tests.distributed.two_nodes import LOOPBACK, Nodes
@@ -80,11 +81,15 @@ def test_strangers_are_refused_and_run_nothing_while_the_ranks_keep_serving(one_
     reasons = [why for _, why in listener.refused]
     assert all("not signed with this session's secret" in why for why in reasons[1:]), reasons
 
-    silent = socket.create_connection(address)  # 4. a connection that never speaks holds up nobody
+    # 4. connections that never speak hold up nobody: past MAX_HANDSHAKES at once, the next are closed at once
+    silent = [socket.create_connection(address) for _ in range(MAX_HANDSHAKES + 5)]
     try:
         assert labkit.run(labkit.rank, world_size=2) == [0, 1]
+        assert _refused_soon(listener, 3 + 5)
+        assert sum("already being authenticated" in why for _, why in listener.refused) >= 5
     finally:
-        silent.close()
+        for sock in silent:
+            sock.close()
     assert not proof.exists(), "nothing a stranger sent was unpickled"
     assert owner.OWNER.attachment is attachment and labkit.run(labkit.rank, world_size=2) == [0, 1]
 
