@@ -22,10 +22,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 __all__: list[str] = []
 
+GROUP_EXIT_SECONDS = 10.0  # a SIGKILLed process exits in milliseconds; one in uninterruptible sleep, later
 OUTPUT_TAIL_CHARS = 1000  # of what the grading process printed, kept for a verdict that needs it
 _PASSED_ON = ("PATH", "LANG", "LC_ALL", "TZ")  # and LABKIT_* but LABKIT_PROGRESS: the class's caps apply here too
 
@@ -121,12 +123,28 @@ def _wait(process: subprocess.Popen, read_fd: int, timeout_seconds: float) -> Fi
 
 
 def _kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the grading process's group (it leads it: start_new_session) and reap the process."""
+    """SIGKILL the grading process's group (it leads it: start_new_session), reap the process, and wait (at most
+    GROUP_EXIT_SECONDS) until no member runs: the kernel delivers the signal, but a rank exits on its own time."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass  # the group is gone: every process of it has exited
     process.wait()
+    deadline = time.monotonic() + GROUP_EXIT_SECONDS
+    while _group_running(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` still runs (/proc/PID/stat; a zombie has exited, even if unreaped)."""
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat_path.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited while we looked
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 
 def _keep_tail(stream, tail: list[str]) -> None:

@@ -99,3 +99,15 @@ def test_bad_input_is_refused_with_a_message(argv, said, capsys):
     except SystemExit as stopped:  # argparse's refusals
         code = stopped.code
     assert code == 2 and said in capsys.readouterr().err
+
+
+def test_the_grading_process_gets_none_of_the_instructors_secrets(monkeypatch, tmp_path):
+    from labkit.classroom._as_student import _environment
+
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "admin-secret")
+    monkeypatch.setenv("LABKIT_PROGRESS", "/root/.labkit/progress.json")
+    monkeypatch.setenv("LABKIT_MAX_WORLD_SIZE", "4")  # the class's caps do apply
+    env = _environment(tmp_path)
+    assert "admin-secret" not in json.dumps(env)
+    assert env["HOME"] == str(tmp_path) and env["LABKIT_PROGRESS"].startswith(str(tmp_path))
+    assert env["LABKIT_MAX_WORLD_SIZE"] == "4"
