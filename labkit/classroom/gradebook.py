@@ -11,11 +11,11 @@ what the student's kernel or progress file says. Each process runs as the studen
 never root), in a temporary HOME, with the progress recorded nowhere the student keeps it (record=False), for at
 most --timeout-seconds: a hang is failed "timed out after N s", and its whole process group killed.
 
-One table is printed, and written as CSV with --csv: student, exercise, passed, re-graded (passed, failed, not
-attempted: the stub untouched, timed out, unverified: an exercise answered in a widget, whose answer the
-notebook does not keep), attempts recorded, first passed at, what the student's progress file says, the seconds
-the regrade took, and a note: where the progress file disagrees, "progress file says passed; re-graded: failed
--- the re-graded verdict stands".
+One table is printed, and written as CSV with --csv: student, exercise, passed (yes, no, unverified), re-graded
+(passed, failed, not attempted: the stub untouched, timed out, unreadable: a link or a file not the student's,
+missing, unverified: an exercise answered in a widget, whose answer the notebook does not keep), attempts recorded,
+first passed at, what the student's progress file says, the seconds the regrade took, and a note: where the
+progress file disagrees, "progress file says passed; re-graded: failed -- the re-graded verdict stands".
 
 What it trusts. The student's notebook and progress file are read by the student's own process, without following
 links, and must be the student's own files: no link a student plants makes root read anything. The student's
