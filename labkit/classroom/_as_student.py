@@ -53,7 +53,7 @@ def local_student(name: str) -> Student:
     return Student(name, entry.pw_uid, entry.pw_gid, Path(entry.pw_dir))
 
 
-def _environment(home: Path) -> dict[str, str]:
+def grading_environment(home: Path) -> dict[str, str]:
     """The grading process's environment: a few of ours, HOME and LABKIT_PROGRESS in the temporary folder."""
     env = {k: v for k, v in os.environ.items()
            if k in _PASSED_ON or (k.startswith("LABKIT_") and k != "LABKIT_PROGRESS")}
@@ -94,7 +94,7 @@ def run_as_student(student: Student, argv: list[str], timeout_seconds: float, py
     try:
         os.chown(home, student.uid, student.gid) if os.geteuid() == 0 else None
         command = [*_as(student), python, "-m", "labkit.classroom._regrade", *argv, str(write_fd)]
-        process = subprocess.Popen(command, cwd=home, env=_environment(home), pass_fds=(write_fd,),
+        process = subprocess.Popen(command, cwd=home, env=grading_environment(home), pass_fds=(write_fd,),
                                    start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT)
         os.close(write_fd)

@@ -10,8 +10,8 @@ from urllib.parse import parse_qs, urlparse
 
 import pytest
 
-from labkit.classroom import _hub
 from labkit.classroom._cells import graded_cells, setup_cells
+from labkit.classroom._hub import hub_users
 from labkit.classroom._regrade import grader_name
 from labkit.classroom.gradebook import main
 from labkit.exercises.progress import EXERCISES
@@ -75,15 +75,15 @@ def hub():
 
 
 def test_the_hubs_users_are_read_page_by_page(hub):
-    assert _hub.hub_users(hub, "admin") == ["ada", "grace", "linus"]
-    assert _hub.hub_users(hub + "/hub/", "admin") == ["ada", "grace", "linus"]
+    assert hub_users(hub, "admin") == ["ada", "grace", "linus"]
+    assert hub_users(hub + "/hub/", "admin") == ["ada", "grace", "linus"]
 
 
 def test_a_refused_token_or_none_says_what_to_do(hub):
     with pytest.raises(RuntimeError, match="403.*admin"):
-        _hub.hub_users(hub, "student")
+        hub_users(hub, "student")
     with pytest.raises(ValueError, match="JUPYTERHUB_API_TOKEN"):
-        _hub.hub_users(hub, "")
+        hub_users(hub, "")
 
 
 @pytest.mark.parametrize(("argv", "said"), [
@@ -102,12 +102,12 @@ def test_bad_input_is_refused_with_a_message(argv, said, capsys):
 
 
 def test_the_grading_process_gets_none_of_the_instructors_secrets(monkeypatch, tmp_path):
-    from labkit.classroom._as_student import _environment
+    from labkit.classroom._as_student import grading_environment
 
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "admin-secret")
     monkeypatch.setenv("LABKIT_PROGRESS", "/root/.labkit/progress.json")
     monkeypatch.setenv("LABKIT_MAX_WORLD_SIZE", "4")  # the class's caps do apply
-    env = _environment(tmp_path)
+    env = grading_environment(tmp_path)
     assert "admin-secret" not in json.dumps(env)
     assert env["HOME"] == str(tmp_path) and env["LABKIT_PROGRESS"].startswith(str(tmp_path))
     assert env["LABKIT_MAX_WORLD_SIZE"] == "4"
