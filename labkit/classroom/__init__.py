@@ -1,0 +1,26 @@
+"""A class on one server: each student's share of it, capped and bounded.
+
+A JupyterHub server gives each student a single-user server, and labkit's ranks run inside it. Two things keep one
+student from taking the machine from the others:
+
+- the class caps (caps.py): ranks per call and threads per rank, read from the environment the hub gives each
+  student's server (LABKIT_MAX_WORLD_SIZE, LABKIT_MAX_THREADS_PER_RANK), refused with a message that names them;
+- the bounds (the hub's side, `confine` and `release`): the spawner puts each student's server in a cgroup of
+  their own (memory, processes, CPU), or under resource limits where the host has no cgroups, so that a runaway
+  rank is killed by the kernel without touching anyone else's; cgroups.py reads that bound and the OOM kills back,
+  for labkit's report of a rank the kernel killed.
+
+This package imports nothing of the launcher: the launcher imports it.
+"""
+
+from labkit.classroom.caps import (
+    MAX_THREADS_PER_RANK_VARIABLE,
+    MAX_WORLD_SIZE_VARIABLE,
+    capped_threads,
+    capped_world_size,
+    max_threads_per_rank,
+    max_world_size,
+)
+
+__all__ = ["MAX_THREADS_PER_RANK_VARIABLE", "MAX_WORLD_SIZE_VARIABLE", "capped_threads", "capped_world_size",
+           "max_threads_per_rank", "max_world_size"]
