@@ -13,6 +13,7 @@ student from taking the machine from the others:
 This package imports nothing of the launcher: the launcher imports it.
 """
 
+from labkit.classroom._limits import Confinement, confine, prepare_confinement, release
 from labkit.classroom.caps import (
     MAX_THREADS_PER_RANK_VARIABLE,
     MAX_WORLD_SIZE_VARIABLE,
@@ -21,6 +22,8 @@ from labkit.classroom.caps import (
     max_threads_per_rank,
     max_world_size,
 )
+from labkit.classroom.cgroups import memory_bound_nbytes, oom_kill_count
 
-__all__ = ["MAX_THREADS_PER_RANK_VARIABLE", "MAX_WORLD_SIZE_VARIABLE", "capped_threads", "capped_world_size",
-           "max_threads_per_rank", "max_world_size"]
+__all__ = ["MAX_THREADS_PER_RANK_VARIABLE", "MAX_WORLD_SIZE_VARIABLE", "Confinement", "capped_threads",
+           "capped_world_size", "confine", "max_threads_per_rank", "max_world_size", "memory_bound_nbytes",
+           "oom_kill_count", "prepare_confinement", "release"]
