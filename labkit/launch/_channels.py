@@ -85,6 +85,9 @@ class Channels:
     def __init__(self, server: ForkServer | None):
         self.server = server  # None for attached ranks: torchrun, not labkit, started them
         self.ranks: list[RankHandle] = []
+        # The memory cgroup's OOM kill count as the latest start or call began (labkit.classroom.cgroups), so that
+        # a rank's SIGKILL is named the OOM killer's only if the count rose since; None: no such count here.
+        self.oom_kills_before: int | None = None
         self._selector = selectors.DefaultSelector()
         if server is not None:
             self._selector.register(server.fileno(), selectors.EVENT_READ, (Tag.SERVER, None))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from labkit.classroom.cgroups import oom_kill_cause
 from labkit.launch import serialize
 from labkit.launch._channels import Channels, RankHandle
 from labkit.launch.errors import (
@@ -142,6 +143,8 @@ def death(channels: Channels, r: RankHandle, before: str = "before replying") ->
     how = describe_exit(status)
     if how.startswith("exited"):
         how += f" {before} (the function never returned: something in it ended the process, e.g. os._exit)"
+    elif "SIGKILL" in how and (cause := oom_kill_cause(channels.oom_kills_before)):
+        how = f"killed by SIGKILL from {cause}"
     elif "SIGKILL" in how:
         how += " (SIGKILL from outside often means the machine ran out of memory)"
     return Failure(r.rank, NoReply.DIED, f"process {how}", time=r.gone_at, stderr_tail=tail)

@@ -26,6 +26,7 @@ import signal
 import sys
 import time
 
+from labkit.classroom.cgroups import oom_kill_count
 from labkit.launch import _conclude, netns, protocol, serialize
 from labkit.launch._channels import Channels
 from labkit.launch.backend import BackendChoice, threads_per_rank
@@ -102,6 +103,7 @@ class Lifecycle:
         """Start every rank and wait until all are in the group: at most `budget_seconds`, and no
         longer than until one rank fails. A failed start closes the pool."""
         deadline = time.monotonic() + budget_seconds
+        self._channels.oom_kills_before = oom_kill_count()
         try:
             for rank in range(self._world_size):
                 spec = self.rank_spec(rank, self._store_path, self._pg_timeout_seconds)
@@ -192,6 +194,7 @@ class Lifecycle:
             return any(r.failed(call.call_id) for r in ranks)
 
         start_call([r.output for r in ranks])
+        self._channels.oom_kills_before = oom_kill_count()
         self._channels.send_to_all(protocol.encode(call))  # pickled once, sent to every rank
         self._channels.pump(deadline, lambda: all_finished() or some_failed())
         if not all_finished() and some_failed():

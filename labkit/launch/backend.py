@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from labkit.classroom.caps import capped_threads
+
 __all__ = ["BACKENDS", "BackendChoice", "choose_backend", "cpu_count", "init_process_group", "threads_per_rank",
            "usable_gpu_count"]
 
@@ -86,5 +88,6 @@ def cpu_count() -> int:
 
 
 def threads_per_rank(world_size: int, cores: int | None = None) -> int:
-    """max(1, cores // ranks): R ranks on C cores must not start R x C threads."""
-    return max(1, (cores or cpu_count()) // world_size)
+    """max(1, cores // ranks): R ranks on C cores must not start R x C threads; in a class, at most the
+    instructor's LABKIT_MAX_THREADS_PER_RANK (labkit.classroom.caps), since the machine's cores are shared."""
+    return capped_threads(max(1, (cores or cpu_count()) // world_size))

@@ -27,10 +27,10 @@ from IPython.core.magic import Magics, cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 
-from labkit.checks import rank_count, timeout_seconds
+from labkit.checks import timeout_seconds
 from labkit.launch.cells import run_cell
 from labkit.launch.errors import CellSyntaxError, Interrupted
-from labkit.launch.owner import OWNER, PoolKey, prestart
+from labkit.launch.owner import OWNER, PoolKey, prestart, student_world_size
 
 __all__ = ["RanksMagics", "assigned_names", "load_ipython_extension"]
 
@@ -60,7 +60,7 @@ class RanksMagics(Magics):
         """Run this cell on N ranks: %%ranks N [--timeout SECONDS] [--backend auto|gloo|nccl]"""
         __tracebackhide__ = True  # IPython shows the cell's lines, not labkit's
         options = parse_argstring(self.ranks, line)
-        world_size, timeout = rank_count(options.world_size), timeout_seconds("timeout", options.timeout)
+        world_size, timeout = student_world_size(options.world_size), timeout_seconds("timeout", options.timeout)
         filename = self._cell_filename()
         # Line numbers count the %%ranks line too, as the notebook shows them.
         shown = [f"%%ranks {line}\n", *cell.splitlines(True)]

@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from labkit.checks import rank_count, timeout_seconds
+from labkit.classroom.caps import MAX_WORLD_SIZE_VARIABLE, capped_world_size, max_world_size
 from labkit.launch import serialize
 from labkit.launch._turn import Turn
 from labkit.launch.backend import BackendChoice, choose_backend, usable_gpu_count
@@ -39,7 +40,8 @@ from labkit.launch.pool import Pool
 from labkit.tables import print_line
 
 __all__ = ["EXIT_WAIT_SECONDS", "MAX_APART_RANKS", "MAX_LIVE_RANKS", "OWNER", "PG_TIMEOUT_SECONDS", "PoolKey",
-           "SHUTDOWN_WAIT_SECONDS", "START_TIMEOUT_SECONDS", "Owner", "pools_apart", "prestart", "run", "shutdown"]
+           "SHUTDOWN_WAIT_SECONDS", "START_TIMEOUT_SECONDS", "Owner", "live_ranks_limit", "pools_apart", "prestart",
+           "run", "shutdown", "student_world_size"]
 
 MAX_LIVE_RANKS = 16  # the student's own ranks kept warm before their least recently used pool is stopped
 MAX_APART_RANKS = 16  # the same for all pools apart (the graders') together: neither budget evicts the other's
@@ -185,11 +187,11 @@ class Owner:
         for key in [k for k, p in self._pools.items() if p.closed]:
             self._retire(key, self._pools[key].why_unhealthy())
         apart = whose is not None
-        limit, ranks = (MAX_APART_RANKS, "graders' ranks") if apart else (MAX_LIVE_RANKS, "ranks")
+        limit, ranks = (MAX_APART_RANKS, "graders' ranks") if apart else (live_ranks_limit(), "ranks")
         same = [k for k in self._pools if k[1] != ATTACHED and (k[2] is not None) == apart]  # least recently used
         while same and sum(self._pools[k].world_size for k in same) + world_size > limit:
             self._retire(same.pop(0), f"it was stopped to make room for {world_size} ranks: labkit keeps at most "
-                                      f"{limit} {ranks} running")
+                                      f"{limit} {ranks} running{_class_cap_note(limit, apart)}")
 
     def announce(self, world_size: int, choice: BackendChoice) -> None:
         """Say how `world_size` ranks will run: the backend, why, and each rank's device; once per reason."""
@@ -289,6 +291,30 @@ class Owner:
             self._store_dir = None
 
 
+def live_ranks_limit() -> int:
+    """How many of the student's own ranks stay warm: MAX_LIVE_RANKS, or the class's LABKIT_MAX_WORLD_SIZE where
+    that is smaller (labkit.classroom.caps): a class cap of 4 ranks per call that let a student keep 2 + 3 + 4
+    ranks running would share the server's memory no better than no cap."""
+    cap = max_world_size()
+    return MAX_LIVE_RANKS if cap is None else min(MAX_LIVE_RANKS, cap)
+
+
+def _class_cap_note(limit: int, apart: bool) -> str:
+    """ " (LABKIT_MAX_WORLD_SIZE=4, set by your instructor)" when the class cap set the student's budget."""
+    if apart or limit == MAX_LIVE_RANKS:
+        return ""
+    return f" ({MAX_WORLD_SIZE_VARIABLE}={limit}, set by your instructor for this class)"
+
+
+def student_world_size(world_size) -> int:
+    """`world_size` checked (labkit.checks.rank_count) and, for the student's own calls, within the class cap
+    (labkit.classroom.caps.capped_world_size). Graders' calls (`pools_apart`) are not capped: the course fixes
+    their sizes (at most 4 ranks, the README's exercise table), and a cap below them would leave an exercise
+    ungradable; they keep a budget of their own (MAX_APART_RANKS) and the server's memory bound still holds."""
+    world_size = rank_count(world_size)
+    return world_size if _whose.get() is not None else capped_world_size(world_size)
+
+
 @contextmanager
 def pools_apart(whose: str, keep: bool = True) -> Iterator[None]:
     """Inside the block, this thread's labkit.run and labkit.shutdown(world_size=...) use pools of `whose` own,
@@ -337,7 +363,7 @@ def run(fn, *args, world_size: int = 2, backend: str = "auto", timeout: float = 
         >>> labkit.run(total, 10, world_size=4)
         [46.0, 46.0, 46.0, 46.0]
     """
-    world_size = rank_count(world_size)
+    world_size = student_world_size(world_size)
     timeout = timeout_seconds("timeout", timeout)
     if not callable(fn):
         raise TypeError(f"labkit.run needs a function to call, got {type(fn).__name__} {fn!r:.60}.")
