@@ -46,11 +46,14 @@ BROWSER_WORKERS ?= 2
 # still picks the tests among them.
 NUMERICS_MODULES = $(shell grep -l 'pytest\.mark\.numerics' tests/unit/test_*.py tests/distributed/test_*.py)
 ARTIFACTS := test-artifacts
+# The class hub's proxy (npm's configurable-http-proxy, pinned in deploy/package-lock.json), installed by `npm ci`.
+PROXY := deploy/node_modules/.bin/configurable-http-proxy
 # The tests' exercise progress (labkit.exercises.progress) goes here, never into the student's ~/.labkit.
 unit notebooks browser: export LABKIT_PROGRESS = $(CURDIR)/$(ARTIFACTS)/progress.json
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab copy refresh test test-fast lint unit notebooks browser bench gpu-test gpu-wheels gpu-check clean
+.PHONY: help setup lab copy refresh test test-fast lint unit hub-test notebooks browser bench hub gradebook gpu-test gpu-wheels \
+	gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  make \1\t\2/' | expand -t 22
@@ -64,7 +67,7 @@ $(STAMP): pyproject.toml
 	@echo "make: installing PyTorch $(if $(TORCH_FROM),from $(TORCH_FROM),from PyPI)$(if $(and $(filter auto,$(TORCH_INDEX)),$(TORCH_FROM)), (no NVIDIA driver found: the CPU build; TORCH_INDEX= for PyPI's)), then the lab"
 	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) --no-deps $(if $(TORCH_FROM),--extra-index-url $(TORCH_FROM)) \
 		$$(sed -n 's/^ *"\(torch==[^"]*\)",$$/\1/p' pyproject.toml)
-	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) -e '.[lab,test]'
+	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) -e '.[lab,test,hub]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
 	touch $(STAMP)
 
@@ -92,10 +95,10 @@ refresh: ## make refresh NOTEBOOK=03_ring_allreduce: your copy back to the cours
 			echo "make: your version is kept as $$backup"; fi; \
 		cp "notebooks/$(NOTEBOOK:.ipynb=).ipynb" "$$mine" && echo "make: $$mine is the course's version again"
 
-test: lint unit browser ## everything: lint, unit and distributed tests, every notebook (papermill and browser)
+test: lint unit hub-test browser ## everything: lint, unit and distributed tests, every notebook (papermill and browser)
 	@echo "make test: all checks passed. Screenshots of every notebook: $(ARTIFACTS)/screenshots/"
 
-test-fast: lint unit notebooks ## without the browser: every notebook through nbval instead, for quick loops
+test-fast: lint unit hub-test notebooks ## without the browser: every notebook through nbval instead, for quick loops
 
 lint: setup ## ruff on code and notebooks; notebooks must be committed without outputs
 	$(BIN)/ruff check labkit tests benchmarks notebooks
@@ -106,10 +109,14 @@ lint: setup ## ruff on code and notebooks; notebooks must be committed without o
 # (MKL_CBWR: on an AVX-512 Intel CPU another GEMM code path; on AMD, MKL keeps its default but for small
 # matrices). An exact assert that holds only by one CPU's summation order may fail here as on another machine.
 unit: setup ## unit and distributed tests (real processes over gloo), TEST_WORKERS at a time; then papermill
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests --ignore=tests/browser --ignore=$(PAPERMILL_TESTS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests --ignore=tests/browser --ignore=$(PAPERMILL_TESTS) --ignore=tests/hub
 	MKL_CBWR=AVX2 ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -n $(TEST_WORKERS) -m numerics -q \
 		$(NUMERICS_MODULES)
 	$(BIN)/python -m pytest -n $(PAPERMILL_WORKERS) $(PAPERMILL_TESTS)
+
+# The class's hub with 8 students at once takes both cores by itself: its own phase, one test at a time.
+hub-test: setup $(PROXY) ## the class's JupyterHub, for real: 8 local students, isolation, caps, bounds, gradebook (root)
+	$(BIN)/python -m pytest -p no:cacheprovider tests/hub
 
 notebooks: setup ## run every notebook top to bottom (nbval)
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) \
@@ -118,6 +125,28 @@ notebooks: setup ## run every notebook top to bottom (nbval)
 browser: setup ## every notebook in JupyterLab in Chromium (Playwright); screenshots in test-artifacts/
 	$(BIN)/python -m pytest -n $(BROWSER_WORKERS) tests/browser; status=$$?; \
 		echo "Screenshots of every notebook: $(ARTIFACTS)/screenshots/"; exit $$status
+
+# A class on one server (README, "A class on one server"): JupyterHub as root, each student's server as that student.
+HUB_PORT ?= 8000
+HUB_STATE ?= .hub
+CLASS_LIST ?=
+CLASS_WORLD_SIZE ?= 4
+CLASS_THREADS_PER_RANK ?= 1
+CLASS_MEMORY_GIB ?= 4
+CLASS_CPU_CORES ?= 2
+$(PROXY): deploy/package.json deploy/package-lock.json
+	cd deploy && npm ci --no-audit --no-fund --loglevel=error
+hub: setup $(PROXY) ## a class on this server: JupyterHub, each student's server as that student (run as root)
+	@[ "$$(id -u)" = 0 ] || { echo "make hub: run it as root (sudo make hub): the hub starts each student's server as that student"; exit 1; }
+	LABKIT_HUB_PORT=$(HUB_PORT) LABKIT_HUB_STATE=$(HUB_STATE) LABKIT_CLASS_LIST=$(CLASS_LIST) \
+		LABKIT_CLASS_WORLD_SIZE=$(CLASS_WORLD_SIZE) LABKIT_CLASS_THREADS_PER_RANK=$(CLASS_THREADS_PER_RANK) \
+		LABKIT_CLASS_MEMORY_GIB=$(CLASS_MEMORY_GIB) LABKIT_CLASS_CPU_CORES=$(CLASS_CPU_CORES) \
+		$(BIN)/jupyterhub -f deploy/jupyterhub_config.py
+
+gradebook: setup ## every student's exercises re-graded from their notebooks: a table and gradebook.csv (root)
+	@[ "$$(id -u)" = 0 ] || { echo "make gradebook: run it as root (sudo make gradebook): it grades as each student"; exit 1; }
+	$(BIN)/python -m labkit.classroom.gradebook --hub http://127.0.0.1:$(HUB_PORT) \
+		--token-file $(HUB_STATE)/gradebook-token --csv gradebook.csv
 
 bench: setup ## print the benchmark tables (launcher, collectives, DDP, pipeline, ZeRO and FSDP)
 	@for b in benchmarks/[a-z]*.py; do echo "== $$b"; $(BIN)/python $$b || exit 1; done

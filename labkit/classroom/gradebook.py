@@ -37,6 +37,7 @@ from pathlib import Path
 
 from labkit.classroom._as_student import Student, local_student, run_as_student
 from labkit.classroom._hub import hub_users
+from labkit.classroom.interpreter import class_python
 from labkit.exercises.progress import EXERCISES
 from labkit.tables import text_table
 
@@ -171,10 +172,11 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--exercises", nargs="+", choices=list(EXERCISES), help="these exercises only (default all)")
     parser.add_argument("--timeout-seconds", type=float, default=DEFAULT_TIMEOUT_SECONDS,
                         help="per student and exercise")
-    parser.add_argument("--python", default=sys.executable, help="the course kernel's interpreter, which every "
-                        "student can run (default: this one)")
+    parser.add_argument("--python", help="the course kernel's interpreter, which every student can run (default: "
+                        "the hub's, labkit.classroom.interpreter.class_python)")
     parser.add_argument("--csv", type=Path, metavar="PATH", help="write the gradebook as CSV there too")
     arguments = parser.parse_args(argv)
+    arguments.python = arguments.python or str(class_python())
     if not arguments.users and not arguments.hub:
         parser.error("name the students: --users NAME ... or --hub URL (with an admin token)")
     if arguments.timeout_seconds <= 0:

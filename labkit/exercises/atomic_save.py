@@ -68,10 +68,10 @@ import torch
 
 import labkit
 import labkit.checkpoint
-from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises import progress
 from labkit.exercises._kit._file_watch import FileWatch
 from labkit.exercises._kit._messages import first_failure, not_callable_message, where_ranks_waited
+from labkit.exercises._kit._pace import grading_seconds
 from labkit.exercises._kit._stack import outermost_caller
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
@@ -104,7 +104,7 @@ def check_atomic_save(save, *, timeout_seconds: float = _TIMEOUT_SECONDS) -> Ver
         >>> check_atomic_save(lambda state_dict, path: torch.save(state_dict, path))
         Not yet. We killed your save ... torch.save(state_dict, path) writes straight into path...
     """
-    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
+    timeout_seconds = grading_seconds("timeout_seconds", timeout_seconds)
     if not callable(save):
         return Verdict(False, not_callable_message("check_atomic_save(save)", save))
     if not _CAN_KILL:

@@ -43,7 +43,7 @@ import time
 from typing import NamedTuple
 
 from labkit._refusals import ForbiddenCall, refusing
-from labkit.checks import timeout_seconds as checked_timeout
+from labkit.exercises._kit._pace import grading_seconds
 from labkit.exercises.progress import graded
 from labkit.exercises.verdict import Verdict
 from labkit.parallel.mesh import AXES, Mesh, mesh_layout
@@ -113,7 +113,7 @@ def check_mesh_coordinates(coordinates, groups=None, *, timeout_seconds: float =
         if not callable(fn) and (fn is not None or name == "coordinates"):
             return Verdict(False, f"pass your functions themselves, e.g. check_mesh_coordinates(coordinates, "
                                   f"groups); {name} is {type(fn).__name__}.")
-    seconds = checked_timeout("timeout_seconds", timeout_seconds)
+    seconds = grading_seconds("timeout_seconds", timeout_seconds)
     shapes = draw_shapes()
     for shape in shapes:
         _reference(shape)  # the course's layout computed (and cached) before it refuses to run (below)

@@ -27,6 +27,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
 from solutions import is_solution, solution_code, source  # noqa: E402 - the folded reference solutions
 
+from labkit.classroom.interpreter import class_python  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 EXERCISES = ["average_gradients", "naive_allreduce", "ring_allreduce", "stack_map"]  # the cheap ones
 NOTEBOOKS = {"average_gradients": ("01_training_step", "check_average_gradients"),
@@ -153,25 +155,12 @@ def _exists(name: str) -> bool:
 
 @pytest.fixture(scope="module")
 def course_python(students):
-    """The course's interpreter, which every student must be able to run (the graders' ranks start it again).
-    Where this one lives in a folder other users cannot enter (a Python under root's 0700 home), a venv of the
-    system's Python of the same version, seeing this one's packages, stands in: what a class's server provides."""
-    name = next(iter(students))
-    if as_user(name, "import os, sys; assert os.access(sys.executable, os.X_OK)").returncode == 0:
-        yield sys.executable
-        return
-    system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
-    if not system.exists():
-        pytest.skip(f"other users cannot run {sys.executable}, and there is no {system} to stand in")
-    venv = Path(tempfile.mkdtemp(prefix="labkit-course-python-"))
-    try:
-        venv.chmod(0o755)
-        subprocess.run([str(system), "-m", "venv", "--without-pip", str(venv)], check=True)
-        site = next(venv.glob("lib/python*/site-packages"))
-        (site / "course.pth").write_text("\n".join(p for p in sys.path if p.endswith("site-packages")) + "\n")
-        yield str(venv / "bin" / "python")
-    finally:
-        shutil.rmtree(venv)
+    """The course's interpreter, which every student must be able to run (the graders' ranks start it again): the
+    hub's choice (labkit.classroom.interpreter), made in a folder of this test's where it has to be made."""
+    place = Path(tempfile.mkdtemp(prefix="labkit-course-python-"))  # not under pytest's 0700 folder
+    os.chmod(place, 0o755)
+    yield str(class_python(place / "python"))
+    shutil.rmtree(place, ignore_errors=True)
 
 
 def gradebook(names, *arguments, python: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, list[dict]]:

@@ -123,8 +123,8 @@ def test_a_rank_past_its_students_memory_bound_is_killed_and_said_so_while_anoth
     steady_cgroups = prepare_confinement(steady_user, BOUND_NBYTES, MAX_PROCESSES, CPU_CORES).cgroups
     try:
         assert ("--- root cause, rank 1: process killed by SIGKILL from the kernel's out-of-memory killer: your "
-                "server's memory bound (600 MiB, set by your instructor) was reached; use less memory per rank or fewer "
-                "ranks\n") in runaway_out, runaway_out
+                "server's memory bound (600 MiB, set by your instructor) was reached; use less memory per rank or "
+                "fewer ranks\n") in runaway_out, runaway_out
         assert "ERROR: ranks 0-1 of 2 failed." in runaway_out, runaway_out  # rank 0's gloo error follows on
         assert steady.returncode == 0 and runaway.returncode == 0, runaway_out + steady_out
         calls = 1 + sum(line.startswith("call ") for line in steady_out.splitlines())  # each one right, beside

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 
 import labkit
 from labkit._refusals import refusing
-from labkit.checks import timeout_seconds as checked_timeout
 from labkit.exercises._kit import _leftovers, _store
 from labkit.exercises._kit._group_call import Kind
 from labkit.exercises._kit._messages import first_failure, forbidden_message, not_callable_message
+from labkit.exercises._kit._pace import grading_seconds
 from labkit.exercises.verdict import Verdict
 from labkit.launch import pools_apart
 from labkit.launch.errors import NoReply
@@ -87,7 +87,7 @@ class Spec:
 
 def grade(spec: Spec, *solutions, timeout_seconds: float) -> Verdict:
     """Run `spec`'s cases on the student's `solutions` (module docstring): the first problem, or the pass."""
-    timeout_seconds = checked_timeout("timeout_seconds", timeout_seconds)
+    timeout_seconds = grading_seconds("timeout_seconds", timeout_seconds)
     given = next((s for s in solutions if not callable(s)), None)
     if given is not None or not solutions:
         return Verdict(False, not_callable_message(spec.example, given))
