@@ -7,7 +7,7 @@ its measured bubble within 15% of the formula."""
 import pytest
 import torch
 import torch.nn.functional as F
-from least_bubble import least_bubble
+from least_bubble import least_bubble, scaled
 from nccl_stream_model import plan_posts, stream_deadlock
 from torch import nn
 
@@ -370,7 +370,7 @@ EMULATED = (0.08, 0.08)  # a stage's forward and backward of a micro-batch: 40 m
 
 def timed(m, v):
     """The measured bubble of interleaved 1F1B (least_bubble: the best of a few runs)."""
-    return least_bubble(lambda: steps([("interleaved", m, v)], EMULATED)[0][0],
+    return least_bubble(lambda scale: steps([("interleaved", m, v)], scaled(EMULATED, scale))[0][0],
                         bubble_fraction(labkit.world_size(), m, v))
 
 

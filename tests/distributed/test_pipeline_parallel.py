@@ -6,7 +6,7 @@ within 15% of (p-1)/(m+p-1) on real ranks with emulated compute."""
 import pytest
 import torch
 import torch.nn.functional as F
-from least_bubble import least_bubble
+from least_bubble import least_bubble, scaled
 from nccl_stream_model import plan_posts, stream_deadlock
 from torch import nn
 
@@ -377,7 +377,8 @@ EMULATED = (0.04, 0.04)  # seconds per forward and per backward: ~1 ms of real o
 
 def timed(kind, m):
     """The measured bubble of `kind` with m micro-batches (least_bubble: the best of a few runs)."""
-    return least_bubble(lambda: train_step(kind, m, EMULATED)[0], bubble_fraction(labkit.world_size(), m))
+    return least_bubble(lambda scale: train_step(kind, m, scaled(EMULATED, scale))[0],
+                        bubble_fraction(labkit.world_size(), m))
 
 
 @pytest.mark.parametrize("p", [2, 3, 4])

@@ -4,24 +4,28 @@ Each student logs in through the hub's login form and REST API, gets a server ru
 opens a kernel on the course's kernelspec over its websocket and runs notebook 00's first AllReduce and one graded
 exercise (notebook 01's, the course's solution typed as theirs). Then, with every student's server running: what a
 student cannot reach of another's (files, rendezvous, kernel, ranks), the class's caps and a student's memory
-bound, and that nothing is left running after the hub stops. The tests run in file order on one hub; the last
-stops it.
+bound, the instructor's gradebook over the hub's class list (a right notebook passes, a wrong one fails, a progress
+file edited by hand changes nothing), and that nothing is left running after the hub stops. The tests run in file
+order on one hub; the last stops it.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import pwd
 import re
 import statistics
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.hub.conftest import MEMORY_GIB, processes_of
+from tests.hub.conftest import MEMORY_GIB, REPOSITORY, processes_of
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -221,6 +225,80 @@ def test_a_runaway_rank_dies_in_its_students_bound_and_the_others_cells_succeed(
     assert f"{MEMORY_GIB:g} GiB" in report.output or "MiB" in report.output, report.output  # the bound named
     after = KERNELS[runaway].execute(FIRST_ALLREDUCE)  # the student's kernel and server lived through it
     assert after.error is None and "totals [1.0, 1.0]" in after.output, after
+
+
+RIGHT_IN_THE_NOTEBOOK = """def my_average_gradients(model):
+    world_size = dist.get_world_size()
+    for parameter in model.parameters():  # written otherwise than the course's solution: one flat tensor
+        flat = parameter.grad.reshape(-1)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        parameter.grad.copy_((flat / world_size).view_as(parameter.grad))
+
+check_average_gradients(my_average_gradients)"""
+
+WRONG_IN_THE_NOTEBOOK = """def my_average_gradients(model):
+    n = dist.get_world_size()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)  # summed, never divided: the N ranks' sum, N times the gradient
+
+check_average_gradients(my_average_gradients)"""
+
+CLAIM_BY_HAND = """
+import json, pathlib
+path = pathlib.Path.home() / ".labkit" / "progress.json"
+path.write_text(json.dumps({"average_gradients": {"passed": True, "attempts": 1,
+                                                  "passed_at": "2026-01-05T10:00:00+00:00"}}))
+print("claimed")
+"""
+STANDS = "the re-graded verdict stands"
+
+
+def save_exercise(student, code: str) -> None:
+    """The student's copy of notebook 01 with its "your turn" cell holding `code`, saved through their server's
+    contents API, as JupyterLab saves it."""
+    path = f"/user/{student.name}/api/contents/01_training_step.ipynb"
+    answer = student.api("GET", path)
+    answer.raise_for_status()
+    notebook = answer.json()["content"]
+    cell = next(c for c in notebook["cells"] if c["cell_type"] == "code"
+                and "check_average_gradients(my_average_gradients)" in c["source"])
+    cell["source"] = code
+    student.api("PUT", path, json={"type": "notebook", "format": "json", "content": notebook}).raise_for_status()
+
+
+def test_the_gradebook_regrades_every_students_notebook_through_the_hub(class_hub, tmp_path):
+    """As the instructor runs it: the class listed by the hub's API with the hub's gradebook token, each student's
+    saved notebook re-graded as them. Every student passed the exercise in their kernel (the first test), so every
+    progress file says passed; what their notebooks hold decides."""
+    names = list(class_hub.students)
+    right, wrong, claimer = names[:3]
+    save_exercise(SESSIONS[right], RIGHT_IN_THE_NOTEBOOK)
+    save_exercise(SESSIONS[wrong], WRONG_IN_THE_NOTEBOOK)
+    save_exercise(SESSIONS[claimer], WRONG_IN_THE_NOTEBOOK)
+    claim = KERNELS[claimer].execute(CLAIM_BY_HAND)
+    assert claim.error is None and "claimed" in claim.output, claim
+    table = tmp_path / "gradebook.csv"
+    started = time.monotonic()
+    graded = subprocess.run(
+        [sys.executable, "-m", "labkit.classroom.gradebook", "--hub", class_hub.base,
+         "--token-file", str(class_hub.state / "hub" / "gradebook-token"), "--exercises", "average_gradients",
+         "--csv", str(table)], capture_output=True, text=True, timeout=600, cwd=REPOSITORY)
+    seconds = time.monotonic() - started
+    assert graded.returncode == 0, graded.stderr + graded.stdout
+    print(f"\n{graded.stdout}\ngradebook: {len(names)} students in {seconds:.0f} s")
+    rows = {row["student"]: row for row in csv.DictReader(table.open())}
+    assert sorted(rows) == sorted(names), rows  # the hub's class list: every student, no one else
+    assert rows[right]["passed"] == "yes" and rows[right]["re-graded"] == "passed", rows[right]
+    assert rows[right]["first passed at"] and rows[right]["note"] == "", rows[right]
+    for name in (wrong, claimer):
+        assert rows[name]["passed"] == "no" and rows[name]["re-graded"] == "failed", rows[name]
+        assert STANDS in rows[name]["note"] and rows[name]["first passed at"] == "", rows[name]
+    # the hand-edited claim is shown, beside the verdict that stands
+    assert rows[claimer]["progress file says"] == "passed at 2026-01-05T10:00:00+00:00", rows[claimer]
+    assert rows[claimer]["attempts recorded"] == "1", rows[claimer]
+    for name in names[3:]:  # the stub as the course left it in the notebook, whatever the kernel ran
+        assert rows[name]["re-graded"] == "not attempted" and rows[name]["passed"] == "no", rows[name]
+        assert STANDS in rows[name]["note"], rows[name]
 
 
 def test_nothing_is_left_running_after_the_hub_stops(class_hub):
