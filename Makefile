@@ -52,7 +52,7 @@ PROXY := deploy/node_modules/.bin/configurable-http-proxy
 unit notebooks browser: export LABKIT_PROGRESS = $(CURDIR)/$(ARTIFACTS)/progress.json
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab copy refresh test test-fast lint unit hub-test notebooks browser bench hub gradebook gpu-test gpu-wheels \
+.PHONY: help setup lab copy refresh test test-fast lint unit hub-test book book-test notebooks browser bench hub gradebook gpu-test gpu-wheels \
 	gpu-check clean
 
 help: ## list the targets
@@ -67,7 +67,7 @@ $(STAMP): pyproject.toml
 	@echo "make: installing PyTorch $(if $(TORCH_FROM),from $(TORCH_FROM),from PyPI)$(if $(and $(filter auto,$(TORCH_INDEX)),$(TORCH_FROM)), (no NVIDIA driver found: the CPU build; TORCH_INDEX= for PyPI's)), then the lab"
 	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) --no-deps $(if $(TORCH_FROM),--extra-index-url $(TORCH_FROM)) \
 		$$(sed -n 's/^ *"\(torch==[^"]*\)",$$/\1/p' pyproject.toml)
-	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) -e '.[lab,test,hub]'
+	$(BIN)/python -m pip install --progress-bar $(PIP_PROGRESS) -e '.[lab,test,hub,book]'
 	$(BIN)/python -m ipykernel install --sys-prefix --name labkit --display-name "Python (labkit)"
 	touch $(STAMP)
 
@@ -95,13 +95,13 @@ refresh: ## make refresh NOTEBOOK=03_ring_allreduce: your copy back to the cours
 			echo "make: your version is kept as $$backup"; fi; \
 		cp "notebooks/$(NOTEBOOK:.ipynb=).ipynb" "$$mine" && echo "make: $$mine is the course's version again"
 
-test: lint unit hub-test browser ## everything: lint, unit and distributed tests, every notebook (papermill and browser)
+test: lint unit hub-test book-test browser ## everything: lint, unit and distributed tests, every notebook (papermill, the website, the browser)
 	@echo "make test: all checks passed. Screenshots of every notebook: $(ARTIFACTS)/screenshots/"
 
 test-fast: lint unit hub-test notebooks ## without the browser: every notebook through nbval instead, for quick loops
 
 lint: setup ## ruff on code and notebooks; notebooks must be committed without outputs
-	$(BIN)/ruff check labkit tests benchmarks notebooks
+	$(BIN)/ruff check labkit tests benchmarks notebooks book
 	$(BIN)/nbstripout --verify notebooks/*.ipynb
 
 # The tests marked numerics (they compare floating-point results: tests/unit/test_numerics_marker.py) run again
@@ -109,7 +109,8 @@ lint: setup ## ruff on code and notebooks; notebooks must be committed without o
 # (MKL_CBWR: on an AVX-512 Intel CPU another GEMM code path; on AMD, MKL keeps its default but for small
 # matrices). An exact assert that holds only by one CPU's summation order may fail here as on another machine.
 unit: setup ## unit and distributed tests (real processes over gloo), TEST_WORKERS at a time; then papermill
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests --ignore=tests/browser --ignore=$(PAPERMILL_TESTS) --ignore=tests/hub
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) tests --ignore=tests/browser --ignore=$(PAPERMILL_TESTS) --ignore=tests/hub \
+		--ignore=tests/book
 	MKL_CBWR=AVX2 ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -n $(TEST_WORKERS) -m numerics -q \
 		$(NUMERICS_MODULES)
 	$(BIN)/python -m pytest -n $(PAPERMILL_WORKERS) $(PAPERMILL_TESTS)
@@ -117,6 +118,20 @@ unit: setup ## unit and distributed tests (real processes over gloo), TEST_WORKE
 # The class's hub with 8 students at once takes both cores by itself: its own phase, one test at a time.
 hub-test: setup $(PROXY) ## the class's JupyterHub, for real: 8 local students, isolation, caps, bounds, gradebook (root)
 	$(BIN)/python -m pytest -p no:cacheprovider tests/hub
+
+# The course as a website (book/): every notebook executed at 2 ranks, BOOK_WORKERS at a time, as a new student's
+# would run (no solution, no progress), then Sphinx (-W: a broken link or reference fails the build).
+BOOK_DIR ?= build/book
+BOOK_WORKERS ?= 2
+book: setup ## the course as a static website in build/book/html, every notebook executed at 2 ranks (a few minutes)
+	$(BIN)/python book/prepare.py $(BOOK_DIR) --workers $(BOOK_WORKERS)
+	rm -rf $(BOOK_DIR)/html
+	$(BIN)/sphinx-build -q -W --keep-going -b html -c book $(BOOK_DIR)/src $(BOOK_DIR)/html
+	@echo "make book: the site is $(BOOK_DIR)/html/index.html ($$(du -sh $(BOOK_DIR)/html | cut -f1)); serve it with" \
+		"$(BIN)/python -m http.server -d $(BOOK_DIR)/html"
+
+book-test: book ## the website in Chromium: every page's figures drawn, links resolved, no solution given away
+	LABKIT_BOOK=$(BOOK_DIR) $(BIN)/python -m pytest -p no:cacheprovider tests/book
 
 notebooks: setup ## run every notebook top to bottom (nbval)
 	$(BIN)/python -m pytest --nbval-lax --nbval-current-env --nbval-cell-timeout=$(CELL_TIMEOUT) \

@@ -18,8 +18,24 @@ settings.register_profile("labkit", deadline=None)
 settings.load_profile("labkit")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The browser tests' Chromium (tests/browser, tests/book): Debian's, never a download (`playwright install` needs
+# the internet and a browser build Playwright chooses).
+CHROMIUM = os.environ.get("LABKIT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run", "--disable-quic"]
 # Graders record exercise progress (labkit.exercises.progress): the tests' goes here, never into the student's.
 os.environ["LABKIT_PROGRESS"] = os.path.join(ROOT, "test-artifacts", "progress.json")
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args):
+    """pytest-playwright's launch arguments, with Debian's Chromium; a skip (a failure in CI) without it."""
+    if not os.path.exists(CHROMIUM):
+        message = f"no Chromium at {CHROMIUM}: `apt-get install chromium`, or set LABKIT_CHROMIUM"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return {**browser_type_launch_args, "executable_path": CHROMIUM, "args": CHROMIUM_FLAGS}
 
 
 def _start(code: str, **env) -> subprocess.Popen:

@@ -5,7 +5,7 @@ outputs into the repository), with the course's JupyterLab defaults (jupyter/ove
 setup` installs them: code wraps, no news pop-up), its kernels' IPython config (jupyter/ipython_kernel_config.py:
 ipywidgets loaded as a kernel starts) and a test-only config: no token, root allowed (CI runs
 as root), cells never virtualised (`windowingMode: none`, else off-screen outputs are detached). Chromium is
-never downloaded: set LABKIT_CHROMIUM, or install Debian's `chromium`."""
+never downloaded: set LABKIT_CHROMIUM, or install Debian's `chromium` (tests/conftest.py's browser_type_launch_args)."""
 
 import json
 import os
@@ -21,9 +21,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS = ROOT / "test-artifacts" / "screenshots"
-CHROMIUM = os.environ.get("LABKIT_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run", "--disable-quic"]
 SETTINGS = {  # the test's own user settings; the student's defaults come from jupyter/overrides.json
     "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
 }
@@ -38,16 +35,6 @@ c.ServerApp.allow_root = True
 c.LabApp.user_settings_dir = {settings!r}
 c.LabApp.app_settings_dir = {app_settings!r}
 """
-
-
-@pytest.fixture(scope="session")
-def browser_type_launch_args(browser_type_launch_args):
-    if not os.path.exists(CHROMIUM):
-        message = f"no Chromium at {CHROMIUM}: `apt-get install chromium`, or set LABKIT_CHROMIUM"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    return {**browser_type_launch_args, "executable_path": CHROMIUM, "args": CHROMIUM_FLAGS}
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,235 @@
+"""The course's website as a reader gets it: `make book`'s build served on loopback, every page opened in Chromium.
+
+`make book-test` builds the site first (book/prepare.py executes every notebook at 2 ranks, then Sphinx); this test
+reads that build (LABKIT_BOOK, default build/book) and fails, in CI, when there is none. Checked on every page:
+no console error, every plotly figure of the executed notebook drawn (the executed notebook's own count, from
+book/prepare.py's executed/ copy, not the page's), every internal link and anchor resolving; across the site, no
+reference solution's own lines, no key of notebook 10's stack map, no cause the bug zoo's widget reveals only
+after Check; and the site's size, printed, under SIZE_BUDGET_BYTES. Screenshots of three pages at 1280 px go to
+test-artifacts/book/.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+from urllib.parse import unquote, urljoin, urlparse
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "notebooks"))
+from solutions import is_solution, solution_code  # noqa: E402 - the folded reference solutions
+
+from labkit.exercises.bug_zoo import CAUSES  # noqa: E402
+from labkit.exercises.stack_map import STACK_MAP  # noqa: E402
+
+BOOK = Path(os.environ.get("LABKIT_BOOK", ROOT / "build" / "book"))
+SITE, EXECUTED = BOOK / "html", BOOK / "executed"
+NOTEBOOKS = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+# plotly.js is 4.8 MB of it, the theme's fonts and scripts about 2 MB; 17 pages of text and figures (the traced
+# ring's animation is the largest, some 1 MB of frames) measured about 11 MB: room for the course to grow by half.
+SIZE_BUDGET_BYTES = 20 * 2**20
+SCREENSHOTS = ROOT / "test-artifacts" / "book"
+SHOWN = ("index", "03_ring_allreduce", "06_pipeline_parallel")
+
+
+def require_the_build() -> None:
+    if not (SITE / "index.html").is_file():
+        message = f"no site at {SITE}: run `make book` first (make book-test does)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def site_url():
+    """The built site, served on 127.0.0.1 by `python -m http.server` in a process of its own (a static host, as
+    GitHub Pages is). Served from a thread of this process, Chromium received some pages cut short while
+    Playwright's calls held the interpreter: a test of the server, not of the site."""
+    require_the_build()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                               "--directory", str(SITE)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/index.html", timeout=5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"http.server did not serve {SITE} on port {port}") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+def figures_in(notebook: dict) -> int:
+    """The plotly figures the executed notebook shows: its cells' outputs, and those inside the widgets' Output
+    areas (stored widget state) that are not hidden."""
+    cells = sum(PLOTLY_MIME in o.get("data", {}) for c in notebook["cells"] for o in c.get("outputs", []))
+    state = notebook.get("metadata", {}).get("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
+    hidden = {key for key, m in state.items() if m["state"].get("display") == "none"}
+    in_widgets = sum(PLOTLY_MIME in o.get("data", {}) for m in state.values()
+                     if m["model_name"] == "OutputModel" and (m["state"].get("layout") or "")[10:] not in hidden
+                     for o in m["state"].get("outputs", []))
+    return cells + in_widgets
+
+
+@pytest.mark.parametrize("name", ["index", *NOTEBOOKS])
+def test_every_page_draws_its_figures_without_console_errors(site_url, page, name):
+    errors = []
+    page.on("console", lambda message: errors.append(message.text) if message.type == "error" else None)
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.set_viewport_size({"width": 1280, "height": 900})
+    # "load", not "networkidle": a page's figures are drawn by its scripts as the page is parsed, and the traced
+    # ring's animation keeps the parser busy after the network has gone quiet (readyState still "loading")
+    page.goto(f"{site_url}/{name}.html", wait_until="load")
+    expected = 0 if name == "index" else figures_in(json.loads((EXECUTED / f"{name}.ipynb").read_text()))
+    figures = page.locator(".plotly-graph-div")
+    assert figures.count() == expected, (name, figures.count(), expected)
+    if expected:  # every figure drawn: plotly.js puts its SVG into each div
+        page.wait_for_function(f"document.querySelectorAll('.plotly-graph-div .main-svg').length >= {expected}",
+                               timeout=30_000)
+    assert not errors, (name, errors)
+    if name in SHOWN:  # at the first figure, as a reader scrolls to it
+        if expected:
+            figures.first.scroll_into_view_if_needed()
+            page.wait_for_timeout(500)
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(SCREENSHOTS / f"{name}.png"))
+
+
+def test_the_ring_animation_plays(site_url, page):
+    page.set_viewport_size({"width": 1280, "height": 900})
+    page.goto(f"{site_url}/03_ring_allreduce.html", wait_until="load")
+    animated = page.locator(".plotly-graph-div:has(.updatemenu-button)").first  # the figure with Play
+    animated.scroll_into_view_if_needed()
+    label = "div => div.querySelector('.slider-label').textContent"  # the slider names the frame shown
+    before = animated.evaluate(label)
+    animated.locator(".updatemenu-button").first.click()  # Play
+    animated.element_handle().wait_for_element_state("stable")
+    page.wait_for_function(f"([div, before]) => ({label})(div) !== before", arg=[animated.element_handle(), before],
+                           timeout=30_000)
+    assert animated.evaluate(label) != before
+
+
+class _Links(HTMLParser):
+    """A page's ids and its links' targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids, self.links = set(), []
+
+    def handle_starttag(self, tag, attrs):
+        attributes = dict(attrs)
+        if attributes.get("id"):
+            self.ids.add(attributes["id"])
+        if tag == "a" and attributes.get("href"):
+            self.links.append(attributes["href"])
+
+
+def parsed(path: Path) -> _Links:
+    links = _Links()
+    links.feed(path.read_text(encoding="utf-8"))
+    return links
+
+
+def test_every_internal_link_and_anchor_resolves():
+    require_the_build()
+    pages = {path.relative_to(SITE).as_posix(): parsed(path) for path in SITE.rglob("*.html")}
+    broken = []
+    for name, links in pages.items():
+        for href in links.links:
+            target = urlparse(urljoin(f"http://site/{name}", href))
+            if target.netloc != "site":
+                continue  # another site: the course's citations (PyTorch's docs, papers)
+            path = unquote(target.path).lstrip("/") or "index.html"
+            if not (SITE / path).exists():
+                broken.append(f"{name}: {href} (no {path})")
+            elif target.fragment and path in pages and target.fragment not in pages[path].ids:
+                broken.append(f"{name}: {href} (no #{target.fragment} in {path})")
+    assert not broken, "\n".join(broken)
+    assert {f"{n}.html" for n in NOTEBOOKS} <= set(pages)
+
+
+def site_texts() -> dict[str, str]:
+    """Every text file of the site (pages, scripts, the search index), HTML pages as the text a reader sees."""
+    texts = {}
+    for path in SITE.rglob("*"):
+        if path.is_file() and path.suffix in (".html", ".js", ".json", ".txt", ".ipynb", ".md", ".inv"):
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if path.suffix == ".html":
+                text = html.unescape(re.sub(r"<[^>]+>", "", text))
+            texts[path.relative_to(SITE).as_posix()] = " ".join(text.split())
+    return texts
+
+
+def own_lines(notebook: dict, course: str) -> list[str]:
+    """The lines of the notebook's reference solutions that nothing else in the course holds (`course`: the text of
+    every notebook's other cells, whitespace collapsed): a solution's giveaway, not a line any page may show."""
+    lines = [" ".join(line.split()) for c in notebook["cells"] if is_solution(c)
+             for line in solution_code(c).splitlines()]
+    return [line for line in lines if len(line) > 20 and line not in course]
+
+
+def test_nothing_is_given_away():
+    require_the_build()
+    texts = site_texts()
+    leaks = []
+    notebooks = {name: json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text()) for name in NOTEBOOKS}
+    course = " ".join(" ".join("".join(c["source"]).split()) for n in notebooks.values() for c in n["cells"]
+                      if not is_solution(c))
+    solution_lines = {name: own_lines(notebook, course) for name, notebook in notebooks.items()}
+    assert sum(map(len, solution_lines.values())) > 50, solution_lines  # enough of them to mean something
+    for name in NOTEBOOKS:
+        for line in solution_lines[name]:
+            leaks += [f"{name}'s solution line {line!r} in {where}" for where, text in texts.items() if line in text]
+    key = ", ".join(f"{product} {role}" for product, role in STACK_MAP.items())  # the sentence that says it all
+    leaks += [f"the stack map's key in {where}" for where, text in texts.items()
+              if where == "10_nccl_and_debugging.html" and key.split(", ", 1)[1][:40] in text]
+    leaks += [f"the stack map as data in {where}" for where, text in texts.items()
+              if json.dumps(STACK_MAP)[1:60] in text]
+    leaks += [f"the bug zoo's cause '{cause}' in {where}" for cause, said in CAUSES.items()
+              for where, text in texts.items() if " ".join(said.shows.split())[:60] in text]
+    assert not leaks, "\n".join(leaks)
+    # and what a reader should see: the stubs and the graders' verdicts on them
+    ring = texts["03_ring_allreduce.html"]
+    assert 'raise NotImplementedError("your turn")' in ring and "Not yet" in ring
+
+
+def test_each_page_says_where_and_at_which_commit_it_ran():
+    require_the_build()
+    texts = site_texts()
+    for name in NOTEBOOKS:
+        said = re.search(r"Executed for this site on (\d+) (\S+) ranks over (\w+): torch (\S+), .*?commit (\S+),",
+                         texts[f"{name}.html"])
+        assert said, name
+        assert said.group(1) == "2" and said.group(5) not in ("", "unknown"), (name, said.groups())
+
+
+def test_the_site_is_within_its_size_budget():
+    require_the_build()
+    nbytes = sum(path.stat().st_size for path in SITE.rglob("*") if path.is_file())
+    largest = max((p for p in SITE.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    print(f"\nthe site: {nbytes / 2**20:.1f} MiB in {sum(1 for _ in SITE.rglob('*'))} files; the largest "
+          f"{largest.relative_to(SITE)} ({largest.stat().st_size / 2**20:.1f} MiB)")
+    assert nbytes < SIZE_BUDGET_BYTES, nbytes
+    assert not list(SITE.glob("_sources/*")), "the site must not copy its sources (they are the notebooks)"
