@@ -4,7 +4,9 @@
 built from:
 - **Nothing given away.** Cells tagged `solution` (the folded reference solutions, tests/notebooks/solutions.py) and
   `answer-key` (a key an exercise checks against, e.g. notebook 10's stack map) are replaced by a line saying where
-  to find them: in the notebook, in JupyterLab. Stubs, hints and the graders' verdicts on the stubs stay.
+  to find them: in the notebook, in JupyterLab; so is a key stated within a sentence, marked
+  `<span class="answer-key">...</span>` (the stack map, taught in notebook 03 and restated in 16). Stubs, hints and
+  the graders' verdicts on the stubs stay.
 - **Figures stay interactive.** Each plotly figure (JupyterLab's `application/vnd.plotly.v1+json` output, in a cell
   or inside a widget) becomes the `<div>` and `Plotly.newPlot` call plotly.io.to_html writes, without plotly.js:
   the site loads plotly.js once (book/conf.py), not once per figure. Animations wait for their Play button.
@@ -20,6 +22,7 @@ from __future__ import annotations
 import copy
 import html
 import json
+import re
 
 import plotly.io as pio
 from markdown_it import MarkdownIt
@@ -33,6 +36,8 @@ WITHHELD_TAGS = {"solution": "The reference solution of the exercise above is in
                              "try it yourself first, in JupyterLab (`make lab`).",
                  "answer-key": "The key of the exercise above is in the notebook, not on the web: check your answers "
                                "in JupyterLab (`make lab`), where the widget says which are right."}
+KEY_IN_A_SENTENCE = re.compile(r'<span class="answer-key">.*?</span>', re.DOTALL)
+KEY_WITHHELD = "*(an exercise's key: withheld on the web, in the notebook)*"
 LIVE_NOTE = ("<p class=\"labkit-live\"><b>Live in JupyterLab.</b> This widget needs a running kernel: shown here as "
              "the notebook left it. Run the course yourself (<code>make lab</code>) to use it.</p>")
 FIGURE_CONFIG = {"displaylogo": False, "responsive": True}  # as labkit.widgets.figure_slot draws them in JupyterLab
@@ -179,6 +184,8 @@ def web_notebook(notebook: dict, provenance: str) -> dict:
         if withheld:
             cells.append(_markdown_cell(f"*{WITHHELD_TAGS[withheld[0]]}*", cell.get("id", f"withheld-{i}")))
             continue
+        if cell["cell_type"] == "markdown":
+            cell["source"] = KEY_IN_A_SENTENCE.sub(KEY_WITHHELD, _text(cell["source"]))
         if cell["cell_type"] == "code":
             cell["outputs"] = [_web_output(output, state) for output in cell.get("outputs", [])]
         cells.append(cell)

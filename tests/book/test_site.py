@@ -4,9 +4,9 @@
 reads that build (LABKIT_BOOK, default build/book) and fails, in CI, when there is none. Checked on every page:
 no console error, every plotly figure of the executed notebook drawn (the executed notebook's own count, from
 book/prepare.py's executed/ copy, not the page's), every internal link and anchor resolving; across the site, no
-reference solution's own lines, no key of notebook 10's stack map, no cause the bug zoo's widget reveals only
-after Check; and the site's size, printed, under SIZE_BUDGET_BYTES. Screenshots of three pages at 1280 px go to
-test-artifacts/book/.
+reference solution's own lines, no key of notebook 10's stack map (wherever the course states it), no cause the
+bug zoo's widget reveals only after Check; and the site's size, printed, under SIZE_BUDGET_BYTES. Screenshots of
+three pages at 1280 px go to test-artifacts/book/.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ def test_nothing_is_given_away():
             leaks += [f"{name}'s solution line {line!r} in {where}" for where, text in texts.items() if line in text]
     key = ", ".join(f"{product} {role}" for product, role in STACK_MAP.items())  # the sentence that says it all
     leaks += [f"the stack map's key in {where}" for where, text in texts.items()
-              if where == "10_nccl_and_debugging.html" and key.split(", ", 1)[1][:40] in text]
+              if key.split(", ", 1)[1][:40] in text]
     leaks += [f"the stack map as data in {where}" for where, text in texts.items()
               if json.dumps(STACK_MAP)[1:60] in text]
     leaks += [f"the bug zoo's cause '{cause}' in {where}" for cause, said in CAUSES.items()

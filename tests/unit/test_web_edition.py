@@ -61,6 +61,20 @@ def test_solutions_and_answer_keys_are_replaced_by_a_line_saying_where_they_are(
     assert original["cells"][2]["source"].endswith("</details>")  # the executed notebook itself is untouched
 
 
+def test_a_key_within_a_sentence_is_withheld_and_the_sentence_kept():
+    web = web_notebook(notebook(cell("markdown", 'In one clause each: <span class="answer-key">NCCL communicates,\n'
+                                                 'Triton serves.</span> Then more.')), "*p*")
+    assert web["cells"][0]["source"] == "In one clause each: *(an exercise's key: withheld on the web, in the " \
+                                        "notebook)* Then more."
+
+
+@pytest.mark.parametrize("name", ["03_ring_allreduce", "10_nccl_and_debugging", "16_review"])
+def test_the_stack_maps_key_is_withheld_wherever_the_course_states_it(name):
+    original = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text())
+    assert "TensorRT-LLM optimizes" in text_of(original)
+    assert "TensorRT-LLM optimizes" not in text_of(web_notebook(original, "*p*"))
+
+
 def test_where_it_ran_goes_under_the_title():
     web = web_notebook(notebook(cell("code", "x = 1"), cell("markdown", "# 03 · Title"), cell("markdown", "text")),
                        "*2 CPU ranks, gloo, commit abc123*")
@@ -129,12 +143,6 @@ def test_no_reference_solution_of_the_course_survives_its_web_edition(path):
                      if len(line.strip()) > 20 and json.dumps(line.strip())[1:-1] not in stub_text]
         assert own_lines, code  # a solution with lines of its own, which the web edition must not hold
         assert not [line for line in own_lines if json.dumps(line)[1:-1] in web], path.name
-
-
-def test_notebook_10s_stack_map_key_is_withheld():
-    original = json.loads((ROOT / "notebooks" / "10_nccl_and_debugging.ipynb").read_text())
-    assert "TensorRT-LLM optimizes" in text_of(original)
-    assert "TensorRT-LLM optimizes" not in text_of(web_notebook(original, "*p*"))
 
 
 README = """# The Lab
