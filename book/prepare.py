@@ -66,6 +66,20 @@ def execute(notebook: Path, executed: Path, world_size: int) -> float:
     return time.monotonic() - started
 
 
+def execute_all(notebooks: list[Path], executed: Path, world_size: int, workers: int) -> list[str]:
+    """Execute the notebooks, `workers` at a time, each one's time printed; the names of those that failed."""
+    failed = []
+    with ProcessPoolExecutor(workers) as pool:
+        runs = {n.stem: pool.submit(execute, n, executed / n.name, world_size) for n in notebooks}
+        for name, run in runs.items():
+            try:
+                print(f"book: {name} executed in {run.result():.0f} s", flush=True)
+            except Exception as error:  # noqa: BLE001 - papermill's (a cell's error, a timeout): said, then exit 1
+                failed.append(name)
+                print(f"book: {name} FAILED: {type(error).__name__}: {str(error).strip()[-2000:]}", flush=True)
+    return failed
+
+
 def write_sources(out: Path, notebooks: list[Path]) -> None:
     """The web editions of the executed notebooks, the landing page and plotly.js, in out/src/; where and at which
     commit they ran, as out/executed/provenance.json recorded it when they did."""
@@ -84,37 +98,50 @@ def write_sources(out: Path, notebooks: list[Path]) -> None:
     (source / "_static" / "labkit-book.css").write_bytes((BOOK / "labkit-book.css").read_bytes())
 
 
-def main(argv: list[str] | None = None) -> int:
+def _arguments(argv: list[str] | None) -> tuple[argparse.Namespace, list[Path]]:
+    """The command line (module docstring), and the notebooks it names."""
     parser = argparse.ArgumentParser(prog="python book/prepare.py", description=__doc__.split("\n")[0])
     parser.add_argument("out", type=Path, help="the build folder (its executed/ and src/ are replaced)")
     parser.add_argument("--world-size", type=int, default=2, help="ranks per notebook (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="notebooks executed at a time (default 2)")
-    parser.add_argument("--only", nargs="+", metavar="NAME", help="these notebooks only (e.g. 03_ring_allreduce)")
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="these notebooks only, e.g. 03_ring_allreduce (a partial site, for a quick look: its "
+                        "links to the others are broken)")
     parser.add_argument("--sources-only", action="store_true",
                         help="execute nothing: the web editions again from OUT/executed/ (after a change to them)")
     arguments = parser.parse_args(argv)
+    for option in ("world_size", "workers"):
+        if getattr(arguments, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be 1 or more, not {getattr(arguments, option)}")
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     if arguments.only:
         unknown = sorted(set(arguments.only) - {n.stem for n in notebooks})
         if unknown:
             parser.error(f"no such notebook: {', '.join(unknown)} (see notebooks/)")
         notebooks = [n for n in notebooks if n.stem in arguments.only]
+    missing = [n.name for n in notebooks if not (arguments.out / "executed" / n.name).is_file()]
+    if arguments.sources_only and missing:
+        parser.error(f"--sources-only: {arguments.out / 'executed'} lacks {', '.join(missing)}; build without it first")
+    return arguments, notebooks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Execute the notebooks, then write the site's sources; 1 if a notebook failed, 2 for a wrong command line."""
+    arguments, notebooks = _arguments(argv)
     executed = arguments.out / "executed"
     executed.mkdir(parents=True, exist_ok=True)
     os.environ["LABKIT_PROGRESS"] = str((arguments.out / "progress.json").resolve())  # never the builder's own
     Path(os.environ["LABKIT_PROGRESS"]).unlink(missing_ok=True)
     started = time.monotonic()
     if arguments.sources_only:
-        missing = [n.name for n in notebooks if not (executed / n.name).is_file()]
-        if missing:
-            parser.error(f"--sources-only: {executed} lacks {', '.join(missing)}; build without it first")
         write_sources(arguments.out, notebooks)
         return 0
     (executed / "provenance.json").write_text(json.dumps({"where it ran": where_it_ran(arguments.world_size)}) + "\n")
-    with ProcessPoolExecutor(arguments.workers) as pool:
-        runs = {n.stem: pool.submit(execute, n, executed / n.name, arguments.world_size) for n in notebooks}
-        for name, run in runs.items():
-            print(f"book: {name} executed in {run.result():.0f} s", flush=True)
+    failed = execute_all(notebooks, executed, arguments.world_size, arguments.workers)
+    if failed:
+        print(f"book: {len(failed)} notebook(s) failed ({', '.join(failed)}): the site is not built. Each one as it "
+              f"ran, up to its error, is in {executed}/; `make lab` and Run All shows the same cell failing.")
+        return 1
     print(f"book: {len(notebooks)} notebooks executed in {time.monotonic() - started:.0f} s", flush=True)
     write_sources(arguments.out, notebooks)
     return 0
