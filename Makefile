@@ -125,8 +125,8 @@ BOOK_DIR ?= build/book
 BOOK_WORKERS ?= 2
 book: setup ## the course as a static website in build/book/html, every notebook executed at 2 ranks (a few minutes)
 	$(BIN)/python book/prepare.py $(BOOK_DIR) --workers $(BOOK_WORKERS)
-	rm -rf $(BOOK_DIR)/html
-	$(BIN)/sphinx-build -q -W --keep-going -b html -c book $(BOOK_DIR)/src $(BOOK_DIR)/html
+	rm -rf $(BOOK_DIR)/html $(BOOK_DIR)/doctrees
+	$(BIN)/sphinx-build -q -W --keep-going -b html -c book -d $(BOOK_DIR)/doctrees $(BOOK_DIR)/src $(BOOK_DIR)/html
 	@echo "make book: the site is $(BOOK_DIR)/html/index.html ($$(du -sh $(BOOK_DIR)/html | cut -f1)); serve it with" \
 		"$(BIN)/python -m http.server -d $(BOOK_DIR)/html"
 

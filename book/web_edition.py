@@ -34,8 +34,9 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 WITHHELD_TAGS = {"solution": "The reference solution of the exercise above is in the notebook, folded, not on the web: "
                              "try it yourself first, in JupyterLab (`make lab`).",
-                 "answer-key": "The key of the exercise above is in the notebook, not on the web: check your answers "
-                               "in JupyterLab (`make lab`), where the widget says which are right."}
+                 "answer-key": "Withheld on the web: what follows here gives away an exercise's answer (its key, or "
+                               "which cause is whose). It is in the notebook: check your answers in JupyterLab (`make "
+                               "lab`), then read it there."}
 KEY_IN_A_SENTENCE = re.compile(r'<span class="answer-key">.*?</span>', re.DOTALL)
 KEY_WITHHELD = "*(an exercise's key: withheld on the web, in the notebook)*"
 LIVE_NOTE = ("<p class=\"labkit-live\"><b>Live in JupyterLab.</b> This widget needs a running kernel: shown here as "
@@ -182,7 +183,9 @@ def web_notebook(notebook: dict, provenance: str) -> dict:
         tags = set(cell.get("metadata", {}).get("tags", []))
         withheld = [tag for tag in WITHHELD_TAGS if tag in tags]
         if withheld:
-            cells.append(_markdown_cell(f"*{WITHHELD_TAGS[withheld[0]]}*", cell.get("id", f"withheld-{i}")))
+            note = f"*{WITHHELD_TAGS[withheld[0]]}*"
+            if not (cells and cells[-1]["source"] == note):  # one note for a run of withheld cells
+                cells.append(_markdown_cell(note, cell.get("id", f"withheld-{i}")))
             continue
         if cell["cell_type"] == "markdown":
             cell["source"] = KEY_IN_A_SENTENCE.sub(KEY_WITHHELD, _text(cell["source"]))
