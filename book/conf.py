@@ -15,6 +15,7 @@ author = "The Distributed Training Lab's authors"
 extensions = ["myst_nb"]
 nb_execution_mode = "off"  # executed by book/prepare.py, at 2 ranks
 nb_merge_streams = True  # a cell's prints as one block, as JupyterLab shows them
+nb_render_markdown_format = "gfm"  # outputs' Markdown with tables, as JupyterLab renders show_progress's table
 myst_heading_anchors = 3  # "#the-bubble" anchors for ## and ### headings, as GitHub and JupyterLab make them
 myst_enable_extensions = ["html_image"]  # no dollarmath: a "$" in the course is money, not LaTeX
 exclude_patterns = ["_build"]

@@ -52,7 +52,8 @@ def where_it_ran(world_size: int) -> str:
     today = datetime.date.today().isoformat()
     return (f"Executed for this site on {world_size} {device}ranks over {backend}: torch {torch.__version__}, "
             f"{platform.system()} {platform.machine()} with {os.cpu_count()} cores, commit {commit()}, {today}. "
-            "The timings shown are that machine's; run it yourself for yours.")
+            f"The timings shown are that machine's, and the outputs {world_size} ranks' where the text counts the "
+            "notebook's own default (often 4): run it yourself for yours.")
 
 
 def execute(notebook: Path, executed: Path, world_size: int) -> float:
@@ -89,7 +90,8 @@ def write_sources(out: Path, notebooks: list[Path]) -> None:
     source = out / "src"
     (source / "_static").mkdir(parents=True, exist_ok=True)
     for notebook in notebooks:
-        web = web_notebook(read(out / "executed" / notebook.name), f"*{provenance}*")
+        web = web_notebook(read(out / "executed" / notebook.name), f"*{provenance}*",
+                           {str((out / "progress.json").resolve()): "~/.labkit/progress.json"})
         (source / notebook.name).write_text(json.dumps(web, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     (source / "index.md").write_text(landing_page(readme, [n.stem for n in notebooks], provenance), encoding="utf-8")

@@ -41,6 +41,8 @@ KEY_IN_A_SENTENCE = re.compile(r'<span class="answer-key">.*?</span>', re.DOTALL
 KEY_WITHHELD = "*(an exercise's key: withheld on the web, in the notebook)*"
 LIVE_NOTE = ("<p class=\"labkit-live\"><b>Live in JupyterLab.</b> This widget needs a running kernel: shown here as "
              "the notebook left it. Run the course yourself (<code>make lab</code>) to use it.</p>")
+FOLD_CHARACTERS = 40_000  # a widget's snapshot longer than this is folded under a summary
+STALE_NOTE_CLASS = "labkit-stale-note"  # labkit/widgets/app.py's note that a widget's kernel has stopped: not here
 FIGURE_CONFIG = {"displaylogo": False, "responsive": True}  # as labkit.widgets.figure_slot draws them in JupyterLab
 _MARKDOWN = MarkdownIt("commonmark", {"html": True}).enable("table")
 
@@ -51,7 +53,8 @@ def _text(value) -> str:
 
 
 def figure_html(figure: dict) -> str:
-    """One plotly figure (its JSON, as the plotly mime output holds it) as a <div> and its newPlot script."""
+    """One plotly figure (its JSON, as the plotly mime output holds it) as a <div> and its newPlot script. A figure
+    wider than the page's column (notebook 05's 880 px matrices) scrolls sideways in it (labkit-book.css)."""
     return pio.to_html(figure, include_plotlyjs=False, full_html=False, auto_play=False, config=FIGURE_CONFIG,
                        validate=False)
 
@@ -132,7 +135,12 @@ def _widget(model_id: str, state: dict) -> str:
         return _control(model, f"<div class=\"labkit-box labkit-column\">{items}</div>")
     if kind in ("DropdownModel", "SelectModel"):
         return _control(model, _options(model))
-    if kind.endswith("SliderModel") or kind in ("TextModel", "TextareaModel", "IntTextModel", "FloatTextModel"):
+    if kind.endswith("SliderModel"):
+        value = model.get("value", "")
+        bounds = "".join(f" {name}=\"{model[name]}\"" for name in ("min", "max", "step") if name in model)
+        return _control(model, f"<input type=\"range\" disabled{bounds} value=\"{html.escape(str(value))}\"> "
+                               f"<span>{html.escape(str(value))}</span>")
+    if kind in ("TextModel", "TextareaModel", "IntTextModel", "FloatTextModel"):
         shown = model.get("value", "")
         return _control(model, f"<input type=\"text\" disabled value=\"{html.escape(str(shown))}\">")
     if kind == "OutputModel":
@@ -141,12 +149,48 @@ def _widget(model_id: str, state: dict) -> str:
 
 
 def widget_html(model_id: str, state: dict) -> str:
-    """The note that the widget is live in JupyterLab, then its last state."""
-    return f"<div class=\"labkit-widget\">{LIVE_NOTE}{_widget(model_id, state)}</div>"
+    """The note that the widget is live in JupyterLab, then its last state; folded when it is long (notebook 16's
+    quiz: 33 questions, some 10,000 px of disabled buttons)."""
+    shown = _widget(model_id, state)
+    if len(shown) > FOLD_CHARACTERS:
+        shown = f"<details><summary>The widget as the notebook left it (open to see it all)</summary>{shown}</details>"
+    return f"<div class=\"labkit-widget\">{LIVE_NOTE}{shown}</div>"
 
 
 def _markdown_cell(source: str, cell_id: str) -> dict:
     return {"cell_type": "markdown", "id": cell_id, "metadata": {}, "source": source}
+
+
+def _as_printed(text: str) -> str:
+    """A stream's text as a terminal leaves it: of a line a progress bar rewrote with carriage returns, the last."""
+    return "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n"))
+
+
+def _web_outputs(outputs: list[dict], state: dict, replacements: dict[str, str]) -> list[dict]:
+    """A cell's outputs as the site shows them: consecutive prints of a stream as one, as printed; the note that a
+    widget's kernel has stopped left out (here no kernel ever ran it); figures and widgets as HTML."""
+    shown: list[dict] = []
+    for output in outputs:
+        if STALE_NOTE_CLASS in _text(output.get("data", {}).get("text/html", "")):
+            continue
+        if output.get("output_type") == "stream" and shown and shown[-1].get("output_type") == "stream" \
+                and shown[-1].get("name") == output.get("name"):
+            shown[-1] = {**shown[-1], "text": _text(shown[-1]["text"]) + _text(output["text"])}
+            continue
+        shown.append(output)
+    for i, output in enumerate(shown):
+        if output.get("output_type") == "stream":
+            shown[i] = {**output, "text": _as_printed(_text(output["text"]))}
+        shown[i] = _replaced(_web_output(shown[i], state), replacements)
+    return shown
+
+
+def _replaced(output: dict, replacements: dict[str, str]) -> dict:
+    """`output` with each key of `replacements` (the build's own paths) replaced by its value in every text."""
+    text = json.dumps(output)
+    for old, new in replacements.items():
+        text = text.replace(json.dumps(old)[1:-1], json.dumps(new)[1:-1])
+    return json.loads(text)
 
 
 def _web_output(output: dict, state: dict) -> dict:
@@ -159,6 +203,16 @@ def _web_output(output: dict, state: dict) -> dict:
     return output
 
 
+def _without_solution_intros(cells: list[dict]) -> list[dict]:
+    """The cells without the line before each reference solution ("The course's reference solution, folded: open it
+    only after trying."): on the web the solution is not there to open."""
+    def introduces(i: int) -> bool:
+        return (cells[i]["cell_type"] == "markdown" and i + 1 < len(cells)
+                and "solution" in cells[i + 1].get("metadata", {}).get("tags", [])
+                and _text(cells[i]["source"]).startswith("The course's reference solution"))
+    return [cell for i, cell in enumerate(cells) if not introduces(i)]
+
+
 def _as_this_site_ran(cells: list[dict]) -> list[dict]:
     """The cells with papermill's injected parameters folded into the notebook's `parameters` cell: one cell that
     shows the value this site ran with and the notebook's own, not two that disagree."""
@@ -168,18 +222,19 @@ def _as_this_site_ran(cells: list[dict]) -> list[dict]:
     values = [line for line in _text(injected[0]["source"]).splitlines() if line.strip() and not line.startswith("#")]
     for cell in cells:
         if "parameters" in cell.get("metadata", {}).get("tags", []):
-            own = " ".join(_text(cell["source"]).split())
-            cell["source"] = "\n".join(values) + f"  # as this site ran it; the notebook's own: {own}"
+            own = "\n".join(f"# {line}".rstrip() for line in _text(cell["source"]).splitlines())
+            cell["source"] = "\n".join(values) + "  # as this site ran it; the notebook's own cell:\n" + own
     return [c for c in cells if c is not injected[0]]
 
 
-def web_notebook(notebook: dict, provenance: str) -> dict:
+def web_notebook(notebook: dict, provenance: str, replacements: dict[str, str] | None = None) -> dict:
     """The web edition of an executed `notebook` (module docstring); `provenance` is the Markdown line of where and
-    at which commit it ran, put under its title."""
+    at which commit it ran, put under its title; `replacements` maps the build's own texts in outputs (its progress
+    file's path) to what a reader's would be."""
     web = copy.deepcopy(notebook)
     state = (web.get("metadata", {}).pop("widgets", {}).get(WIDGET_STATE) or {}).get("state", {})
     cells = []
-    for i, cell in enumerate(_as_this_site_ran(web["cells"])):
+    for i, cell in enumerate(_without_solution_intros(_as_this_site_ran(web["cells"]))):
         tags = set(cell.get("metadata", {}).get("tags", []))
         withheld = [tag for tag in WITHHELD_TAGS if tag in tags]
         if withheld:
@@ -190,7 +245,7 @@ def web_notebook(notebook: dict, provenance: str) -> dict:
         if cell["cell_type"] == "markdown":
             cell["source"] = KEY_IN_A_SENTENCE.sub(KEY_WITHHELD, _text(cell["source"]))
         if cell["cell_type"] == "code":
-            cell["outputs"] = [_web_output(output, state) for output in cell.get("outputs", [])]
+            cell["outputs"] = _web_outputs(cell.get("outputs", []), state, replacements or {})
         cells.append(cell)
     title = next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"), -1)
     cells.insert(title + 1, _markdown_cell(provenance, "where-it-ran"))

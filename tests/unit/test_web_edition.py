@@ -96,7 +96,31 @@ def test_papermills_injected_parameters_are_folded_into_the_parameters_cell():
                                 cell("code", "world_size = 4  # ranks", tags=["parameters"]),
                                 cell("code", "# Parameters\nworld_size = 2\n", tags=["injected-parameters"])), "*p*")
     code = [c["source"] for c in web["cells"] if c["cell_type"] == "code"]
-    assert code == ["world_size = 2  # as this site ran it; the notebook's own: world_size = 4 # ranks"]
+    assert code == ["world_size = 2  # as this site ran it; the notebook's own cell:\n# world_size = 4  # ranks"]
+
+
+def stream(text: str) -> dict:
+    return {"output_type": "stream", "name": "stdout", "text": text}
+
+
+def test_outputs_read_as_printed_and_the_builds_own_paths_as_a_readers():
+    stale = display({"text/html": "<div class='labkit-stale-note'>This output is from an earlier session</div>"})
+    outputs = [stream("\rbar:  50%|##  |"), stream("\rbar: 100%|####|\n"), stream("done\n"), stale,
+               display({"text/markdown": "kept in /build/progress.json"})]
+    web = web_notebook(notebook(cell("markdown", "# t"), cell("code", "run()", outputs=outputs)), "*p*",
+                       {"/build/progress.json": "~/.labkit/progress.json"})
+    shown = web["cells"][2]["outputs"]
+    assert shown[0]["text"] == "bar: 100%|####|\ndone\n"  # one stream, each rewritten line as it was left
+    assert len(shown) == 2 and "earlier session" not in text_of(shown)  # no kernel stopped here: none ran it
+    assert shown[1]["data"]["text/markdown"] == "kept in ~/.labkit/progress.json"
+
+
+def test_the_line_before_a_solution_goes_with_it():
+    intro = cell("markdown", "The course's reference solution, folded: open it only after trying.")
+    web = web_notebook(notebook(cell("markdown", "# t"), intro, cell("markdown", "secret", tags=["solution"]),
+                                cell("markdown", "after")), "*p*")
+    assert "open it only after trying" not in text_of(web) and "secret" not in text_of(web)
+    assert [c["source"] for c in web["cells"]][-1] == "after"
 
 
 WIDGETS = {
@@ -116,7 +140,7 @@ WIDGETS = {
 def test_a_widget_shows_its_last_state_under_the_line_that_it_is_live_in_jupyterlab():
     shown = widget_html("box", WIDGETS)
     assert shown.index(LIVE_NOTE) < shown.index("<b>Predict first.</b>")
-    assert 'value="4"' in shown and "ranks p" in shown
+    assert 'type="range" disabled value="4"' in shown and "ranks p" in shown
     assert re.search(r"<option selected>nccl</option>", shown) and "<button disabled>Run the experiment" in shown
     assert "the verdict, shown after Check" not in shown  # hidden in the notebook, hidden here
     assert "Plotly.newPlot" in shown and "5 &lt; 7" in shown  # an Output widget's figure and text
