@@ -27,7 +27,8 @@ import re
 import plotly.io as pio
 from markdown_it import MarkdownIt
 
-__all__ = ["LIVE_NOTE", "PLOTLY_MIME", "WIDGET_MIME", "WITHHELD_TAGS", "figure_html", "web_notebook", "widget_html"]
+__all__ = ["LIVE_NOTE", "PLOTLY_MIME", "WIDGET_MIME", "WITHHELD_TAGS", "figure_html", "read", "web_notebook",
+           "widget_html"]
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
@@ -62,7 +63,7 @@ def figure_html(figure: dict) -> str:
 def _output_html(output: dict, state: dict) -> str:
     """A cell's or an Output widget's output as static HTML (a figure, a widget, HTML, Markdown, text)."""
     if output.get("output_type") == "stream":
-        return f"<pre class=\"labkit-stream\">{html.escape(_text(output.get('text', '')))}</pre>"
+        return f"<pre class=\"labkit-stream\">{html.escape(_as_printed(_text(output.get('text', ''))))}</pre>"
     if output.get("output_type") == "error":
         return f"<pre class=\"labkit-error\">{html.escape(output.get('ename', ''))}: " \
                f"{html.escape(output.get('evalue', ''))}</pre>"
