@@ -16,6 +16,13 @@ from labkit.plan.axis_traffic import (
 )
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
 from labkit.plan.bubble import bubble_fraction
+from labkit.plan.context_parallel import (
+    CONTEXT_VARIANTS,
+    attention_work,
+    context_attention_saved_nbytes,
+    context_layout,
+    context_parallel_nbytes,
+)
 from labkit.plan.counts import format_count, parse_count
 from labkit.plan.memory import (
     YOUR_CHOICE,
@@ -55,6 +62,7 @@ from labkit.plan.worked_example import WorkedExample, worked_example
 
 __all__ = [
     "BACKWARD_SHARE",
+    "CONTEXT_VARIANTS",
     "GB",
     "GPTShape",
     "RECOMPUTE",
@@ -64,6 +72,7 @@ __all__ = [
     "WorkedExample",
     "activation_nbytes",
     "allreduce_seconds",
+    "attention_work",
     "attention_lora_shapes",
     "axis_traffic",
     "axis_wire_bytes",
@@ -71,6 +80,9 @@ __all__ = [
     "bubble_fraction",
     "bus_bandwidth",
     "check_fit",
+    "context_attention_saved_nbytes",
+    "context_layout",
+    "context_parallel_nbytes",
     "data_parallel_speedup",
     "effective_batch",
     "fit_alpha_beta",
