@@ -48,12 +48,16 @@ import math
 import torch
 
 from labkit import groups
+from labkit._refusals import refuse_while_graded
 from labkit.comm.torch_transport import default_transport
 from labkit.parallel._collectives import all_gather, record_collective, reduce_scatter
 from labkit.plan.context_parallel import attention_work, context_layout
 
-__all__ = ["allgather_attention", "attention_work", "context_layout", "context_positions", "merge_partials",
-           "partial_attention", "reference_attention", "ring_attention", "shard_sequence", "unshard_sequence"]
+__all__ = ["READY_MADE", "allgather_attention", "attend_and_merge", "attention_work", "context_layout",
+           "context_positions", "merge_partials", "partial_attention", "reference_attention", "ring_attention",
+           "shard_sequence", "unshard_sequence"]
+
+READY_MADE = ("labkit.parallel.context's partial_attention", "labkit.parallel.context's merge_partials")
 
 _TAG = 61  # the ring's message tag (ordered messages between the same two ranks; NCCL ignores tags)
 
@@ -85,6 +89,7 @@ def partial_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       diagonal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q k^T / sqrt(d)) v over this block of keys, and its log-sum-exp (one per query). `diagonal`: q and k
     are the same positions and the causal mask applies inside (query i sees keys 0..i)."""
+    refuse_while_graded(READY_MADE[0])
     scores = q.matmul(k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if diagonal:
         scores = scores.masked_fill(_above_diagonal(scores), float("-inf"))
@@ -97,10 +102,18 @@ def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     """Two partial attentions over disjoint blocks of keys merged into the attention over both (the log-sum-exp
     rule, module docstring). Stable: exponents are taken after subtracting the larger log-sum-exp, so nothing
     overflows however large the scores; lse1 may be -inf (nothing seen yet)."""
+    refuse_while_graded(READY_MADE[1])
     top = torch.maximum(lse1, lse2)
     weight1, weight2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
     lse = top + torch.log(weight1 + weight2)
     return out1 * torch.exp(lse1 - lse).unsqueeze(-1) + out2 * torch.exp(lse2 - lse).unsqueeze(-1), lse
+
+
+def attend_and_merge(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     diagonal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of the ring for one pair of chunks: the attention of q over this block of keys, merged into the
+    running (out, lse) (lse -inf where nothing is seen yet). What notebook 17's "your turn" asks for."""
+    return merge_partials(out, lse, *partial_attention(q, k, v, diagonal))
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True) -> torch.Tensor:
@@ -128,11 +141,13 @@ def _pairs(mine: list[tuple[int, int]], theirs: list[tuple[int, int]], causal: b
     return pairs
 
 
-def _attend_block(q, k, v, out, lse, pairs) -> None:
-    """Merge the attention of q over one block of keys (k, v) into the running (out, lse), pair by pair."""
+def _attend_block(q, k, v, out, lse, pairs, update=None) -> None:
+    """Merge the attention of q over one block of keys (k, v) into the running (out, lse), pair by pair, with
+    `update` (attend_and_merge, or a student's), each call given copies, so that one changing its inputs in place
+    changes nothing else."""
     for qs, ks, diagonal in pairs:
-        block_out, block_lse = partial_attention(q[..., qs, :], k[..., ks, :], v[..., ks, :], diagonal)
-        out[..., qs, :], lse[..., qs] = merge_partials(out[..., qs, :], lse[..., qs], block_out, block_lse)
+        given = (out[..., qs, :], lse[..., qs], q[..., qs, :], k[..., ks, :], v[..., ks, :])
+        out[..., qs, :], lse[..., qs] = (update or attend_and_merge)(*(t.clone() for t in given), diagonal)
 
 
 def _block_gradients(q, k, v, do, lse, delta, dq, dk, dv, pairs) -> None:
@@ -195,14 +210,14 @@ class _Ring:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, length, group, causal, zigzag):
+    def forward(ctx, q, k, v, length, group, causal, zigzag, update):
         ring = _Ring(length, group, zigzag, q, k, v)
         mine = ring.layout[ring.rank]
         out = torch.zeros_like(q)
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         block = [k, v]
         for step in range(ring.cp):
-            _attend_block(q, *block, out, lse, _pairs(mine, ring.layout[ring.owner(step)], causal))
+            _attend_block(q, *block, out, lse, _pairs(mine, ring.layout[ring.owner(step)], causal), update)
             if step < ring.cp - 1:
                 block = ring.shift(block, step)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -224,15 +239,17 @@ class _RingAttention(torch.autograd.Function):
                 block = ring.shift(block, step)
         # The gradients now held belong to rank r + 1 (owner(cp - 1)): one more step hands every block's home.
         dk, dv = ring.shift(block[2:], ring.cp - 1) if ring.cp > 1 else block[2:]
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int, group=None, causal: bool = True,
-                   zigzag: bool = True) -> torch.Tensor:
+                   zigzag: bool = True, update=None) -> torch.Tensor:
     """Attention of this rank's queries over the whole `length`-token sequence, K and V passed around the ring of
     `group` (None: the world); q, k, v hold this rank's positions as `context_layout` gives them. Forward and
-    backward equal one process's attention (tests/distributed/test_context_parallel.py)."""
-    return _RingAttention.apply(q, k, v, length, group, causal, zigzag)
+    backward equal one process's attention (tests/distributed/test_context_parallel.py). `update(out, lse, q, k,
+    v, diagonal)` is the forward's step (attend_and_merge by default; notebook 17's grader passes a student's);
+    the backward recomputes with its own."""
+    return _RingAttention.apply(q, k, v, length, group, causal, zigzag, update)
 
 
 # ==== the all-gather variant ======================================================================================

@@ -17,12 +17,27 @@ all-reduce).
 
 from __future__ import annotations
 
-from labkit.checks import choice, whole
+from labkit.checks import choice, finite_result, flag, whole
 
-__all__ = ["CONTEXT_VARIANTS", "attention_work", "context_attention_saved_nbytes", "context_layout",
+__all__ = ["CONTEXT_VARIANTS", "MAX_CP", "attention_work", "context_attention_saved_nbytes", "context_layout",
            "context_parallel_nbytes", "held_positions"]
 
 CONTEXT_VARIANTS = ("ring", "allgather")
+MAX_CP = 512  # ranks of one cp group: far beyond any published run's (Llama 3: 16), small enough to list pairs
+
+
+def _checked(length, cp, zigzag) -> tuple[int, int, bool]:
+    """The layout's arguments checked: cp ranks (1 to MAX_CP), a flag, and a length of a token per chunk."""
+    cp, zigzag = whole("cp", cp), flag("zigzag", zigzag)
+    if cp > MAX_CP:
+        raise ValueError(f"cp={cp}: context parallelism over at most {MAX_CP} ranks here; pass a smaller cp.")
+    pieces = 2 * cp if zigzag else cp
+    length = whole("length", length)
+    if length < pieces:
+        raise ValueError(f"length={length}: a sequence of {length} tokens cannot be cut into {pieces} chunks (cp = "
+                         f"{cp}{', zig-zag: 2 cp chunks' if zigzag else ''}); pass at least {pieces} tokens, or "
+                         "fewer ranks.")
+    return length, cp, zigzag
 
 
 def context_layout(length: int, cp: int, zigzag: bool = True) -> list[list[tuple[int, int]]]:
@@ -36,12 +51,8 @@ def context_layout(length: int, cp: int, zigzag: bool = True) -> list[list[tuple
     >>> context_layout(10, 2)
     [[(0, 3), (8, 10)], [(3, 6), (6, 8)]]
     """
-    cp = whole("cp", cp)
+    length, cp, zigzag = _checked(length, cp, zigzag)
     pieces = 2 * cp if zigzag else cp
-    if isinstance(length, bool) or not isinstance(length, int) or length < pieces:
-        raise ValueError(f"a sequence of {length!r} tokens cannot be cut into {pieces} chunks (cp = {cp}"
-                         f"{', zig-zag: 2 cp chunks' if zigzag else ''}): pass at least {pieces} tokens, or fewer "
-                         "ranks.")
     size, longer = divmod(length, pieces)
     starts = [i * size + min(i, longer) for i in range(pieces + 1)]
     chunks = [(starts[i], starts[i + 1]) for i in range(pieces)]
@@ -63,10 +74,11 @@ def attention_work(length: int, cp: int, zigzag: bool = True, causal: bool = Tru
     >>> attention_work(16, 4, zigzag=False), attention_work(16, 4)
     ([16, 32, 48, 64], [36, 36, 36, 36])
     """
-    layout = context_layout(length, cp, zigzag)
+    layout, causal = context_layout(length, cp, zigzag), flag("causal", causal)
     every = [chunk for chunks in layout for chunk in chunks]
-    return [sum((q1 - q0) * (k1 - k0) for q0, q1 in mine for k0, k1 in every if not causal or k0 <= q0)
+    work = [sum((q1 - q0) * (k1 - k0) for q0, q1 in mine for k0, k1 in every if not causal or k0 <= q0)
             for mine in layout]
+    return finite_result("attention_work", work, length=length)
 
 
 def context_parallel_nbytes(length: int, cp: int, rows: int, head_dim: int, bytes_per_element: int,
@@ -88,11 +100,14 @@ def context_parallel_nbytes(length: int, cp: int, rows: int, head_dim: int, byte
     per_position = 2 * rows * head_dim * bytes_per_element  # K and V of one position
     if variant == "allgather":
         each = (cp - 1) * max(held) * per_position
-        return {"forward": [each] * cp, "backward": [each] * cp}
-    passed = [[held[(r - s) % cp] for s in range(cp - 1)] for r in range(cp)]  # the blocks rank r passes on
-    home = [held[(r + 1) % cp] if cp > 1 else 0 for r in range(cp)]  # the gradients it sends home at the end
-    return {"forward": [sum(blocks) * per_position for blocks in passed],
-            "backward": [(2 * sum(blocks) + last) * per_position for blocks, last in zip(passed, home, strict=True)]}
+        sent = {"forward": [each] * cp, "backward": [each] * cp}
+    else:
+        passed = [sum(held) - held[(r + 1) % cp] for r in range(cp)]  # blocks of r, r - 1, ..., r - cp + 2
+        home = [held[(r + 1) % cp] if cp > 1 else 0 for r in range(cp)]  # the gradients it sends home at the end
+        sent = {"forward": [n * per_position for n in passed],
+                "backward": [(2 * n + last) * per_position for n, last in zip(passed, home, strict=True)]}
+    return finite_result("context_parallel_nbytes", sent, length=length, rows=rows, head_dim=head_dim,
+                         bytes_per_element=bytes_per_element)
 
 
 def context_attention_saved_nbytes(length: int, cp: int, rows: int, head_dim: int, bytes_per_element: int,
@@ -106,6 +121,7 @@ def context_attention_saved_nbytes(length: int, cp: int, rows: int, head_dim: in
     held = held_positions(length, cp, zigzag)
     width = rows * head_dim * bytes_per_element
     lse = rows * bytes_per_element
-    if variant == "allgather":
-        return [n * (2 * width + lse) + 2 * length * width for n in held]
-    return [n * (4 * width + lse) for n in held]
+    saved = ([n * (2 * width + lse) + 2 * length * width for n in held] if variant == "allgather"
+             else [n * (4 * width + lse) for n in held])
+    return finite_result("context_attention_saved_nbytes", saved, length=length, rows=rows, head_dim=head_dim,
+                         bytes_per_element=bytes_per_element)

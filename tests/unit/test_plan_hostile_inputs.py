@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import labkit.plan
 from labkit.plan import traffic
 
-CONSTANTS = {"BACKWARD_SHARE", "GB", "RECOMPUTE", "YOUR_CHOICE", "ZERO_STAGES"}
+CONSTANTS = {"BACKWARD_SHARE", "CONTEXT_VARIANTS", "GB", "RECOMPUTE", "YOUR_CHOICE", "ZERO_STAGES"}
 # Functions known to fail the sweep, as strict xfails: once one is fixed its XPASS fails and it leaves this set.
 # (labkit.plan.counts, issue 13, was here until its errors named `count` and `text`.)
 KNOWN_GAPS: set[str] = set()
@@ -39,6 +39,13 @@ VALID = {
                            "algorithm": algorithm, "gamma_seconds_per_byte": 1e-12}
                           for algorithm in traffic.ALLREDUCE_ALGORITHMS],
     "attention_lora_shapes": [{"d_model": 4096, "layers": 32}],
+    "attention_work": [{"length": 1000, "cp": 4, "zigzag": zigzag, "causal": causal}
+                       for zigzag in (True, False) for causal in (True, False)],
+    "context_layout": [{"length": 1000, "cp": 4, "zigzag": zigzag} for zigzag in (True, False)],
+    "context_parallel_nbytes": [{"length": 1000, "cp": 4, "rows": 8, "head_dim": 64, "bytes_per_element": 2,
+                                 "variant": variant, "zigzag": True} for variant in ("ring", "allgather")],
+    "context_attention_saved_nbytes": [{"length": 1000, "cp": 4, "rows": 8, "head_dim": 64, "bytes_per_element": 2,
+                                        "variant": variant, "zigzag": False} for variant in ("ring", "allgather")],
     "bandwidth_for_speedup": [{"target_speedup": 3, "devices": 8, "compute_seconds": 1.0,
                                "nbytes_per_rank": 2.45e10, "overlap": overlap, "accumulation_steps": 2}
                               for overlap in (0.5, 1.0)],
