@@ -19,6 +19,9 @@
                       groups, against torch's DeviceMesh layout, no processes
     diagnosis   what is wrong with a wrong AllReduce: its values, its traffic (`ring_nbytes_per_rank`)
     verdict     Verdict, the grade every grader returns
+    ring_step   check_ring_step (notebook 17): the student's step of ring attention (a block's attention merged
+                into the running one by the log-sum-exp rule), on drawn blocks, then as ring attention's step on
+                2, 3 and 4 real ranks against one process (one file, on the kit)
     schedule_order  check_1f1b_order (notebook 06): the student's 1F1B action order for stage r of p with m
                     micro-batches, against labkit.parallel.pipeline's schedule for many (p, m, r), no processes
     progress    graded() records every grader's verdict in the student's progress file; show_progress() lists it
@@ -55,6 +58,7 @@ from labkit.exercises.quiz import (
     load_flashcards,
     load_questions,
 )
+from labkit.exercises.ring_step import check_ring_step
 from labkit.exercises.schedule_order import check_1f1b_order
 from labkit.exercises.sharded_step import check_sharded_step, step_inputs
 from labkit.exercises.stack_map import STACK_MAP, check_stack_map
@@ -63,6 +67,7 @@ from labkit.exercises.verdict import Verdict
 __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",
            "check_1f1b_order", "check_atomic_save", "check_average_gradients", "check_bucketed_ddp_hook",
            "check_fixed_training", "check_megatron_f_g", "check_mesh_coordinates", "check_naive_allreduce",
-           "check_no_sync_accumulation", "check_ring_allreduce", "check_sharded_step", "check_stack_map",
+           "check_no_sync_accumulation", "check_ring_allreduce", "check_ring_step", "check_sharded_step",
+           "check_stack_map",
            "load_distractor_families", "load_flashcards", "load_questions", "rank_input", "ring_nbytes_per_rank",
            "show_progress", "step_inputs", "where_ranks_waited"]

@@ -134,6 +134,6 @@ def torch_context_parallel():
 def test_torchs_context_parallel_needs_a_gpu_attention_kernel():
     """torch 2.13's context_parallel shards only the CUDA SDPA kernels (flash, efficient, cuDNN: its
     _context_parallel/_attention.py registers those ops); on CPU, SDPA runs _scaled_dot_product_flash_attention_for_cpu,
-    which has no sharding rule. tests/gpu/context_parallel_torch.py runs it on a GPU."""
+    which has no sharding rule. tests/gpu/test_context_cuda.py runs it on GPUs."""
     errors = labkit.run(torch_context_parallel, world_size=2)
     assert all(e is not None and "_scaled_dot_product_flash_attention_for_cpu" in e for e in errors), errors
