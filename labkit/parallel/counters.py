@@ -100,8 +100,9 @@ class CollectiveCounter(Traffic):
             >>> labkit.run(per_axis, world_size=4)[0]
             {'dp': 12, 'pp': 0, 'tp': 24, (0, 1, 2, 3): 12}
         """
-        axis_of = {tuple(groups.group_ranks(mesh.group(axis))): axis for axis in AXES if mesh.size(axis) > 1}
-        per_axis: dict[str | tuple[int, ...], Traffic] = {axis: Traffic() for axis in AXES}
+        axes = getattr(mesh, "axes", AXES)  # a Mesh with a cp axis has four
+        axis_of = {tuple(groups.group_ranks(mesh.group(axis))): axis for axis in axes if mesh.size(axis) > 1}
+        per_axis: dict[str | tuple[int, ...], Traffic] = {axis: Traffic() for axis in axes}
         for ranks in sorted(self.by_group, key=lambda r: (len(r) > 1, r)):  # ALONE first, then by ranks
             key = axis_of.get(ranks, ALONE if len(ranks) == 1 else ranks)
             per_axis[key] = self.by_group[ranks]

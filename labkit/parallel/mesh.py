@@ -14,6 +14,11 @@ mesh_dim_names ("dp", "pp", "tp") and hands each primitive its axis's group: `gr
 `mesh_layout` computes the same layout with no process at all, for figures and for clusters larger than
 this machine.
 
+`Mesh(cp=c)` adds a context-parallel axis (notebook 17: the ranks of a cp group share one sequence), between pp and
+tp as torchtitan orders its mesh (pp, dp, cp, tp; torchtitan/distributed/parallel_dims.py): the mesh's `axes` are
+then ("dp", "pp", "cp", "tp") and rank = ((dp_i * pp + pp_j) * cp + cp_l) * tp + tp_k. Without it (cp=1) the mesh
+is the 3D one above, axes AXES, unchanged.
+
 What init_device_mesh costs (torch 2.13): it creates every group of every axis, and the creation is a
 collective of the whole world. Under gloo it calls `new_group` once per group (dp=2, pp=1, tp=2 on 4 ranks:
 2 + 4 + 2 = 8 calls, 15-35 ms on 2 CPU cores; an axis spanning the whole world reuses the world's group);
@@ -34,9 +39,10 @@ from labkit import groups
 from labkit._refusals import refuse_while_graded
 from labkit.checks import choice, shown, whole
 
-__all__ = ["AXES", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "mesh_layout"]
+__all__ = ["AXES", "CONTEXT_AXES", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "mesh_layout"]
 
 AXES = ("dp", "pp", "tp")  # outermost to innermost
+CONTEXT_AXES = ("dp", "pp", "cp", "tp")  # a mesh with a cp axis: cp inside pp, outside tp (torchtitan's order)
 MAX_LAYOUT_RANKS = 1 << 16  # 65,536: more GPUs than any published training run; the layout is a list per rank
 
 
@@ -47,7 +53,7 @@ class _BuiltMesh(NamedTuple):
     device_mesh: object  # torch.distributed.device_mesh.DeviceMesh
 
 
-_BUILT: dict[tuple[str, tuple[int, int, int]], _BuiltMesh] = {}  # (device type, shape) -> the mesh built for it
+_BUILT: dict[tuple[str, tuple[int, ...]], _BuiltMesh] = {}  # (device type, shape) -> the mesh built for it
 
 
 @dataclass(frozen=True)
@@ -109,10 +115,6 @@ def _sizes(world_size: int, dp, pp, tp) -> dict[str, int]:
     return {"dp": dp, "pp": pp, "tp": tp}
 
 
-def _axis(axis: str) -> str:
-    return choice("axis", axis, AXES)
-
-
 class Mesh:
     """This rank's place on a dp x pp x tp mesh of the world, and each axis's process group: a thin layer over
     torch's DeviceMesh with the course's axis names. Build it on every rank, with the same sizes (it is a
@@ -134,45 +136,55 @@ class Mesh:
     ({'dp': 1, 'pp': 0, 'tp': 1}, 1, 2, 5)
     """
 
-    def __init__(self, dp: int | None = None, pp: int = 1, tp: int = 1):
+    def __init__(self, dp: int | None = None, pp: int = 1, tp: int = 1, cp: int = 1):
         refuse_while_graded("labkit.parallel.Mesh")
         groups.require_group("Mesh")
         # before any check: a rank that raised alone would leave the others waiting in init_device_mesh
-        groups.check_same((dp, pp, tp), "Mesh", "sizes (dp, pp, tp)", "Pass the same sizes on every rank.")
-        self._sizes = _sizes(groups.group_size(), dp, pp, tp)
-        self.device_mesh = _device_mesh(labkit.device().type, tuple(self._sizes[a] for a in AXES))
+        groups.check_same((dp, pp, tp, cp), "Mesh", "sizes (dp, pp, tp, cp)", "Pass the same sizes on every rank.")
+        cp = whole("cp", cp)
+        self.axes = CONTEXT_AXES if cp > 1 else AXES
+        world = groups.group_size()
+        if world % cp:
+            raise ValueError(f"cp={cp} does not divide the world of {world} ranks: pass a cp that does.")
+        sizes = _sizes(world // cp, dp, pp, tp)
+        self._sizes = {axis: cp if axis == "cp" else sizes[axis] for axis in self.axes}
+        self.device_mesh = _device_mesh(labkit.device().type, tuple(self._sizes[a] for a in self.axes), self.axes)
 
     def group(self, axis: str):
-        """The ProcessGroup of this rank's group on `axis` ("dp", "pp" or "tp"), for a primitive's `group=`."""
-        return self.device_mesh.get_group(_axis(axis))
+        """The ProcessGroup of this rank's group on `axis` ("dp", "pp", "tp", and "cp" where the mesh has one), for
+        a primitive's `group=`."""
+        return self.device_mesh.get_group(self._axis(axis))
 
     @property
     def coordinate(self) -> dict[str, int]:
-        """This rank's index on each axis: {"dp": i, "pp": j, "tp": k}."""
-        return dict(zip(AXES, self.device_mesh.get_coordinate(), strict=True))
+        """This rank's index on each axis: {"dp": i, "pp": j, "tp": k} (and "cp")."""
+        return dict(zip(self.axes, self.device_mesh.get_coordinate(), strict=True))
 
     def size(self, axis: str) -> int:
-        """How many ranks a group on `axis` holds."""
-        return self._sizes[_axis(axis)]
+        """How many ranks a group on `axis` holds (1 for "cp" on a mesh without one)."""
+        return 1 if axis == "cp" and "cp" not in self.axes else self._sizes[self._axis(axis)]
 
     def rank_in(self, axis: str) -> int:
         """This rank's number inside its group on `axis`: its coordinate on that axis."""
-        return self.device_mesh.get_local_rank(_axis(axis))
+        return self.device_mesh.get_local_rank(self._axis(axis))
+
+    def _axis(self, axis: str) -> str:
+        return choice("axis", axis, self.axes)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{a}={n}" for a, n in self._sizes.items())
         return f"Mesh({sizes}) on {self.device_mesh.device_type}, this rank at {self.coordinate}"
 
 
-def _device_mesh(device_type: str, shape: tuple[int, int, int]):
-    """torch's DeviceMesh of `shape` on the axes dp, pp, tp, built once per world process group: building it
-    again would open new connections for every group (see the module's docstring)."""
+def _device_mesh(device_type: str, shape: tuple[int, ...], axes: tuple[str, ...] = AXES):
+    """torch's DeviceMesh of `shape` on `axes` (dp, pp, tp; or dp, pp, cp, tp), built once per world process group:
+    building it again would open new connections for every group (see the module's docstring)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.group.WORLD
     built = _BUILT.get((device_type, shape))
     if built is None or built.world is not world:  # first time, or a new world since (torchrun scripts may re-init)
-        built = _BuiltMesh(world, init_device_mesh(device_type, shape, mesh_dim_names=AXES))
+        built = _BuiltMesh(world, init_device_mesh(device_type, shape, mesh_dim_names=axes))
         _BUILT[(device_type, shape)] = built
     return built.device_mesh
