@@ -9,6 +9,8 @@ counters.py opens the counters and re-exports record_collective.
     reduce_scatter(out, t, group, async_op)      this rank's part of the sum of `t`, counted as "reduce_scatter"
     all_gather_by_broadcasts(out, t, group, ..)  all_gather's result and count, one broadcast per rank (for gloo)
     reduce_scatter_by_all_reduce(t, group, ..)   reduce_scatter's count, the whole sum in `t` (for gloo)
+    all_to_all(out, t, out_splits, in_splits, ..)  rows of `t` to each group rank, counted as "all_to_all" of t
+    all_to_all_sizes(out, t, group)              the split sizes first, equal parts, counted as "all_to_all_sizes"
     record_collective(kind, t, group)            what each of them tells the open counters, before it goes out
     all_gather_single, reduce_scatter_single     torch's collectives under their torch 2.13 names, on any release
 
@@ -85,6 +87,21 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
     """The group's sum of `input` (group size x output's numel), of which this rank keeps its part in `output`."""
     return _counted("reduce_scatter", input, group, reduce_scatter_single, output, input, async_op=async_op)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None, group=None, async_op: bool = False):
+    """`input`'s rows, input_split_sizes[r] of them to group rank r in order, and `output` filled with what each
+    rank sent this one, output_split_sizes[r] rows from rank r: dist.all_to_all_single, uneven where the sizes say
+    (None: equal). Counted as what this rank hands it, the part it keeps included."""
+    return _counted("all_to_all", input, group, dist.all_to_all_single, output, input, output_split_sizes,
+                    input_split_sizes, async_op=async_op)
+
+
+def all_to_all_sizes(output: torch.Tensor, input: torch.Tensor, group=None):
+    """Equal parts of `input` (split sizes, one per expert) to each group rank, before an uneven all_to_all of the
+    rows they size; counted as "all_to_all_sizes"."""
+    return _counted("all_to_all_sizes", input, group, dist.all_to_all_single, output, input)
 
 
 def all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):

@@ -17,7 +17,9 @@ this machine.
 `Mesh(cp=c)` adds a context-parallel axis (notebook 17: the ranks of a cp group share one sequence), between pp and
 tp as torchtitan orders its mesh (pp, dp, cp, tp; torchtitan/distributed/parallel_dims.py): the mesh's `axes` are
 then ("dp", "pp", "cp", "tp") and rank = ((dp_i * pp + pp_j) * cp + cp_l) * tp + tp_k. Without it (cp=1) the mesh
-is the 3D one above, axes AXES, unchanged.
+is the 3D one above, axes AXES, unchanged. `Mesh(ep=e)` adds an expert-parallel axis the same way, inside cp
+(notebook 18: the ranks of an ep group hold different experts and exchange tokens), axes ALL_AXES less those of
+size 1.
 
 What init_device_mesh costs (torch 2.13): it creates every group of every axis, and the creation is a
 collective of the whole world. Under gloo it calls `new_group` once per group (dp=2, pp=1, tp=2 on 4 ranks:
@@ -39,10 +41,11 @@ from labkit import groups
 from labkit._refusals import refuse_while_graded
 from labkit.checks import choice, shown, whole
 
-__all__ = ["AXES", "CONTEXT_AXES", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "mesh_layout"]
+__all__ = ["ALL_AXES", "AXES", "CONTEXT_AXES", "MAX_LAYOUT_RANKS", "Mesh", "MeshPlace", "mesh_layout"]
 
 AXES = ("dp", "pp", "tp")  # outermost to innermost
 CONTEXT_AXES = ("dp", "pp", "cp", "tp")  # a mesh with a cp axis: cp inside pp, outside tp (torchtitan's order)
+ALL_AXES = ("dp", "pp", "cp", "ep", "tp")  # every axis a Mesh can have, outermost to innermost
 MAX_LAYOUT_RANKS = 1 << 16  # 65,536: more GPUs than any published training run; the layout is a list per rank
 
 
@@ -136,23 +139,25 @@ class Mesh:
     ({'dp': 1, 'pp': 0, 'tp': 1}, 1, 2, 5)
     """
 
-    def __init__(self, dp: int | None = None, pp: int = 1, tp: int = 1, cp: int = 1):
+    def __init__(self, dp: int | None = None, pp: int = 1, tp: int = 1, cp: int = 1, ep: int = 1):
         refuse_while_graded("labkit.parallel.Mesh")
         groups.require_group("Mesh")
         # before any check: a rank that raised alone would leave the others waiting in init_device_mesh
-        groups.check_same((dp, pp, tp, cp), "Mesh", "sizes (dp, pp, tp, cp)", "Pass the same sizes on every rank.")
-        cp = whole("cp", cp)
-        self.axes = CONTEXT_AXES if cp > 1 else AXES
+        groups.check_same((dp, pp, tp, cp, ep), "Mesh", "sizes (dp, pp, tp, cp, ep)",
+                          "Pass the same sizes on every rank.")
+        extra = {"cp": whole("cp", cp), "ep": whole("ep", ep)}
+        self.axes = tuple(a for a in ALL_AXES if a in AXES or extra[a] > 1)
         world = groups.group_size()
-        if world % cp:
-            raise ValueError(f"cp={cp} does not divide the world of {world} ranks: pass a cp that does.")
-        sizes = _sizes(world // cp, dp, pp, tp)
-        self._sizes = {axis: cp if axis == "cp" else sizes[axis] for axis in self.axes}
+        if world % (extra["cp"] * extra["ep"]):
+            raise ValueError(f"cp={cp} x ep={ep} does not divide the world of {world} ranks: pass sizes whose "
+                             "product does.")
+        sizes = {**_sizes(world // (extra["cp"] * extra["ep"]), dp, pp, tp), **extra}
+        self._sizes = {axis: sizes[axis] for axis in self.axes}
         self.device_mesh = _device_mesh(labkit.device().type, tuple(self._sizes[a] for a in self.axes), self.axes)
 
     def group(self, axis: str):
-        """The ProcessGroup of this rank's group on `axis` ("dp", "pp", "tp", and "cp" where the mesh has one), for
-        a primitive's `group=`."""
+        """The ProcessGroup of this rank's group on `axis` ("dp", "pp", "tp", and "cp" or "ep" where the mesh has
+        it), for a primitive's `group=`."""
         return self.device_mesh.get_group(self._axis(axis))
 
     @property
@@ -161,8 +166,8 @@ class Mesh:
         return dict(zip(self.axes, self.device_mesh.get_coordinate(), strict=True))
 
     def size(self, axis: str) -> int:
-        """How many ranks a group on `axis` holds (1 for "cp" on a mesh without one)."""
-        return 1 if axis == "cp" and "cp" not in self.axes else self._sizes[self._axis(axis)]
+        """How many ranks a group on `axis` holds (1 for "cp" or "ep" on a mesh without it)."""
+        return 1 if axis in ("cp", "ep") and axis not in self.axes else self._sizes[self._axis(axis)]
 
     def rank_in(self, axis: str) -> int:
         """This rank's number inside its group on `axis`: its coordinate on that axis."""

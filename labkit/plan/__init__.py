@@ -24,6 +24,7 @@ from labkit.plan.context_parallel import (
     context_parallel_nbytes,
 )
 from labkit.plan.counts import format_count, parse_count
+from labkit.plan.expert_parallel import expert_capacity, expert_params_per_rank, moe_all_to_all_nbytes
 from labkit.plan.memory import (
     YOUR_CHOICE,
     attention_lora_shapes,
@@ -85,12 +86,15 @@ __all__ = [
     "context_parallel_nbytes",
     "data_parallel_speedup",
     "effective_batch",
+    "expert_capacity",
+    "expert_params_per_rank",
     "fit_alpha_beta",
     "fit_point_to_point",
     "format_count",
     "hideable_seconds",
     "lora_params",
     "memory_options",
+    "moe_all_to_all_nbytes",
     "naive_allreduce_bytes",
     "parallelism_for",
     "parse_count",

@@ -77,5 +77,5 @@ def wrong_cp():
 
 
 def test_a_cp_that_does_not_divide_the_world_is_refused():
-    with pytest.raises(labkit.RankError, match="cp=3 does not divide the world of 4 ranks"):
+    with pytest.raises(labkit.RankError, match="cp=3 x ep=1 does not divide the world of 4 ranks"):
         labkit.run(wrong_cp, world_size=4)

@@ -107,7 +107,8 @@ def test_bad_sizes_and_axis_names_are_refused_on_every_rank():
         assert found["not a size"].startswith("ValueError: pp=0: pass a whole number >= 1")
         assert found["axis"] == "ValueError: axis='ep': use one of 'dp', 'pp', 'tp'."
         assert found["size axis"] == "ValueError: axis=1: use one of 'dp', 'pp', 'tp'."
-        assert "different sizes (dp, pp, tp, cp)" in found["differ"] and "rank 1: (None, 1, 2, 1)" in found["differ"]
+        assert "different sizes (dp, pp, tp, cp, ep)" in found["differ"]
+        assert "rank 1: (None, 1, 2, 1, 1)" in found["differ"]
 
 
 def test_outside_a_rank_the_mesh_says_where_to_build_it():

@@ -53,6 +53,11 @@ VALID = {
     "bus_bandwidth": [{"collective": "allreduce", "nbytes": 2e9, "seconds": 1.0, "world_size": 4}],
     "data_parallel_speedup": [{"devices": 8, "compute_seconds": 1.0, "comm_seconds": 0.5, "overlap": 0.5,
                                "accumulation_steps": 2}],
+    "expert_capacity": [{"tokens": 4096, "experts": 64, "top_k": 2, "capacity_factor": 1.25}],
+    "expert_params_per_rank": [{"experts": 64, "ep": 8, "params_per_expert": 1.76e8}],
+    "moe_all_to_all_nbytes": [{"tokens": 4096, "d_model": 4096, "top_k": 2, "ep": 8, "bytes_per_element": 2,
+                               "experts": experts, "capacity_factor": factor}
+                              for experts, factor in ((None, None), (64, 1.25))],
     "effective_batch": [{"per_device_batch": 8, "devices": 8, "accumulation_steps": 2}],
     "format_count": [{"count": 7e9}],
     "parse_count": [{"text": "70B"}],
