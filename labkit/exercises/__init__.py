@@ -18,6 +18,9 @@
     mesh_coordinates  check_mesh_coordinates (notebook 13): a rank's (dp, pp, tp) coordinates and its three
                       groups, against torch's DeviceMesh layout, no processes
     diagnosis   what is wrong with a wrong AllReduce: its values, its traffic (`ring_nbytes_per_rank`)
+    token_dispatch  check_expert_dispatch (notebook 18): the student's dispatch and combine of expert parallelism
+                    (all_to_all_single, split sizes exchanged first) on 2, 3 and 4 real ranks, against one process's
+                    mixture-of-experts layer with the same capacity rule (one file, on the kit)
     verdict     Verdict, the grade every grader returns
     ring_step   check_ring_step (notebook 17): the student's step of ring attention (a block's attention merged
                 into the running one by the log-sum-exp rule), on drawn blocks, then as ring attention's step on
@@ -62,10 +65,12 @@ from labkit.exercises.ring_step import check_ring_step
 from labkit.exercises.schedule_order import check_1f1b_order
 from labkit.exercises.sharded_step import check_sharded_step, step_inputs
 from labkit.exercises.stack_map import STACK_MAP, check_stack_map
+from labkit.exercises.token_dispatch import check_expert_dispatch
 from labkit.exercises.verdict import Verdict
 
 __all__ = ["STACK_MAP", "TIMEOUT_SECONDS", "Feedback", "Flashcard", "ForbiddenCall", "Option", "Question", "Verdict",
            "check_1f1b_order", "check_atomic_save", "check_average_gradients", "check_bucketed_ddp_hook",
+           "check_expert_dispatch",
            "check_fixed_training", "check_megatron_f_g", "check_mesh_coordinates", "check_naive_allreduce",
            "check_no_sync_accumulation", "check_ring_allreduce", "check_ring_step", "check_sharded_step",
            "check_stack_map",

@@ -50,6 +50,7 @@ EXERCISES = {  # name: (notebook, what the student builds), in course order
     "bug_zoo_diagnoses": ("15_bug_zoo", "diagnose six broken training runs"),
     "bug_zoo_fix": ("15_bug_zoo", "fix a broken training run"),
     "ring_step": ("17_context_parallel", "one step of ring attention: a block attended to and merged in"),
+    "expert_dispatch": ("18_expert_parallel", "expert parallelism's dispatch and combine (all-to-all)"),
 }
 
 # Notebooks renamed when the course was reordered (issue 26). The progress file is keyed by exercise, so a
