@@ -172,7 +172,11 @@ def _probe_problem(fn, out, lse, q, k, v, diagonal, want, large: bool) -> str | 
         returned = fn(*[t.clone() for t in given], diagonal)
         got_out, got_lse = returned
     except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
-        return f"your function raised {type(error).__name__}: {error}"
+        shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(("out", "lse", "q", "k", "v"), given,
+                                                                          strict=True))
+        return (f"your function raised {type(error).__name__}: {error} (it was given {shapes}, diagonal="
+                f"{diagonal}: lse and a per-query maximum are (rows, queries); add [..., None] to line them up with "
+                "(rows, queries, keys) scores or (rows, queries, d) outputs).")
     for name, got, like in (("out", got_out, out), ("lse", got_lse, lse)):
         if not isinstance(got, torch.Tensor) or got.shape != like.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
@@ -183,6 +187,11 @@ def _probe_problem(fn, out, lse, q, k, v, diagonal, want, large: bool) -> str | 
         return None
     finite = bool(torch.isfinite(got_out).all() and torch.isfinite(got_lse).all())
     if not finite:
+        if diagonal and bool(torch.isinf(lse).all()) and not bool(torch.isfinite(got_out[:, 0]).all()) and \
+                bool(torch.isfinite(got_out[:, 1:]).all()):
+            return ("query 0's output is nan and the others' are not: your mask hides each query's own key too, so "
+                    "the first query sees nothing. Query i sees keys 0..i of its own block, itself included: hide "
+                    "the keys above the diagonal only (triu(1), not triu(0)).")
         return _not_finite(lse, large)
     return _named_mistake(got_out, got_lse, out, lse, q, k, v, diagonal, out_ok, lse_ok)
 
@@ -192,8 +201,10 @@ def _not_finite(lse, large: bool) -> str:
         return ("your result holds nan or inf. Here lse is -inf everywhere (nothing seen yet): exp(lse - lse) is "
                 "exp(-inf + inf) = nan. Take the maximum of the running lse and the block's, and subtract that: "
                 "exp(-inf - m) is 0, as it should be.")
-    return ("your result holds nan or inf: exp() of scores this large overflows (float64 stops at exp(709.8)). "
-            "Subtract the largest score (or the larger lse) before exponentiating, then add it back to lse.")
+    return ("your result holds nan or inf: exp() of scores this large overflows (float64 stops at exp(709.8)), "
+            "or, with one maximum taken over every query at once, underflows to 0 for the others. Subtract each "
+            "query's own maximum (scores.amax(-1), and the running lse) before exponentiating, then add it back "
+            "to lse.")
 
 
 def _named_mistake(got_out, got_lse, out, lse, q, k, v, diagonal, out_ok, lse_ok) -> str:

@@ -186,3 +186,42 @@ def test_the_graders_pools_are_its_own():
     """The grading leaves no pool of the student's behind: labkit.run in the notebook still starts its own."""
     check_ring_step(explicit_max, record=False)
     assert labkit.run(labkit.world_size, world_size=2) == [2, 2]
+
+
+def own_key_hidden(out, lse, q, k, v, diagonal):
+    """triu(0): each query's own key masked too, so query 0 of the diagonal block sees nothing."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if diagonal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(0), -math.inf)
+    new = torch.logsumexp(torch.cat([lse[..., None], scores], -1), -1)
+    return out * torch.exp(lse - new)[..., None] + torch.exp(scores - new[..., None]) @ v, new
+
+
+def one_global_maximum(out, lse, q, k, v, diagonal):
+    """One maximum over every query and key at once: the other queries' exponentials underflow at large scores."""
+    scores = scores_of(q, k, diagonal)
+    top = torch.maximum(lse.max(), scores.max())
+    weights = torch.exp(scores - top)
+    total = torch.exp(lse - top) + weights.sum(-1)
+    return (out * torch.exp(lse - top)[..., None] + weights @ v) / total[..., None], top + torch.log(total)
+
+
+def max_not_lined_up(out, lse, q, k, v, diagonal):
+    """m without [..., None]: a shape error, or a silent broadcast where the sizes happen to fit."""
+    scores = scores_of(q, k, diagonal)
+    top = torch.maximum(lse, scores.amax(-1))
+    weights = torch.exp(scores - top)
+    total = torch.exp(lse - top) + weights.sum(-1)
+    return (out * torch.exp(lse - top)[..., None] + weights @ v) / total[..., None], top + torch.log(total)
+
+
+MORE = [(own_key_hidden, "hides each query's own key too"),
+        (one_global_maximum, "one maximum taken over every query at once|differs"),
+        (max_not_lined_up, r"\[\.\.\., None\]|differs")]
+
+
+@pytest.mark.parametrize("wrong,message", MORE, ids=[fn.__name__ for fn, _ in MORE])
+def test_more_mistakes_a_student_made_are_named(wrong, message):
+    verdict = check_ring_step(wrong, record=False)
+    assert not verdict, verdict
+    assert re.search(message, verdict.message, flags=re.IGNORECASE | re.DOTALL), verdict.message
