@@ -13,9 +13,11 @@ is wholly visible. Scores are q k^T / sqrt(d). The merge is the log-sum-exp rule
 
 1. In this process, on blocks drawn afresh at each grading (rows, queries, keys and head width, and values): the
    first block into an empty state, a visible block merged into a state, the diagonal block after others, the same
-   with scores in the thousands (exp of them overflows float64 unless the larger is subtracted first), and q, k, v
-   left as they were. The first that is wrong is named with the mistake where the grader recognises it (the
-   catalogue of tests/unit/test_exercise_ring_step.py): no max subtracted, the empty state's -inf turned into nan,
+   with scores in the thousands (exp of them overflows float64 unless the larger is subtracted first), a state in
+   which some queries have seen keys and others not, visible scores far below zero (where a finite stand-in for
+   -inf fails), a state far above the block, and q, k, v left as they were. The first that is wrong is named with
+   the mistake where the grader recognises it (the catalogue
+   of tests/distributed/test_exercise_ring_step.py): no max subtracted, the empty state's -inf turned into nan,
    the output not rescaled (or by the max, not by the new log-sum-exp), the log-sum-exp replaced by the max or a
    sum, the outputs weighted by the log-sum-exps themselves (probabilities merged as if they were logits), the mask
    left off the diagonal, put on a block that is not the diagonal, or the wrong triangle masked.
@@ -49,6 +51,8 @@ __all__ = ["TOLERANCE", "check_ring_step", "draw_blocks", "ring_cases"]
 
 TOLERANCE = 1e-10  # float64: a right step's merges differ from one softmax by ~1e-15 x the scores' size
 LARGE = 3000.0  # the scale of the large-score probe's queries: scores in the thousands, exp() overflows at 709.8
+FAR_BELOW = "the diagonal block with the first query's only visible score far below zero (-10^6)"
+PARTLY_SEEN = "a state in which every other query has seen nothing yet (its lse -inf, the others' finite)"
 
 
 def draw_blocks(rng: random.Random) -> dict:
@@ -98,7 +102,13 @@ def check_ring_step(fn, *, timeout_seconds: float = TIMEOUT_SECONDS) -> Verdict:
     spec = Spec(attempt=attempt, cases=lambda: ring_cases(rng), checks=(_values_problem,), describe=_describe,
                 why_forbidden=_why_forbidden, on_hang=_hang_message, on_error=_error_message, passed=_passed,
                 example="check_ring_step(ring_step)", ready_made=READY_MADE)
-    return grade(spec, fn, timeout_seconds=timeout_seconds)
+    try:
+        return grade(spec, fn, timeout_seconds=timeout_seconds)
+    except TypeError as error:  # labkit.run could not send the step to the ranks
+        if "pickle" not in str(error):
+            raise
+        return Verdict(False, "your step is right on the grader's blocks, but it cannot be sent to the ranks "
+                              f"({error}). A torch.compile'd function does not pickle: grade the plain function.")
 
 
 # ==== part 1: probes in this process ==============================================================================
@@ -150,11 +160,46 @@ def _local_problem(fn, drawn: dict) -> str | None:
              _attention(q, torch.cat([k1, own_k], 1), torch.cat([v1, own_v], 1),
                         torch.cat([torch.zeros(n, k1.shape[1], dtype=torch.bool), _causal(n)], 1))),
         ]
-        for what, (out, lse), k, v, diagonal, want in probes:
-            problem = _probe_problem(fn, out, lse, q, k, v, diagonal, want, scale > 1)
-            if problem:
-                return f"{said or ''}{what[0].upper() if not said else what[0]}{what[1:]}: {problem}"
+        problem = _first_problem(fn, probes, q, empty, scale > 1, said)
+        if problem:
+            return problem
+    # After both scales, so that the catalogue's mistakes are named by the probes above first.
+    q, k0, v0, k1, v1 = _tensors(drawn)
+    return _first_problem(fn, _harder_probes(q, k0, v0, k1, v1, _own_block(drawn, 1.0)[1], n), q, empty, False, "")
+
+
+def _first_problem(fn, probes, q, empty, large: bool, said: str) -> str | None:
+    """The first of `probes` (what, state or None for empty, k, v, diagonal, want) that fn gets wrong, worded."""
+    for what, state_given, k, v, diagonal, want in probes:
+        out, lse = empty if state_given is None else state_given
+        problem = _probe_problem(fn, out, lse, q, k, v, diagonal, want, large, what)
+        if problem:
+            return f"{said}{what[0].upper() if not said else what[0]}{what[1:]}: {problem}"
     return None
+
+
+def _harder_probes(q, k0, v0, k1, v1, own_v, n: int) -> list[tuple]:
+    """Three more probes: a state in which some queries have seen keys and others not (lse -inf on those rows
+    only); the diagonal block with the first query's only visible score far below zero (k = -10^4 q: a finite
+    stand-in for -inf, such as -1e4, then outweighs it); a state whose lse is far above the block's (exp(lse -
+    block's) overflows unless the larger is subtracted)."""
+    partial_out, partial_lse = _attention(q, k1, v1)
+    unseen = torch.arange(n) % 2 == 1  # every other query has seen nothing yet
+    partial_out, partial_lse = partial_out.clone(), partial_lse.clone()
+    partial_out[:, unseen], partial_lse[:, unseen] = 0.0, float("-inf")
+    block = _attention(q, k0, v0)
+    # each position's key -q / |q|^2 x 1e6 sqrt(d): query i's score with its own key exactly -1e6
+    far_below = -q / (q * q).sum(-1, keepdim=True) * 1e6 * q.shape[-1] ** 0.5
+    high_state = _attention(q * 1000, k1, v1)
+    low_k = k0 * 1e-3
+    return [
+        (PARTLY_SEEN,
+         (partial_out, partial_lse), k0, v0, False, _merged(partial_out, partial_lse, *block)),
+        (FAR_BELOW, None, far_below, own_v,
+         True, _attention(q, far_below, own_v, _causal(n))),
+        ("a state whose lse is far above the block's", high_state, low_k, v0, False,
+         _merged(*high_state, *_attention(q, low_k, v0))),
+    ]
 
 
 def _own_block(drawn: dict, scale: float):
@@ -165,18 +210,28 @@ def _own_block(drawn: dict, scale: float):
             torch.randn(*shape, dtype=torch.float64, generator=generator))
 
 
-def _probe_problem(fn, out, lse, q, k, v, diagonal, want, large: bool) -> str | None:
+def _probe_problem(fn, out, lse, q, k, v, diagonal, want, large: bool, what: str = "") -> str | None:
     """What is wrong with fn on one probe, or None."""
     given = [t.clone() for t in (out, lse, q, k, v)]
+    handed = [t.clone() for t in given]
     try:
-        returned = fn(*[t.clone() for t in given], diagonal)
-        got_out, got_lse = returned
+        returned = fn(*handed, diagonal)
     except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
-        shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(("out", "lse", "q", "k", "v"), given,
-                                                                          strict=True))
-        return (f"your function raised {type(error).__name__}: {error} (it was given {shapes}, diagonal="
-                f"{diagonal}: lse and a per-query maximum are (rows, queries); add [..., None] to line them up with "
-                "(rows, queries, keys) scores or (rows, queries, d) outputs).")
+        return _raised(error, given, diagonal)
+    if not isinstance(returned, tuple | list) or len(returned) != 2:
+        what = f"a {type(returned).__name__}" + (f" of {len(returned)}" if isinstance(returned, tuple | list) else "")
+        return f"return two tensors, (out, lse); your function returned {what}."
+    got_out, got_lse = returned
+    changed = [name for name, before, after in zip(("q", "k", "v"), given[2:], handed[2:], strict=True)
+               if not torch.equal(before, after)]
+    if changed:
+        return (f"your step changed {', '.join(changed)} in place: the ring passes k and v on to the next rank and "
+                "uses q again at every step, so they must stay as they were (compute on new tensors: q / scale, "
+                "not q /= scale).")
+    for name, got in (("out", got_out), ("lse", got_lse)):
+        if isinstance(got, torch.Tensor) and got.dtype != torch.float64:
+            return (f"your {name} is {got.dtype}, not float64 as it was given: keep the inputs' dtype (the grader "
+                    "compares with one process to 1e-10, which float32 cannot reach).")
     for name, got, like in (("out", got_out, out), ("lse", got_lse, lse)):
         if not isinstance(got, torch.Tensor) or got.shape != like.shape:
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
@@ -187,20 +242,39 @@ def _probe_problem(fn, out, lse, q, k, v, diagonal, want, large: bool) -> str | 
         return None
     finite = bool(torch.isfinite(got_out).all() and torch.isfinite(got_lse).all())
     if not finite:
-        if diagonal and bool(torch.isinf(lse).all()) and not bool(torch.isfinite(got_out[:, 0]).all()) and \
-                bool(torch.isfinite(got_out[:, 1:]).all()):
+        if not large and what != FAR_BELOW and diagonal and bool(torch.isinf(lse).all()) and \
+                not bool(torch.isfinite(got_out[:, 0]).all()) and bool(torch.isfinite(got_out[:, 1:]).all()):
             return ("query 0's output is nan and the others' are not: your mask hides each query's own key too, so "
                     "the first query sees nothing. Query i sees keys 0..i of its own block, itself included: hide "
                     "the keys above the diagonal only (triu(1), not triu(0)).")
         return _not_finite(lse, large)
+    if what == PARTLY_SEEN and _close(got_out, _attention(q, k, v)[0]):
+        return ("your step treated the whole state as empty because some queries' lse is -inf: each query has its "
+                "own state; handle -inf row by row (the maximum with the block's own maximum does it).")
+    if what == FAR_BELOW:
+        return ("with the first query's only visible score far below zero, your masked keys outweighed it: a "
+                "finite stand-in for -inf (such as -1e4) is not small enough here. Fill masked scores with "
+                "float('-inf').")
     return _named_mistake(got_out, got_lse, out, lse, q, k, v, diagonal, out_ok, lse_ok)
+
+
+def _raised(error: Exception, given: list, diagonal: bool) -> str:
+    """The student's exception, with the probe's shapes, and the broadcasting hint where it is a shape error."""
+    shapes = ", ".join(f"{name} {tuple(t.shape)}" for name, t in zip(("out", "lse", "q", "k", "v"), given,
+                                                                      strict=True))
+    said = f"your function raised {type(error).__name__}: {error} (it was given {shapes}, diagonal={diagonal})"
+    if any(word in str(error) for word in ("size of tensor", "must match", "broadcast")):
+        said += ("; lse and a per-query maximum are (rows, queries): add [..., None] to line them up with "
+                 "(rows, queries, keys) scores or (rows, queries, d) outputs")
+    return said + "."
 
 
 def _not_finite(lse, large: bool) -> str:
     if not large and bool(torch.isinf(lse).all()):
         return ("your result holds nan or inf. Here lse is -inf everywhere (nothing seen yet): exp(lse - lse) is "
                 "exp(-inf + inf) = nan. Take the maximum of the running lse and the block's, and subtract that: "
-                "exp(-inf - m) is 0, as it should be.")
+                "exp(-inf - m) is 0, as it should be. (A mask built by multiplying gives nan too: 0 x -inf; use "
+                "masked_fill or torch.where.)")
     return ("your result holds nan or inf: exp() of scores this large overflows (float64 stops at exp(709.8)), "
             "or, with one maximum taken over every query at once, underflows to 0 for the others. Subtract each "
             "query's own maximum (scores.amax(-1), and the running lse) before exponentiating, then add it back "
@@ -214,8 +288,15 @@ def _named_mistake(got_out, got_lse, out, lse, q, k, v, diagonal, out_ok, lse_ok
         _out_mistake(got_out, out, lse, *block) if lse_ok else _lse_mistake(got_lse, lse, block[1], out_ok))
     if mistake:
         return mistake
-    gap = (got_out - _merged(out, lse, *block)[0]).abs().max()
-    return (f"your out differs from the attention over all the keys seen by up to {gap.item():.3g}, and so does "
+    gap = (got_out - _merged(out, lse, *block)[0]).abs().max().item()
+    if gap < 1e-5:
+        return (f"your out is off by {gap:.2g}: close, but not float64's 1e-10. Did you compute in float32 "
+                "somewhere (a .float(), a float32 tensor you made)? Keep float64 throughout.")
+    if bool(torch.isinf(lse).all()):
+        return (f"your out differs from the block's own attention by up to {gap:.3g} (with nothing seen before, "
+                "there is nothing to merge): check the block's attention itself, scores q k^T / sqrt(d) with d the "
+                "head width, masked scores -inf (not 0), softmax over the keys, then times v.")
+    return (f"your out differs from the attention over all the keys seen by up to {gap:.3g}, and so does "
             "your lse: compute the block's partial attention (its output and lse), then merge the two with the "
             "log-sum-exp rule.")
 
@@ -344,7 +425,12 @@ def _hang_message(hang: labkit.RankTimeout, case: Case, timeout_seconds: float) 
 
 def _error_message(error: labkit.RankError, attempts, case: Case) -> str:
     first, _ = first_failure(error)
-    return f"{failure_sentence(first)}."
+    said = f"{failure_sentence(first)}."
+    if "Can't get attribute" in first.summary:
+        said += (" Your step uses a helper the ranks cannot find: a function wrapped by a decorator such as "
+                 "functools.lru_cache is sent by its name, and the ranks have no notebook to find it in. Define the "
+                 "helper without the decorator, or inside your step.")
+    return said
 
 
 def _passed(cases) -> str:

@@ -56,7 +56,8 @@ class _BuiltMesh(NamedTuple):
     device_mesh: object  # torch.distributed.device_mesh.DeviceMesh
 
 
-_BUILT: dict[tuple[str, tuple[int, ...]], _BuiltMesh] = {}  # (device type, shape) -> the mesh built for it
+_BUILT: dict[tuple, _BuiltMesh] = {}  # (device type, shape, axes) -> the mesh built for it: dp x cp and dp x ep
+# share a shape, (2, 1, 2, 1), and must not share a mesh
 
 
 @dataclass(frozen=True)
@@ -188,8 +189,8 @@ def _device_mesh(device_type: str, shape: tuple[int, ...], axes: tuple[str, ...]
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.group.WORLD
-    built = _BUILT.get((device_type, shape))
+    built = _BUILT.get((device_type, shape, axes))
     if built is None or built.world is not world:  # first time, or a new world since (torchrun scripts may re-init)
         built = _BuiltMesh(world, init_device_mesh(device_type, shape, mesh_dim_names=axes))
-        _BUILT[(device_type, shape)] = built
+        _BUILT[(device_type, shape, axes)] = built
     return built.device_mesh

@@ -158,7 +158,7 @@ CATALOGUE = [
     (the_course_step, "called labkit.parallel.context's partial_attention.*switched off"),
     (the_course_merge, "called labkit.parallel.context's merge_partials.*switched off"),
     (remembers_the_first_block, "differs from one process's attention|differs from the attention"),
-    (returns_one_tensor, "raised|return \\(out, lse\\)"),
+    (returns_one_tensor, "return two tensors|return \\(out, lse\\)"),
 ]
 
 
@@ -225,3 +225,90 @@ def test_more_mistakes_a_student_made_are_named(wrong, message):
     verdict = check_ring_step(wrong, record=False)
     assert not verdict, verdict
     assert re.search(message, verdict.message, flags=re.IGNORECASE | re.DOTALL), verdict.message
+
+
+# ---- found by a helper trying to fool the grader ----------------------------------------------------------------
+
+def modifies_q_in_place(out, lse, q, k, v, diagonal):
+    q /= math.sqrt(q.shape[-1])
+    scores = scores_of(q * math.sqrt(q.shape[-1]), k, diagonal)
+    new = torch.logsumexp(torch.cat([lse[..., None], scores], -1), -1)
+    return out * torch.exp(lse - new)[..., None] + torch.exp(scores - new[..., None]) @ v, new
+
+
+def first_call_by_any_inf(out, lse, q, k, v, diagonal):
+    """Treats the state as empty if any query's lse is -inf: drops the rows that had seen keys."""
+    scores = scores_of(q, k, diagonal)
+    block_lse = torch.logsumexp(scores, -1)
+    block = torch.exp(scores - block_lse[..., None]) @ v
+    if torch.isinf(lse).any():
+        return block, block_lse
+    new = torch.logaddexp(lse, block_lse)
+    return out * torch.exp(lse - new)[..., None] + block * torch.exp(block_lse - new)[..., None], new
+
+
+def finite_mask(out, lse, q, k, v, diagonal):
+    """-1e4 for the masked scores, the idiom of some libraries' attention masks."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if diagonal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), -1e4)
+    new = torch.logsumexp(torch.cat([lse[..., None], scores], -1), -1)
+    return out * torch.exp(lse - new)[..., None] + torch.exp(scores - new[..., None]) @ v, new
+
+
+def relative_to_the_block(out, lse, q, k, v, diagonal):
+    """new = block_lse + log(exp(lse - block_lse) + 1): overflows when the state is far above the block."""
+    scores = scores_of(q, k, diagonal)
+    block_lse = torch.logsumexp(scores, -1)
+    block = torch.exp(scores - block_lse[..., None]) @ v
+    new = block_lse + torch.log(torch.exp(lse - block_lse) + 1)
+    return out * torch.exp(lse - new)[..., None] + block * torch.exp(block_lse - new)[..., None], new
+
+
+def in_float32(out, lse, q, k, v, diagonal):
+    new_out, new_lse = explicit_max(out.float(), lse.float(), q.float(), k.float(), v.float(), diagonal)
+    return new_out.double(), new_lse.double()
+
+
+def returns_float32(out, lse, q, k, v, diagonal):
+    new_out, new_lse = explicit_max(out, lse, q, k, v, diagonal)
+    return new_out.float(), new_lse.float()
+
+
+def divides_by_d(out, lse, q, k, v, diagonal):
+    scores = scores_of(q, k, diagonal) / math.sqrt(q.shape[-1])
+    new = torch.logsumexp(torch.cat([lse[..., None], scores], -1), -1)
+    return out * torch.exp(lse - new)[..., None] + torch.exp(scores - new[..., None]) @ v, new
+
+
+def returns_three(out, lse, q, k, v, diagonal):
+    new_out, new_lse = explicit_max(out, lse, q, k, v, diagonal)
+    return new_out, new_lse, new_lse.exp()
+
+
+FOUND = [(modifies_q_in_place, "changed q in place"), (first_call_by_any_inf, "treated the whole state as empty"),
+         (finite_mask, "finite stand-in for -inf|masked scores -inf"), (relative_to_the_block, "overflows|nan or inf"),
+         (in_float32, "float32|float64"), (returns_float32, "is torch.float32, not float64"),
+         (divides_by_d, "block's own attention.*sqrt\\(d\\)|differs"), (returns_three, "return two tensors")]
+
+
+@pytest.mark.parametrize("wrong,message", FOUND, ids=[fn.__name__ for fn, _ in FOUND])
+def test_what_a_helper_found_is_rejected(wrong, message):
+    verdict = check_ring_step(wrong, record=False)
+    assert not verdict, verdict
+    assert re.search(message, verdict.message, flags=re.IGNORECASE | re.DOTALL), verdict.message
+
+
+def test_a_compiled_step_gets_a_verdict_not_a_crash(monkeypatch):
+    """A step labkit.run cannot pickle (a torch.compile'd function) is told so. Simulated by a step holding an
+    unpicklable object, so the test does not spend minutes compiling."""
+    import threading
+
+    lock = threading.Lock()
+
+    def holds_a_lock(out, lse, q, k, v, diagonal):
+        assert lock is not None
+        return explicit_max(out, lse, q, k, v, diagonal)
+
+    verdict = check_ring_step(holds_a_lock, record=False)
+    assert not verdict and "cannot be sent to the ranks" in verdict.message, verdict.message

@@ -166,3 +166,18 @@ def test_a_large_layout_shares_each_group_between_its_members():
     layout = mesh_layout(4096, pp=8, tp=8)
     assert layout[4095].coordinate == {"dp": 63, "pp": 7, "tp": 7}
     assert layout[0].groups["dp"] is layout[64].groups["dp"]      # one tuple per group: memory stays O(world)
+
+
+def cp_then_ep():
+    """A dp x cp mesh and a dp x ep mesh of one shape, (2, 1, 2, 1), built one after the other in one process:
+    each keeps its own axis names (the cache of built meshes once handed the cp mesh back for ep)."""
+    from labkit.parallel import Mesh as ContextMesh
+
+    with_cp, with_ep = ContextMesh(dp=2, cp=2), ContextMesh(dp=2, ep=2)
+    return with_cp.axes, with_ep.axes, with_ep.rank_in("ep"), with_cp.rank_in("cp")
+
+
+def test_meshes_of_one_shape_on_other_axes_are_not_mixed_up():
+    for cp_axes, ep_axes, ep_rank, cp_rank in labkit.run(cp_then_ep, world_size=4):
+        assert cp_axes == ("dp", "pp", "cp", "tp") and ep_axes == ("dp", "pp", "ep", "tp")
+        assert ep_rank == cp_rank
