@@ -218,24 +218,10 @@ def _probe_problem(fn, out, lse, q, k, v, diagonal, want, large: bool, what: str
         returned = fn(*handed, diagonal)
     except Exception as error:  # noqa: BLE001 - the student's error, reported with the call that raised it
         return _raised(error, given, diagonal)
-    if not isinstance(returned, tuple | list) or len(returned) != 2:
-        what = f"a {type(returned).__name__}" + (f" of {len(returned)}" if isinstance(returned, tuple | list) else "")
-        return f"return two tensors, (out, lse); your function returned {what}."
+    problem = _returned_problem(returned, given, handed, out, lse)
+    if problem:
+        return problem
     got_out, got_lse = returned
-    changed = [name for name, before, after in zip(("q", "k", "v"), given[2:], handed[2:], strict=True)
-               if not torch.equal(before, after)]
-    if changed:
-        return (f"your step changed {', '.join(changed)} in place: the ring passes k and v on to the next rank and "
-                "uses q again at every step, so they must stay as they were (compute on new tensors: q / scale, "
-                "not q /= scale).")
-    for name, got in (("out", got_out), ("lse", got_lse)):
-        if isinstance(got, torch.Tensor) and got.dtype != torch.float64:
-            return (f"your {name} is {got.dtype}, not float64 as it was given: keep the inputs' dtype (the grader "
-                    "compares with one process to 1e-10, which float32 cannot reach).")
-    for name, got, like in (("out", got_out, out), ("lse", got_lse, lse)):
-        if not isinstance(got, torch.Tensor) or got.shape != like.shape:
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            return f"return (out, lse) shaped like the ones given; your {name} is {shape}, not {tuple(like.shape)}."
     want_out, want_lse = want
     out_ok, lse_ok = _close(got_out, want_out), _close(got_lse, want_lse)
     if out_ok and lse_ok:
@@ -256,6 +242,29 @@ def _probe_problem(fn, out, lse, q, k, v, diagonal, want, large: bool, what: str
                 "finite stand-in for -inf (such as -1e4) is not small enough here. Fill masked scores with "
                 "float('-inf').")
     return _named_mistake(got_out, got_lse, out, lse, q, k, v, diagonal, out_ok, lse_ok)
+
+
+def _returned_problem(returned, given: list, handed: list, out, lse) -> str | None:
+    """What is wrong with what fn returned, or with what it did to its inputs, before any value is compared."""
+    if not isinstance(returned, tuple | list) or len(returned) != 2:
+        what = f"a {type(returned).__name__}" + (f" of {len(returned)}" if isinstance(returned, tuple | list) else "")
+        return f"return two tensors, (out, lse); your function returned {what}."
+    got_out, got_lse = returned
+    changed = [name for name, before, after in zip(("q", "k", "v"), given[2:], handed[2:], strict=True)
+               if not torch.equal(before, after)]
+    if changed:
+        return (f"your step changed {', '.join(changed)} in place: the ring passes k and v on to the next rank and "
+                "uses q again at every step, so they must stay as they were (compute on new tensors: q / scale, "
+                "not q /= scale).")
+    for name, got in (("out", got_out), ("lse", got_lse)):
+        if isinstance(got, torch.Tensor) and got.dtype != torch.float64:
+            return (f"your {name} is {got.dtype}, not float64 as it was given: keep the inputs' dtype (the grader "
+                    "compares with one process to 1e-10, which float32 cannot reach).")
+    for name, got, like in (("out", got_out, out), ("lse", got_lse, lse)):
+        if not isinstance(got, torch.Tensor) or got.shape != like.shape:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            return f"return (out, lse) shaped like the ones given; your {name} is {shape}, not {tuple(like.shape)}."
+    return None
 
 
 def _raised(error: Exception, given: list, diagonal: bool) -> str:
