@@ -15,7 +15,7 @@ from labkit.plan.axis_traffic import (
     rank_params,
 )
 from labkit.plan.batch import effective_batch, scale_lr, steps_per_epoch
-from labkit.plan.bubble import bubble_fraction
+from labkit.plan.bubble import bubble_fraction, zero_bubble_fraction
 from labkit.plan.context_parallel import (
     CONTEXT_VARIANTS,
     attention_work,
@@ -113,4 +113,5 @@ __all__ = [
     "zero_memory_table",
     "zero_redundancy_optimizer_bytes",
     "zero_traffic_bytes",
+    "zero_bubble_fraction",
 ]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from labkit.checks import whole
+from labkit.checks import number, whole
 
-__all__ = ["bubble_fraction"]
+__all__ = ["bubble_fraction", "zero_bubble_fraction"]
 
 
 def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
@@ -26,3 +26,34 @@ def bubble_fraction(stages: int, microbatches: int, chunks: int = 1) -> float:
     """
     p, m, v = whole("stages", stages), whole("microbatches", microbatches), whole("chunks", chunks)
     return (p - 1) / (v * m + p - 1)
+
+
+def zero_bubble_fraction(stages: int, microbatches: int, forward: float = 1.0, backward_input: float = 1.0,
+                         backward_weight: float = 1.0) -> float:
+    """Idle share of ZB-H1's step (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", arXiv:2401.10241,
+    section 3.1): with a forward F, the input-gradient half of the backward B and its weight-gradient half W,
+    each stage idles (p-1)(F+B-W) of a step that also holds its m (F+B+W) of work; 1F1B idles (p-1)(F+B+W)
+    (with B+W its whole backward: bubble_fraction). Deferred W's fill the cool-down that 1F1B leaves empty.
+
+    It holds for m >= p micro-batches and W <= min(F, B), as the paper assumes (its equal-cost case F = B = W
+    gives (p-1)/(3m+p-1), a third of 1F1B's idle time); simulate_pipeline("zb-h1", ...) reproduces it exactly
+    there (tested), and gives the step's timeline elsewhere.
+
+    >>> zero_bubble_fraction(4, 8)        # 3 / 27
+    0.1111111111111111
+    >>> bubble_fraction(4, 8)             # 1F1B with the same work: 9 of 33 time units
+    0.2727272727272727
+    """
+    p, m = whole("stages", stages), whole("microbatches", microbatches)
+    f, b, w = (number(name, value) for name, value in
+               (("forward", forward), ("backward_input", backward_input), ("backward_weight", backward_weight)))
+    if m < p:
+        raise ValueError(f"microbatches={m} < stages={p}: (p-1)(F+B-W) holds from m >= p on (a stage that never "
+                         "reaches the steady state has fewer W's to defer); simulate_pipeline('zb-h1', ...) gives "
+                         "the timeline for fewer.")
+    if w > min(f, b):
+        raise ValueError(f"backward_weight={w} > min(forward, backward_input)={min(f, b)}: the formula assumes W "
+                         "no longer than F and B (a longer W no longer fits the gaps it fills); simulate_pipeline("
+                         "'zb-h1', ..., weight_seconds=...) gives the timeline.")
+    idle = (p - 1) * (f + b - w)
+    return idle / (m * (f + b + w) + idle) if idle else 0.0

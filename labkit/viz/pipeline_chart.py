@@ -6,11 +6,11 @@ import plotly.graph_objects as go
 
 from labkit.checks import items
 from labkit.plan import bubble_fraction
-from labkit.viz.style import BLUE, ORANGE, WHITE
+from labkit.viz.style import BLUE, GREEN, ORANGE, WHITE
 
 __all__ = ["bubble_chart", "pipeline_timeline"]
 
-FORWARD, BACKWARD = BLUE, ORANGE
+FORWARD, BACKWARD, WEIGHT = BLUE, ORANGE, GREEN
 # one look per measured schedule, so that equal bubbles (GPipe's and 1F1B's are) show both: a ring around a cross
 MARKERS = ({"symbol": "circle-open", "size": 16, "line": {"width": 2}}, {"symbol": "x", "size": 8},
            {"symbol": "diamond-open", "size": 12, "line": {"width": 2}})
@@ -19,13 +19,17 @@ MARKERS = ({"symbol": "circle-open", "size": 16, "line": {"width": 2}}, {"symbol
 def pipeline_timeline(events, title: str = "Pipeline timeline", unit_seconds: float = 1e-3,
                       unit: str = "ms") -> go.Figure:
     """One row per stage, a bar per action (forward blue, backward orange, labelled with its micro-batch where
-    the bar is wide enough to read it, and its chunk after a dot when the schedule is interleaved: "3.1");
+    the bar is wide enough to read it, and its chunk after a dot when the schedule is interleaved: "3.1"; where
+    the backward is split (zero bubble), its input-gradient half B orange and its weight-gradient half W green);
     the white gaps are the bubble. `events` are PipelineEvents, measured (run_pipeline) or simulated
     (simulate_pipeline, whose times are in cost units: pass unit_seconds=1, unit="time units")."""
     stages = sorted({e.stage for e in events})
     chunked = any(e.chunk for e in events)
+    split = any(e.kind == "W" for e in events)
     figure = go.Figure()
-    for kind, color, name in (("F", FORWARD, "forward"), ("B", BACKWARD, "backward")):
+    kinds = (("F", FORWARD, "forward"), ("B", BACKWARD, "backward B (input gradient)" if split else "backward"),
+             ("W", WEIGHT, "backward W (weight gradient)"))
+    for kind, color, name in kinds[:3 if split else 2]:
         chosen = [e for e in events if e.kind == kind]
         figure.add_bar(base=[e.start / unit_seconds for e in chosen], x=[e.seconds / unit_seconds for e in chosen],
                        y=[f"stage {e.stage}" for e in chosen], orientation="h", marker_color=color, name=name,

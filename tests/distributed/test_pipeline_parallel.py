@@ -57,7 +57,7 @@ def test_the_two_orders_read_as_the_papers_draw_them():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("zero-bubble", 2, 4), "kind='zero-bubble': use one of 'gpipe', '1f1b', 'interleaved'"),
+    (("zero-bubble", 2, 4), "kind='zero-bubble': use one of 'gpipe', '1f1b', 'interleaved', 'zb-h1'"),
     (("gpipe", 0, 4), "stages=0: pass a whole number >= 1"),
     (("1f1b", 2, 2.5), "microbatches=2.5: pass a whole number >= 1"),
     (("1f1b", True, 2), "stages=True: pass a whole number >= 1"),

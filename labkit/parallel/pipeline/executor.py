@@ -24,7 +24,7 @@ import labkit
 from labkit import groups
 from labkit.checks import flag, number, whole
 from labkit.comm.torch_transport import TorchTransport, default_transport
-from labkit.parallel.pipeline.schedule import Action, communication_plan
+from labkit.parallel.pipeline.schedule import SPLIT_BACKWARD, Action, communication_plan
 from labkit.parallel.pipeline.stage_run import MicroBatches, StageLink, StageRun
 from labkit.parallel.pipeline.timeline import PipelineEvent
 from labkit.plan.counts import shard_sizes
@@ -97,7 +97,8 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
 
     `emulate_compute_seconds` (a number, or (forward, backward)): EMULATION. A stage's forward (backward) of
     a micro-batch lasts at least this long, each chunk's 1/v of it: its real compute, then a sleep for the
-    rest. On a 2-core laptop, where 4 ranks' real compute would fight for the cores, sleeping stages
+    rest; "zb-h1" gives its B and W half the backward's each. On a 2-core laptop, where 4 ranks' real compute would
+    fight for the cores, sleeping stages
     (time.sleep frees the CPU) overlap as a GPU cluster's would. A process's one-off first-call costs are paid
     before the clock starts, so even the first call's actions last what was asked.
 
@@ -128,9 +129,10 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     pieces = stage_layers(len(model), stages, chunks)
     layers = tuple(pieces[c * stages + stage] for c in range(chunks))
     device = labkit.device()
+    split = isinstance(schedule_kind, str) and schedule_kind.lower() in SPLIT_BACKWARD
     run = StageRun([model[piece.start:piece.stop].to(device) for piece in layers], (stage, stages, chunks), device,
                    MicroBatches(inputs.tensor_split(m), targets.tensor_split(m), len(inputs), loss_fn),
-                   _emulated(emulate_compute_seconds))
+                   _emulated(emulate_compute_seconds, split), split_backward=split)
     transport = default_transport(group)
     link = StageLink(transport, _batched(batched, transport, device))
     plan = communication_plan(schedule_kind, stages, m, chunks, receives_ahead=not link.batched)[stage]
@@ -167,11 +169,14 @@ def _checked_step(model, microbatches, inputs: torch.Tensor, targets: torch.Tens
     return m
 
 
-def _emulated(seconds: float | tuple[float, float]) -> dict[str, float]:
-    """The emulated seconds of a forward ("F") and a backward ("B"): one number for both, or (forward, backward)."""
+def _emulated(seconds: float | tuple[float, float], split: bool) -> dict[str, float]:
+    """The emulated seconds of a forward ("F") and a backward ("B"): one number for both, or (forward, backward);
+    a split backward's B and W half of it each (Qi et al. 2023's equal-cost case)."""
     pair = seconds if isinstance(seconds, tuple) else (seconds, seconds)
+    if len(pair) != 2:
+        raise ValueError(f"emulate_compute_seconds={seconds!r}: pass one number, or (forward, backward).")
     forward, backward = (number("emulate_compute_seconds", s) for s in pair)
-    return {"F": forward, "B": backward}
+    return {"F": forward, "B": backward / 2, "W": backward / 2} if split else {"F": forward, "B": backward}
 
 
 def _batched(batched: bool | None, transport: TorchTransport, device: torch.device) -> bool:

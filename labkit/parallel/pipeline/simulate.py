@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from labkit.checks import flag, number, whole
 from labkit.comm.wire import MAX_DIMS
-from labkit.parallel.pipeline.schedule import Action, Message, communication_plan
+from labkit.parallel.pipeline.schedule import SPLIT_BACKWARD, Action, Message, communication_plan
 from labkit.parallel.pipeline.timeline import PipelineEvent
 
 __all__ = ["HEADER_NBYTES", "HandOver", "simulate_pipeline"]
@@ -62,7 +62,8 @@ class HandOver:
 def simulate_pipeline(kind: str, stages: int, microbatches: int, forward_seconds: float | Sequence[float] = 1.0,
                       backward_seconds: float | Sequence[float] = 2.0, send_seconds: float = 0.0,
                       chunks: int = 1, handover: HandOver | None = None, message_nbytes: float = 0.0,
-                      receives_ahead: bool = False) -> list[PipelineEvent]:
+                      receives_ahead: bool = False, weight_seconds: float | Sequence[float] | None = None
+                      ) -> list[PipelineEvent]:
     """The timeline of `schedule(kind, stages, microbatches, chunks)` when each stage's forward of a
     micro-batch takes `forward_seconds` and its backward `backward_seconds` (one number, or one per stage;
     with v chunks, each chunk's action takes 1/v of it), and each hand-over between stages costs what
@@ -72,6 +73,8 @@ def simulate_pipeline(kind: str, stages: int, microbatches: int, forward_seconds
     c > 0 on stage 0, the last stage's chunk c - 1), a backward after the next piece's backward (and after its
     own forward, earlier in the order). The messages go as communication_plan(..., receives_ahead) posts them
     (run_pipeline's plan: receives_ahead on gloo), a chunk's first activation receive after its header is in.
+    Where the schedule splits the backward ("zb-h1"), `weight_seconds` of `backward_seconds` are its W (the
+    weights' gradient) and the rest its B (None: half, Qi et al. 2023's equal-cost case); elsewhere pass None.
     Events come by stage, then time.
 
     >>> from labkit.parallel import measured_bubble
@@ -85,13 +88,30 @@ def simulate_pipeline(kind: str, stages: int, microbatches: int, forward_seconds
     >>> events = simulate_pipeline("gpipe", 2, 2, 1.0, 1.0, handover=cost)
     >>> round(max(e.end for e in events), 2), round(measured_bubble(events), 4)  # 6 of compute, 0.12 handing over
     (6.12, 0.3464)
+    >>> events = simulate_pipeline("zb-h1", 4, 8, 1.0, 2.0)   # B and W 1.0 each: idle (p-1)(F+B-W) = 3 per stage
+    >>> max(e.end for e in events), round(measured_bubble(events), 4)   # 8 x 3 busy + 3: 3/27
+    (27.0, 0.1111)
     """
     plan = communication_plan(kind, stages, microbatches, chunks, flag("receives_ahead", receives_ahead))
     p, v = len(plan), whole("chunks", chunks)
-    seconds = {"F": [s / v for s in _costs("forward_seconds", forward_seconds, p)],
-               "B": [s / v for s in _costs("backward_seconds", backward_seconds, p)]}
+    seconds = _action_seconds(kind, p, v, forward_seconds, backward_seconds, weight_seconds)
     walk = _Walk(plan, v, seconds, _handover(send_seconds, handover), number("message_nbytes", message_nbytes))
     return sorted(walk.run(), key=lambda e: (e.stage, e.start))
+
+
+def _action_seconds(kind, p: int, v: int, forward_seconds, backward_seconds, weight_seconds) -> dict:
+    """What each kind of action ("F", "B", "W") costs on each stage: its share of the stage's cost per chunk."""
+    forward, backward = _costs("forward_seconds", forward_seconds, p), _costs("backward_seconds", backward_seconds, p)
+    if kind.lower() not in SPLIT_BACKWARD:
+        if weight_seconds is not None:
+            raise ValueError(f"weight_seconds={weight_seconds!r}: {kind!r} runs each backward whole; a W of its own is "
+                             f"{' or '.join(map(repr, SPLIT_BACKWARD))}'s. Pass weight_seconds=None.")
+        return {"F": [s / v for s in forward], "B": [s / v for s in backward]}
+    weight = [b / 2 for b in backward] if weight_seconds is None else _costs("weight_seconds", weight_seconds, p)
+    if any(w > b for w, b in zip(weight, backward, strict=True)):
+        raise ValueError(f"weight_seconds={weight_seconds!r}: the W is a part of the backward, so at most "
+                         f"backward_seconds={backward_seconds!r}.")
+    return {"F": forward, "B": [b - w for b, w in zip(backward, weight, strict=True)], "W": weight}
 
 
 def _handover(send_seconds: float, handover: HandOver | None) -> HandOver:
@@ -184,7 +204,7 @@ def _input(action: Action, stage: int, stages: int, chunks: int) -> tuple | None
     output handed on in place, already there): the previous piece's activation for a forward, the next piece's
     gradient for a backward."""
     i, c = action.microbatch, action.chunk
-    if stages == 1:
+    if stages == 1 or action.kind == "W":  # W: the gradient its B received, already there
         return None
     if action.kind == "F":
         return None if (stage, c) == (0, 0) else ("activation", c, i, (stage - 1) % stages, stage)

@@ -22,6 +22,7 @@ from labkit.comm.transport import Pending
 from labkit.comm.wire import DTYPES, MAX_DIMS, signature
 from labkit.parallel.counters import record_collective
 from labkit.parallel.pipeline.schedule import Action, Message
+from labkit.parallel.pipeline.split_backward import backward_input, backward_weight, split_forward
 from labkit.parallel.pipeline.timeline import PipelineEvent
 
 __all__ = ["MicroBatches", "StageLink", "StageRun"]
@@ -89,14 +90,15 @@ class StageRun:
     (inputs kept for their backward, outputs to send or hand on, buffers being received), the requests it
     posted, and what it measured. The step is `start_clock`, then `post` and `act` in communication_plan's
     order, then `finish`. Tensors in flight are keyed (what, chunk label, micro-batch), as Messages name them;
-    those kept for a backward (chunk, micro-batch)."""
+    those kept for a backward (chunk, micro-batch). With `split_backward` (the zero-bubble schedules) a backward
+    is two actions, B and W (split_backward.py), and what a forward kept waits for the W."""
 
     def __init__(self, modules: list[nn.Module], place: tuple[int, int, int], device: torch.device,
-                 batch: MicroBatches, emulated: dict[str, float]):
-        self.modules, self.device, self.batch = modules, device, batch
+                 batch: MicroBatches, emulated: dict[str, float], split_backward: bool = False):
+        self.modules, self.device, self.batch, self.split = modules, device, batch, split_backward
         self.place = _Place(*place)
         self.emulated = {kind: seconds / self.place.chunks for kind, seconds in emulated.items()}  # per chunk
-        self.saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # -> (input, output or loss)
+        self.saved: dict[tuple[int, int], tuple] = {}  # -> (input, output or loss, LayerPieces where split)
         self.outgoing: dict[tuple[str, int, int], torch.Tensor] = {}  # tensors to send, or to hand on in place
         self.arriving: dict[tuple[str, int, int], tuple[torch.Tensor, Pending]] = {}  # -> (buffer, its receive)
         self.sends: list[Pending] = []
@@ -156,7 +158,9 @@ class StageRun:
     def act(self, action: Action) -> None:
         """Run one action, timed from when its input is here to when its compute (and emulated rest) is done."""
         i, c = action.microbatch, action.chunk
-        start = self._forward(i, c) if action.kind == "F" else self._backward(i, c)
+        run = {"F": self._forward, "B": self._backward_input if self.split else self._backward,
+               "W": self._backward_weight}[action.kind]
+        start = run(i, c)
         measure.synchronize(self.device)
         _pad(start, self.emulated[action.kind])
         end = time.perf_counter()
@@ -168,15 +172,24 @@ class StageRun:
         x = self.batch.inputs[i].to(self.device) if self.place.first(c) else \
             self._take("activation", c, i).requires_grad_()
         start = _synchronized_now(self.device)
-        y = self.modules[c](x)
-        if self.place.last(c):
-            share = len(self.batch.inputs[i]) / self.batch.examples  # the full batch's mean from micro-batch means
-            y = self.batch.loss_fn(y, self.batch.targets[i].to(self.device)) * share
+        loss = self._loss_of(i) if self.place.last(c) else None
+        if self.split:
+            pieces = split_forward(self.modules[c], x, then=loss)
+            y = pieces[-1].output
+        else:
+            pieces, y = None, self.modules[c](x)
+            y = y if loss is None else loss(y)
+        if loss is not None:
             self.loss += y.item()
         else:
             self._hand_on(y, c, i)
-        self.saved[(c, i)] = (x, y)
+        self.saved[(c, i)] = (x, y, pieces)
         return start
+
+    def _loss_of(self, i: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Micro-batch i's loss from the model's output, scaled so that the micro-batches' sum is the batch's mean."""
+        share = len(self.batch.inputs[i]) / self.batch.examples
+        return lambda output: self.batch.loss_fn(output, self.batch.targets[i].to(self.device)) * share
 
     def _hand_on(self, y: torch.Tensor, c: int, i: int) -> None:
         """Queue chunk c's activation i for the next piece, and with the first, the header that sizes its buffers."""
@@ -189,13 +202,32 @@ class StageRun:
 
     def _backward(self, i: int, c: int) -> float:
         """Micro-batch i's gradient back through chunk c's layers; returns when it started."""
-        x, y = self.saved.pop((c, i))
+        x, y, _ = self.saved.pop((c, i))
         grad = None if self.place.last(c) else self._take("gradient", self.place.downstream(c), i)
         start = _synchronized_now(self.device)
         if y.requires_grad:  # a first stage of parameter-free layers has nothing to differentiate
             y.backward(grad)
         if not self.place.first(c):
             self.outgoing[("gradient", c, i)] = x.grad
+        return start
+
+    def _backward_input(self, i: int, c: int) -> float:
+        """B of a split backward: micro-batch i's input gradient through chunk c (split_backward.backward_input),
+        its layers' weights left for W; returns when it started."""
+        pieces = self.saved[(c, i)][2]
+        grad = None if self.place.last(c) else self._take("gradient", self.place.downstream(c), i)
+        start = _synchronized_now(self.device)
+        grad_input = backward_input(pieces, grad)
+        if not self.place.first(c):
+            self.outgoing[("gradient", c, i)] = grad_input
+        return start
+
+    def _backward_weight(self, i: int, c: int) -> float:
+        """W: micro-batch i's weight gradients of chunk c (split_backward.backward_weight), which frees what its
+        forward kept; returns when it started."""
+        pieces = self.saved.pop((c, i))[2]
+        start = _synchronized_now(self.device)
+        backward_weight(pieces)
         return start
 
     def finish(self) -> tuple[list[PipelineEvent], int, float | None]:
