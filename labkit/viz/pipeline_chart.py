@@ -20,22 +20,25 @@ def pipeline_timeline(events, title: str = "Pipeline timeline", unit_seconds: fl
                       unit: str = "ms") -> go.Figure:
     """One row per stage, a bar per action (forward blue, backward orange, labelled with its micro-batch where
     the bar is wide enough to read it, and its chunk after a dot when the schedule is interleaved: "3.1"; where
-    the backward is split (zero bubble), its input-gradient half B orange and its weight-gradient half W green);
+    the backward is split (zero bubble), its input-gradient half B orange, its weight-gradient half W green, and a
+    whole backward in such a schedule, BW, hatched orange);
     the white gaps are the bubble. `events` are PipelineEvents, measured (run_pipeline) or simulated
     (simulate_pipeline, whose times are in cost units: pass unit_seconds=1, unit="time units")."""
     stages = sorted({e.stage for e in events})
     chunked = any(e.chunk for e in events)
     split = any(e.kind == "W" for e in events)
     figure = go.Figure()
-    kinds = (("F", FORWARD, "forward"), ("B", BACKWARD, "backward B (input gradient)" if split else "backward"),
-             ("W", WEIGHT, "backward W (weight gradient)"))
-    for kind, color, name in kinds[:3 if split else 2]:
+    kinds = [("F", FORWARD, "forward"), ("B", BACKWARD, "backward B (input gradient)" if split else "backward")]
+    kinds += [("W", WEIGHT, "backward W (weight gradient)")] if split else []
+    kinds += [("BW", BACKWARD, "backward, whole (B and W)")] if any(e.kind == "BW" for e in events) else []
+    for kind, color, name in kinds:
         chosen = [e for e in events if e.kind == kind]
         figure.add_bar(base=[e.start / unit_seconds for e in chosen], x=[e.seconds / unit_seconds for e in chosen],
                        y=[f"stage {e.stage}" for e in chosen], orientation="h", marker_color=color, name=name,
                        text=[f"{e.microbatch}.{e.chunk}" if chunked else str(e.microbatch) for e in chosen],
                        textposition="inside", insidetextanchor="middle",
                        marker_line={"color": WHITE, "width": 1},
+                       marker_pattern_shape="/" if kind == "BW" else "",  # a whole backward: hatched orange
                        hovertemplate="%{y}: " + name + " of micro-batch" + (".chunk" if chunked else "") +
                        " %{text}, %{x:.3g} " + unit + "<extra></extra>")
     figure.update_layout(title=title, barmode="overlay", xaxis_title=f"time, {unit}", height=140 + 45 * len(stages),

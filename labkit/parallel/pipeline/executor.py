@@ -24,6 +24,7 @@ import labkit
 from labkit import groups
 from labkit.checks import flag, number, whole
 from labkit.comm.torch_transport import TorchTransport, default_transport
+from labkit.parallel.pipeline.layout import V_SHAPED
 from labkit.parallel.pipeline.schedule import SPLIT_BACKWARD, Action, communication_plan
 from labkit.parallel.pipeline.stage_run import MicroBatches, StageLink, StageRun
 from labkit.parallel.pipeline.timeline import PipelineEvent
@@ -124,6 +125,10 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     """
     groups.require_member("run_pipeline", group)
     _check_same_plan(model, schedule_kind, microbatches, chunks, group)
+    if isinstance(schedule_kind, str) and schedule_kind.lower() in V_SHAPED:
+        raise ValueError(f"schedule_kind={schedule_kind!r}: run_pipeline runs the looped layouts (gpipe, 1f1b, "
+                         "interleaved, zb-h1); a V-shaped schedule is simulated only: simulate_pipeline"
+                         f"({schedule_kind!r}, stages, microbatches) draws its step.")
     m = _checked_step(model, microbatches, inputs, targets)
     stage, stages = groups.group_rank(group), groups.group_size(group)
     pieces = stage_layers(len(model), stages, chunks)

@@ -22,18 +22,23 @@ from dataclasses import dataclass
 from labkit._refusals import refuse_while_graded
 from labkit.checks import choice, flag, whole
 from labkit.parallel.pipeline.action import Action
-from labkit.parallel.pipeline.zero_bubble import zero_bubble_h1
+from labkit.parallel.pipeline.layout import V_SHAPED, piece_after, piece_before
+from labkit.parallel.pipeline.zero_bubble import dualpipe_v, zero_bubble_h1
 
-__all__ = ["KINDS", "Action", "Message", "communication_plan", "peak_in_flight", "schedule"]
+__all__ = ["KINDS", "SPLIT_BACKWARD", "Action", "Message", "chunks_per_stage", "communication_plan", "peak_in_flight",
+           "schedule"]
 
-KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)  # kinds whose backward is split: "B" the input gradient, "W" the weight gradient
+KINDS = ("gpipe", "1f1b", "interleaved", "zb-h1", "dualpipe-v")
+# kinds whose backward is split: "B" the input gradient, "W" the weight gradient, "BW" both at once
+SPLIT_BACKWARD = ("zb-h1", "dualpipe-v")
+_MANY_CHUNKS = ("interleaved", *V_SHAPED)  # a stage's receives ordered per direction: forward and backward
 _TAG_CHUNK_STRIDE = 2**20  # a Message's tag: chunk c's tags start at c * 2**20 (gloo's tags are 32-bit)
 
 
 def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list[list[Action]]:
-    """Each stage's actions, in the order it runs them, for "gpipe", "1f1b", "interleaved" or "zb-h1" (case
-    ignored; "zb-h1": zero_bubble.zero_bubble_h1).
+    """Each stage's actions, in the order it runs them, for "gpipe", "1f1b", "interleaved", "zb-h1" or
+    "dualpipe-v" (case ignored; the last two: zero_bubble.zero_bubble_h1 and zero_bubble.dualpipe_v, whose two
+    chunks per stage are implied: pass chunks=1 or 2).
 
     "interleaved" takes `chunks` = v >= 2 per stage (v virtual stages per device) and m a multiple of p
     (Megatron-LM's requirement: the micro-batches go through in groups of p). Its order is torch 2.13's
@@ -54,6 +59,8 @@ def schedule(kind: str, stages: int, microbatches: int, chunks: int = 1) -> list
     kind, p, m, v = _checked(kind, stages, microbatches, chunks)
     if kind == "zb-h1":
         return [zero_bubble_h1(r, p, m) for r in range(p)]
+    if kind == "dualpipe-v":
+        return dualpipe_v(p, m)
     return [_interleaved(r, p, m, v) if kind == "interleaved" else _one_chunk(kind, r, p, m) for r in range(p)]
 
 
@@ -61,6 +68,8 @@ def _checked(kind, stages, microbatches, chunks) -> tuple[str, int, int, int]:
     """The schedule's kind (lower case), p, m and v, once they make a schedule."""
     kind = choice("kind", kind.lower() if isinstance(kind, str) else kind, KINDS)
     p, m, v = whole("stages", stages), whole("microbatches", microbatches), whole("chunks", chunks)
+    if kind in V_SHAPED:
+        return kind, p, _v_shaped_microbatches(kind, p, m, v), 2
     if kind != "interleaved" and v != 1:
         raise ValueError(f"chunks={v}: {kind!r} runs one chunk per stage; more (chunks >= 2) is kind='interleaved'.")
     if kind == "interleaved" and v == 1:
@@ -69,6 +78,21 @@ def _checked(kind, stages, microbatches, chunks) -> tuple[str, int, int, int]:
         raise ValueError(f"microbatches={m}: interleaving runs micro-batches in groups of stages={p}; pass a "
                          f"multiple of {p} (Narayanan et al. 2021, section 2.2.2).")
     return kind, p, m, v
+
+
+def chunks_per_stage(kind: str, chunks: int = 1) -> int:
+    """How many chunks each stage holds under `kind`: `chunks`, or 2 for a V-shaped kind ("dualpipe-v")."""
+    return _checked(kind, 1, 2, chunks)[3]
+
+
+def _v_shaped_microbatches(kind: str, p: int, m: int, v: int) -> int:
+    """m, once it is at least the 2p pieces (torch's ScheduleDualPipeV's requirement) and chunks is 1 or 2."""
+    if v not in (1, 2):
+        raise ValueError(f"chunks={v}: {kind!r} runs two chunks per stage, laid out as a V; leave chunks out.")
+    if m < 2 * p:
+        raise ValueError(f"microbatches={m}: {kind!r} needs at least 2 x stages = {2 * p} micro-batches (its V's "
+                         "2p pieces; torch's ScheduleDualPipeV refuses fewer).")
+    return m
 
 
 def _warmup(kind: str, r: int, p: int, m: int, v: int) -> int:
@@ -117,10 +141,10 @@ def peak_in_flight(actions: Sequence[Action]) -> int:
     >>> peak_in_flight(schedule("interleaved", 4, 8, chunks=2)[0])  # 11 chunks of 1/2: 5.5 stages' worth
     11
     """
-    released_by = "W" if any(action.kind == "W" for action in actions) else "B"
+    released_by = ("W", "BW") if any(action.kind == "W" for action in actions) else ("B", "BW")
     waiting = peak = 0
     for action in actions:
-        waiting += 1 if action.kind == "F" else -1 if action.kind == released_by else 0
+        waiting += 1 if action.kind == "F" else -1 if action.kind in released_by else 0
         peak = max(peak, waiting)
     return peak
 
@@ -206,24 +230,26 @@ def _stage_plan(kind: str, actions: list[Action], r: int, p: int, v: int,
     for k in range(-1, len(actions)):
         sends = []
         if k >= 0:
-            sends = _messages(actions[k], "send", r, p, v)
+            sends = _messages(kind, actions[k], "send", r, p, v)
             steps += [actions[k]] + [(m,) for m in sends if m.what == "header"]
         receiving = receive_points.get(k, [])
-        steps += [header for action in receiving for header in _header_before(action, r, p)]
-        receives = [m for action in receiving for m in _messages(action, "recv", r, p, v)]
+        steps += [header for action in receiving for header in _header_before(kind, action, r, p, v)]
+        receives = [m for action in receiving for m in _messages(kind, action, "recv", r, p, v)]
         steps.append(tuple([m for m in sends if m.what != "header"] + receives))
     return [step for step in steps if step != ()]
 
 
 def _receive_points(kind: str, actions: list[Action]) -> dict[int, list[Action]]:
     """After which action (its index; -1: before the first) each action's input is received: the action before
-    it, or interleaved, the one before it of its kind (F or B; the first of each, the action before it)."""
+    it, or with several chunks, the one before it of its direction (forward F, or backward B, BW, W; the first of
+    each, the action before it)."""
     points: dict[int, list[Action]] = {}
-    latest: dict[str, int] = {}  # kind -> index of the latest action of that kind
+    latest: dict[bool, int] = {}  # forward? -> index of the latest action of that direction
     for k, action in enumerate(actions):
-        after = latest.get(action.kind, k - 1) if kind == "interleaved" else k - 1
+        forward = action.kind == "F"
+        after = latest.get(forward, k - 1) if kind in _MANY_CHUNKS else k - 1
         points.setdefault(after, []).append(action)
-        latest[action.kind] = k
+        latest[forward] = k
     return points
 
 
@@ -238,34 +264,39 @@ def _receive_points_ahead(kind: str, actions: list[Action]) -> dict[int, list[Ac
         after = normal[action]
         if (action.kind, action.chunk) in previous:
             after = min(after, previous[action.kind, action.chunk] - 1)
-        if action.kind == "B":
+        if action.kind in ("B", "BW"):
             after = max(after, index[("F", action.microbatch, action.chunk)])
         points.setdefault(after, []).append(action)
         previous[action.kind, action.chunk] = k
     return points
 
 
-def _header_before(action: Action, stage: int, stages: int) -> list[tuple[Message]]:
+def _header_before(kind: str, action: Action, stage: int, stages: int, chunks: int) -> list[tuple[Message]]:
     """The header's receive, alone, before the group that receives a chunk's first activation (micro-batch 0)."""
-    if action.kind != "F" or action.microbatch != 0 or (stage, action.chunk) == (0, 0) or stages == 1:
+    if action.kind != "F" or action.microbatch != 0:
         return []
-    return [(Message("recv", "header", 0, (stage - 1) % stages, action.chunk),)]
+    before = piece_before(kind, stage, action.chunk, stages, chunks)
+    if before is None or before[0] == stage:  # the model's first piece, or handed on in place
+        return []
+    return [(Message("recv", "header", 0, before[0], action.chunk),)]
 
 
-def _messages(action: Action, op: str, stage: int, stages: int, chunks: int) -> list[Message]:
+def _messages(kind: str, action: Action, op: str, stage: int, stages: int, chunks: int) -> list[Message]:
     """What `stage` must "recv" before `action` (its input), or "send" after it (its output; after a chunk's
-    first forward, the header first): none at the model's ends, nor between chunks of one stage."""
+    first forward, the header first): none at the model's ends, nor between chunks of one stage. A message's
+    chunk is the chunk on the downstream side: the one whose forward takes the activation, whose backward sends
+    the gradient."""
     forward, c = action.kind == "F", action.chunk
     if action.kind == "W":  # the weights' gradient stays on its stage
         return []
     if forward == (op == "send"):  # to or from the next piece of the model
-        if stage == stages - 1 and c == chunks - 1 or stages == 1:
-            return []
-        peer, chunk = (stage + 1) % stages, c + (stage == stages - 1)
+        neighbour = piece_after(kind, stage, c, stages, chunks)
+        peer, chunk = neighbour if neighbour is not None else (stage, c)
     else:  # to or from the previous piece
-        if stage == 0 and c == 0 or stages == 1:
-            return []
-        peer, chunk = (stage - 1) % stages, c
+        neighbour = piece_before(kind, stage, c, stages, chunks)
+        peer, chunk = (neighbour[0] if neighbour is not None else stage), c
+    if peer == stage:  # the model's end, or the next piece on this stage: handed on in place
+        return []
     what = "activation" if forward else "gradient"
     header = [Message(op, "header", 0, peer, chunk)] if forward and op == "send" and action.microbatch == 0 else []
     return header + [Message(op, what, action.microbatch, peer, chunk)]

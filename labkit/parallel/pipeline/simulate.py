@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from labkit.checks import flag, number, whole
+from labkit.checks import flag, number
 from labkit.comm.wire import MAX_DIMS
-from labkit.parallel.pipeline.schedule import SPLIT_BACKWARD, Action, Message, communication_plan
+from labkit.parallel.pipeline.layout import piece_after, piece_before
+from labkit.parallel.pipeline.schedule import SPLIT_BACKWARD, Action, Message, chunks_per_stage, communication_plan
 from labkit.parallel.pipeline.timeline import PipelineEvent
 
 __all__ = ["HEADER_NBYTES", "HandOver", "simulate_pipeline"]
@@ -93,9 +94,10 @@ def simulate_pipeline(kind: str, stages: int, microbatches: int, forward_seconds
     (27.0, 0.1111)
     """
     plan = communication_plan(kind, stages, microbatches, chunks, flag("receives_ahead", receives_ahead))
-    p, v = len(plan), whole("chunks", chunks)
+    p, v = len(plan), chunks_per_stage(kind, chunks)
     seconds = _action_seconds(kind, p, v, forward_seconds, backward_seconds, weight_seconds)
-    walk = _Walk(plan, v, seconds, _handover(send_seconds, handover), number("message_nbytes", message_nbytes))
+    walk = _Walk(kind.lower(), plan, v, seconds, _handover(send_seconds, handover),
+                 number("message_nbytes", message_nbytes))
     return sorted(walk.run(), key=lambda e: (e.stage, e.start))
 
 
@@ -111,7 +113,8 @@ def _action_seconds(kind, p: int, v: int, forward_seconds, backward_seconds, wei
     if any(w > b for w, b in zip(weight, backward, strict=True)):
         raise ValueError(f"weight_seconds={weight_seconds!r}: the W is a part of the backward, so at most "
                          f"backward_seconds={backward_seconds!r}.")
-    return {"F": forward, "B": [b - w for b, w in zip(backward, weight, strict=True)], "W": weight}
+    return {"F": [f / v for f in forward], "B": [(b - w) / v for b, w in zip(backward, weight, strict=True)],
+            "W": [w / v for w in weight], "BW": [b / v for b in backward]}
 
 
 def _handover(send_seconds: float, handover: HandOver | None) -> HandOver:
@@ -130,8 +133,8 @@ def _handover(send_seconds: float, handover: HandOver | None) -> HandOver:
 class _Walk:
     """Every stage through its steps of the plan: its clock, the messages posted (when), the events."""
 
-    def __init__(self, plan, chunks: int, seconds: dict[str, list[float]], cost: HandOver, nbytes: float):
-        self.plan, self.seconds, self.cost, self.nbytes = plan, seconds, cost, nbytes
+    def __init__(self, kind: str, plan, chunks: int, seconds: dict[str, list[float]], cost: HandOver, nbytes: float):
+        self.kind, self.plan, self.seconds, self.cost, self.nbytes = kind, plan, seconds, cost, nbytes
         self.p, self.v = len(plan), chunks
         self.clock, self.done = [0.0] * self.p, [0] * self.p
         self.sent: dict[tuple, float] = {}  # message key -> when its sender had posted it
@@ -158,7 +161,7 @@ class _Walk:
         return self._post(r, step)
 
     def _act(self, r: int, action: Action) -> bool:
-        need = _input(action, r, self.p, self.v)
+        need = _input(self.kind, action, r, self.p, self.v)
         start = self.clock[r]
         if need is not None:
             if need not in self.sent:
@@ -171,10 +174,10 @@ class _Walk:
     def _post(self, r: int, group: tuple[Message, ...]) -> bool:
         """Post a group: first, as the executor sizes its buffers, wait for the header of any chunk whose first
         activation buffer it makes; then each message in turn, each costing its poster its post time."""
-        for label in {m.chunk for m in group if m.op == "recv" and m.what == "activation"}:
+        for label, peer in {(m.chunk, m.peer) for m in group if m.op == "recv" and m.what == "activation"}:
             if (r, label) in self.sized:
                 continue
-            header = _key(Message("recv", "header", 0, (r - 1) % self.p, label), r)
+            header = _key(Message("recv", "header", 0, peer, label), r)
             if header not in self.sent:
                 return False
             self.clock[r] = max(self.clock[r], self._arrival(header, HEADER_NBYTES))
@@ -199,18 +202,18 @@ def _key(message: Message, stage: int) -> tuple:
     return (message.what, message.chunk, message.microbatch, *pair)
 
 
-def _input(action: Action, stage: int, stages: int, chunks: int) -> tuple | None:
-    """The message whose tensor `action` on `stage` takes (None: the batch, the loss, or with one stage a chunk's
-    output handed on in place, already there): the previous piece's activation for a forward, the next piece's
-    gradient for a backward."""
+def _input(kind: str, action: Action, stage: int, stages: int, chunks: int) -> tuple | None:
+    """The message whose tensor `action` on `stage` takes (None: the batch, the loss, or a chunk's output handed
+    on in place on this stage, already there): the previous piece's activation for a forward, the next piece's
+    gradient for a backward (B or BW; a W takes the gradient its B received)."""
     i, c = action.microbatch, action.chunk
-    if stages == 1 or action.kind == "W":  # W: the gradient its B received, already there
+    if action.kind == "W":
         return None
     if action.kind == "F":
-        return None if (stage, c) == (0, 0) else ("activation", c, i, (stage - 1) % stages, stage)
-    if (stage, c) == (stages - 1, chunks - 1):
-        return None
-    return ("gradient", c + (stage == stages - 1), i, (stage + 1) % stages, stage)
+        before = piece_before(kind, stage, c, stages, chunks)
+        return None if before is None or before[0] == stage else ("activation", c, i, before[0], stage)
+    after = piece_after(kind, stage, c, stages, chunks)
+    return None if after is None or after[0] == stage else ("gradient", after[1], i, after[0], stage)
 
 
 def _costs(name: str, value, stages: int) -> list[float]:
