@@ -55,5 +55,7 @@ def zero_bubble_fraction(stages: int, microbatches: int, forward: float = 1.0, b
         raise ValueError(f"backward_weight={w} > min(forward, backward_input)={min(f, b)}: the formula assumes W "
                          "no longer than F and B (a longer W no longer fits the gaps it fills); simulate_pipeline("
                          "'zb-h1', ..., weight_seconds=...) gives the timeline.")
+    scale = max(f, b) or 1.0  # only the costs' ratios matter: scaled to at most 1, no sum overflows
+    f, b, w = f / scale, b / scale, w / scale
     idle = (p - 1) * (f + b - w)
     return idle / (m * (f + b + w) + idle) if idle else 0.0

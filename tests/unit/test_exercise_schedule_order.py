@@ -13,7 +13,7 @@ from torch.distributed.pipelining import schedules
 
 from labkit.exercises import Verdict, check_1f1b_order
 from labkit.exercises.schedule_order import DRAWN, FIRST_CASE, GRID, draw_cases
-from labkit.parallel.pipeline import Action, schedule
+from labkit.parallel.pipeline import Action, schedule, zero_bubble_h1
 
 GRADINGS = 3  # a wrong row is graded this many times, each on a fresh draw: it must be refused on every one
 
@@ -231,6 +231,9 @@ WRONG.update({
     "the course's schedule from its text": (from_its_text,
                                             ["calls labkit.parallel.pipeline's schedule(), a ready-made"]),
     "the course's schedule, refusal caught": (caught, ["calls labkit.parallel.pipeline's schedule(), a ready-made"]),
+    "zero bubble without its W's": (lambda r, p, m: [(a.kind, a.microbatch) for a in zero_bubble_h1(r, p, m)
+                                                     if a.kind != "W"],   # ZB-H1's order less W is 1F1B's
+                                    ["calls labkit.parallel.pipeline's schedule(), a ready-made"]),
 })
 MADE_PER_GRADING = {"a cache keyed on the stage", "answers replayed in an earlier order"}  # fresh state each time
 

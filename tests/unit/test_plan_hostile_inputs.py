@@ -50,6 +50,8 @@ VALID = {
                                "nbytes_per_rank": 2.45e10, "overlap": overlap, "accumulation_steps": 2}
                               for overlap in (0.5, 1.0)],
     "bubble_fraction": [{"stages": 4, "microbatches": 8, "chunks": 2}],
+    "zero_bubble_fraction": [{"stages": 4, "microbatches": 8, "forward": 1.0, "backward_input": 1.0,
+                              "backward_weight": 0.5}],
     "bus_bandwidth": [{"collective": "allreduce", "nbytes": 2e9, "seconds": 1.0, "world_size": 4}],
     "data_parallel_speedup": [{"devices": 8, "compute_seconds": 1.0, "comm_seconds": 0.5, "overlap": 0.5,
                                "accumulation_steps": 2}],

@@ -6,6 +6,8 @@ micro-batches that flow forward through the stages and whose gradients flow back
                   schedule("zb-h1", 4, 8)           zero bubble: the backward split, Action("B", i) and Action("W", i)
                   communication_plan("1f1b", 4, 8)  the same, with the messages each stage posts between them
     zero_bubble.py    zero_bubble_h1(r, p, m)       ZB-H1's order (Qi et al. 2023); W's fill the cool-down
+                      dualpipe_v(p, m)              DualPipeV's (DeepSeek-V3), two chunks a stage as a V: simulated
+    layout.py         piece_after, piece_before     which stage and chunk holds the model's next or previous piece
     split_backward.py split_forward, backward_input, backward_weight   a chunk's backward as B, then W
     timeline.py   PipelineEvent, measured_bubble(events)   idle share of a timeline: 1 - busy / (makespan x stages)
     simulate.py   simulate_pipeline("1f1b", 4, 8)   the step's timeline from stage costs, without processes
@@ -45,9 +47,11 @@ from labkit.parallel.pipeline.schedule import (
 from labkit.parallel.pipeline.simulate import HandOver, simulate_pipeline
 from labkit.parallel.pipeline.stage_run import StageLink
 from labkit.parallel.pipeline.timeline import PipelineEvent, measured_bubble
+from labkit.parallel.pipeline.zero_bubble import dualpipe_v, zero_bubble_h1
 
 __all__ = ["HANDOVER_SIZES", "KINDS", "SPLIT_BACKWARD",
            "Action", "HandOver", "Message", "PipelineEvent", "PipelineResult", "StageLink",
-           "bubbles_by_round", "communication_plan", "fitted_handover", "handover_seconds_by_size", "measure_handover",
+           "bubbles_by_round", "communication_plan", "dualpipe_v", "fitted_handover", "handover_seconds_by_size",
+           "measure_handover",
            "measured_bubble", "peak_in_flight", "run_pipeline", "schedule", "simulate_pipeline", "stage_layers",
-           "steps_taking_turns"]
+           "steps_taking_turns", "zero_bubble_h1"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 
+from labkit._refusals import refuse_while_graded
 from labkit.parallel.pipeline.action import Action
 
 __all__ = ["dualpipe_v", "zero_bubble_h1"]
@@ -45,6 +46,7 @@ def zero_bubble_h1(stage: int, stages: int, microbatches: int) -> list[Action]:
     >>> " ".join(map(str, zero_bubble_h1(2, 3, 4)))   # the last stage: two W's for the cool-down
     'F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3'
     """
+    refuse_while_graded("labkit.parallel.pipeline's schedule")  # without its W's, it is 1F1B: notebook 06 grades that
     warmup = min(stages - stage - 1, microbatches)
     actions = [Action("F", i) for i in range(warmup)]
     deferred: deque[int] = deque()  # micro-batches whose B has run and W not yet, oldest first
