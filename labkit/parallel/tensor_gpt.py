@@ -100,11 +100,15 @@ class VocabParallelEmbedding(nn.Module):
         self.pos = copy.deepcopy(embeddings.pos)
         self.group, self.sequence_parallel = group, sequence_parallel
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The embeddings of token ids `idx` (batch, length) at `positions` (None: 0 .. length-1; a context-parallel
+        rank passes its tokens' global positions, labkit.parallel.context_gpt)."""
         local = idx - self.shard.start
         outside = (local < 0) | (local >= len(self.weight))
         tokens = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        if positions is not None and self.sequence_parallel:
+            raise ValueError("VocabParallelEmbedding: positions are chosen by sequence parallelism; pass none.")
+        positions = torch.arange(idx.shape[1], device=idx.device) if positions is None else positions
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel(tokens, self.group) + \
                 self.pos(positions[sequence_slice(idx.shape[1], self.group)])

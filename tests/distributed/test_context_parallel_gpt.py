@@ -1,7 +1,7 @@
 """ContextParallelGPT and Mesh(cp=...) on real gloo ranks: a TinyGPT trained on dp x cp = 2 x 2 and 1 x 4 (and
-1 x 3, a length no cp divides into equal chunks) equals one process trained on the whole batch, losses and
-parameters within 1e-10 in float64; each axis's traffic counted where it went (the ring's sends and gradient sums on
-cp, gradient sums on dp)."""
+1 x 3, a length no cp divides into equal chunks), and with tp on dp x cp x tp = 1 x 2 x 2 and 2 x 2 x 2, equals one
+process trained on the whole batch, losses and parameters within 1e-10 in float64; each axis's traffic counted where
+it went (the ring's sends and gradient sums on cp, gradient sums on dp, the split layers' all-reduces on tp)."""
 
 import pytest
 import torch
@@ -25,14 +25,14 @@ def batches(length):
     return list(char_batches(TEXT, batch=BATCH, length=length, steps=STEPS, seed=5))
 
 
-def on_mesh(dp, cp, length):
-    mesh = Mesh(dp=dp, cp=cp)
+def on_mesh(dp, cp, length, tp=1):
+    mesh = Mesh(dp=dp, cp=cp, tp=tp)
     gpt = model().to(labkit.device())
     trainer = ContextParallelGPT(gpt, mesh, lr=LR)
     with count_collectives() as counted:
         losses = [trainer.train_step(x.to(labkit.device()), y.to(labkit.device())) for x, y in batches(length)]
     traffic = {axis: dict(t.calls) for axis, t in counted.by_axis(mesh).items() if isinstance(axis, str)}
-    return losses, [p.detach().cpu() for p in gpt.parameters()], mesh.coordinate, traffic
+    return losses, trainer.full_parameters(), mesh.coordinate, traffic, len(list(trainer.layers.parameters()))
 
 
 def one_process(length):
@@ -45,22 +45,25 @@ def one_process(length):
             for p in gpt.parameters():
                 p -= LR * p.grad
         losses.append(loss.item())
-    return losses, [p.detach() for p in gpt.parameters()]
+    return losses, {name: p.detach() for name, p in gpt.named_parameters()}
 
 
-@pytest.mark.parametrize("dp,cp,length", [(2, 2, 30), (1, 4, 30), (1, 3, 29)])
-def test_dp_x_cp_trains_as_one_process(dp, cp, length):
-    per_rank = labkit.run(on_mesh, dp, cp, length, world_size=dp * cp)
+@pytest.mark.parametrize("dp,cp,tp,length", [(2, 2, 1, 30), (1, 4, 1, 30), (1, 3, 1, 29), (1, 2, 2, 29),
+                                             (2, 2, 2, 30)])
+def test_dp_x_cp_x_tp_trains_as_one_process(dp, cp, tp, length):
+    per_rank = labkit.run(on_mesh, dp, cp, length, tp, world_size=dp * cp * tp)
     want_losses, want_params = one_process(length)
-    for rank, (losses, params, coordinate, traffic) in enumerate(per_rank):
+    for rank, (losses, params, coordinate, traffic, local) in enumerate(per_rank):
         assert max(abs(a - b) for a, b in zip(losses, want_losses, strict=True)) < TOLERANCE, (rank, losses)
-        gap = max((a - b).abs().max().item() for a, b in zip(params, want_params, strict=True))
+        assert set(params) == set(want_params)
+        gap = max((params[name] - want).abs().max().item() for name, want in want_params.items())
         assert gap < TOLERANCE, (rank, coordinate, gap)
         assert set(coordinate) == {"dp", "pp", "cp", "tp"}
-        assert traffic["cp"]["send"] > 0 and traffic["cp"]["all_reduce"] == STEPS * len(params)
-        assert traffic["dp"].get("all_reduce", 0) == (STEPS * len(params) if dp > 1 else 0)
-    ranks_of = {(c["dp"], c["cp"]): rank for rank, (_, _, c, _) in enumerate(per_rank)}
-    assert ranks_of == {(d, c): d * cp + c for d in range(dp) for c in range(cp)}  # cp inside dp, tp innermost
+        assert traffic["cp"]["send"] > 0 and traffic["cp"]["all_reduce"] == STEPS * local
+        assert traffic["dp"].get("all_reduce", 0) == (STEPS * local if dp > 1 else 0)
+        assert (traffic["tp"].get("all_reduce", 0) > 0) == (tp > 1)   # the split layers' f and g
+    ranks_of = {(c["dp"], c["cp"], c["tp"]): rank for rank, (_, _, c, _, _) in enumerate(per_rank)}
+    assert ranks_of == {(d, c, t): (d * cp + c) * tp + t for d in range(dp) for c in range(cp) for t in range(tp)}
 
 
 def mesh_without_cp():
