@@ -1,5 +1,5 @@
-"""3D parallelism by the numbers: for a GPT on a dp x pp x tp layout, the layers and parameters each rank holds,
-and the bytes it hands to each axis's collectives in one training step.
+"""3D parallelism by the numbers: for a GPT on a dp x pp x tp layout (and a cp axis for long sequences), the layers
+and parameters each rank holds, and the bytes it hands to each axis's collectives in one training step.
 
     GPTShape(vocab, d_model, layers, heads, context)        the model (labkit.models.TinyGPT's layers)
     ParallelLayout(dp, pp, tp, microbatches, ...)           the layout, and a rank's place in it
@@ -51,6 +51,13 @@ micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h
       one reduce-scatter of the gradients, padded to dp x ceil(P / dp) numbers (each rank's slice travels at the
       largest slice's size), and one all-gather of the rank's updated slice, ceil(P / dp) numbers. On the wire
       2 (dp - 1) ceil(P / dp): the all-reduce's 2 (dp - 1) / dp x P, up to the padding and without the flags.
+  cp (context parallelism, labkit.parallel.context_gpt; Liu et al. 2023, "Ring Attention"): each rank holds its
+      zig-zag positions of every sequence (plan.held_positions: s_r of s), so every other axis's activations are
+      b s_r h instead of b s h; every block's attention passes K and V of its heads (b heads / t rows of h / heads)
+      around the ring forward and backward (plan.context_parallel_nbytes, every micro-batch); once a step, one
+      all-reduce of every gradient the rank holds over cp (the cp ranks hold the same weights and split the
+      sequences' tokens, as dp ranks split the batch). Planned with plain tp (ContextParallelGPT's; sequence
+      parallelism cuts the sequence another way), checked against ContextParallelGPT's counts where pp = 1.
 
 A size-1 axis moves nothing: its entry is empty. `axis_wire_bytes` turns the payloads into the bytes a ring moves
 per rank (all-reduce 2(N-1)/N, reduce-scatter (N-1)/N of the whole, all-gather N-1 parts; Thakur et al. 2005), the
@@ -67,13 +74,14 @@ from dataclasses import dataclass
 
 from labkit._refusals import refuse_while_graded
 from labkit.checks import choice, finite_result, flag, number, shown, whole
+from labkit.plan.context_parallel import context_parallel_nbytes, held_positions
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes, ring_reduce_scatter_bytes
 
 __all__ = ["COLLECTIVES", "LOSS_BYTES_PER_NUMBER", "GPTShape", "ParallelLayout", "axis_traffic", "axis_wire_bytes",
            "check_fit", "rank_layers", "rank_params"]
 
-_AXES = ("dp", "pp", "tp")  # as labkit.parallel.mesh.AXES: outermost to innermost (plan imports no torch)
+_AXES = ("dp", "pp", "cp", "tp")  # as labkit.parallel.mesh.ALL_AXES: outermost to innermost (plan imports no torch)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "broadcast")  # labkit.parallel.counters' kinds
 LOSS_BYTES_PER_NUMBER = 4  # Megatron's vocabulary-parallel loss all-reduces FP32 numbers (module docstring)
 
@@ -109,7 +117,10 @@ class ParallelLayout:
     sequence parallelism on the tp axis or not, and the dp axis's `zero_stage`: 0 replicates the optimizer state
     (BucketedDDP's all-reduce of the gradients), 1 shards it over the dp group and 2 the gradients too
     (labkit.parallel.ShardedOptimizer: a reduce-scatter and an all-gather). ZeRO-3, which shards the weights and
-    gathers them in every forward and backward, is not an option of this layout. Two of Megatron-LM's
+    gathers them in every forward and backward, is not an option of this layout. `cp` ranks (context parallelism,
+    the last field so that older positional calls keep their meaning) split every sequence, between pp and tp:
+    global rank ((dp_i pp + pp_j) cp + cp_l) tp + tp_k, as Mesh(dp, pp, cp=..., tp=...) lays it out; place()
+    names cp only when cp > 1, as a Mesh names its axes. Two of Megatron-LM's
     optimisations that labkit.parallel.ThreeDGPT does not run can be planned: `scatter_gather` (pipeline sends
     of 1/tp of the activation per tp rank, all-gathered after; Narayanan et al. 2021, section 4.1) and
     `vocab_parallel_loss` (the head's logits kept split over tp, the loss from 3 all-reduces of b s FP32 numbers;
@@ -128,9 +139,10 @@ class ParallelLayout:
     zero_stage: int = 0
     scatter_gather: bool = False
     vocab_parallel_loss: bool = False
+    cp: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "pp", "tp", "microbatches", "chunks"):
+        for name in ("dp", "pp", "tp", "microbatches", "chunks", "cp"):
             whole(name, getattr(self, name))
         for name in ("sequence_parallel", "scatter_gather", "vocab_parallel_loss"):
             flag(name, getattr(self, name))
@@ -140,11 +152,17 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """dp x pp x tp ranks."""
-        return self.dp * self.pp * self.tp
+        """dp x pp x cp x tp ranks."""
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The layout's axes, outermost first: dp, pp, tp, and cp between pp and tp when cp > 1 (as a Mesh names
+        them)."""
+        return tuple(axis for axis in _AXES if axis != "cp" or self.cp > 1)
 
     def size(self, axis: str) -> int:
-        """How many ranks a group on `axis` ("dp", "pp" or "tp") holds."""
+        """How many ranks a group on `axis` ("dp", "pp", "cp" or "tp") holds."""
         return getattr(self, choice("axis", axis, _AXES))
 
     def place(self, rank: int) -> dict[str, int]:
@@ -155,8 +173,9 @@ class ParallelLayout:
             raise ValueError(f"rank={shown(rank)}: this layout has {self.world_size} ranks; pass 0 to "
                              f"{self.world_size - 1}.")
         rest, tp_k = divmod(rank, self.tp)
+        rest, cp_l = divmod(rest, self.cp)
         dp_i, pp_j = divmod(rest, self.pp)
-        return {"dp": dp_i, "pp": pp_j, "tp": tp_k}
+        return {"dp": dp_i, "pp": pp_j, "cp": cp_l, "tp": tp_k} if self.cp > 1 else {"dp": dp_i, "pp": pp_j, "tp": tp_k}
 
 
 def check_fit(shape: GPTShape, layout: ParallelLayout, batch: int | None = None, sequence: int | None = None) -> None:
@@ -204,6 +223,11 @@ def _check_batch_fit(shape: GPTShape, layout: ParallelLayout, batch: int, sequen
     if batch % cut:
         raise ValueError(f"batch={batch}: the batch is cut over dp={layout.dp} replicas x microbatches="
                          f"{layout.microbatches}, {cut} equal parts; pass a batch that is a multiple of {cut}.")
+    if layout.cp > 1:
+        held_positions(sequence, layout.cp)  # ValueError unless every rank gets a token of each zig-zag chunk
+        if layout.sequence_parallel:
+            raise ValueError(f"cp={layout.cp} with sequence_parallel: both cut the sequence, and labkit plans cp "
+                             "with plain tensor parallelism (ContextParallelGPT's); pass sequence_parallel=False.")
     if layout.sequence_parallel and sequence % layout.tp:
         raise ValueError(f"sequence={sequence}: sequence parallelism cuts each sequence over tp={layout.tp} ranks; "
                          f"pass a length that is a multiple of {layout.tp}.")
@@ -355,6 +379,24 @@ def _scatter_gather_numbers(shape, layout, stage: int, b: int, s: int) -> Counte
     return Counter({"all_gather": gathered} if gathered else {})
 
 
+def _cp_numbers(shape: GPTShape, layout: ParallelLayout, kinds, params: int, rank: int, b: int, s: int) -> Counter:
+    """Numbers the rank hands to the cp axis in one step: its ring's sends, every block's attention forward and
+    backward for every micro-batch, and the all-reduce of its gradients (module docstring)."""
+    if layout.cp == 1:
+        return Counter()
+    cp_rank = layout.place(rank)["cp"]
+    ring = context_parallel_nbytes(s, layout.cp, rows=1, head_dim=shape.d_model // shape.heads, bytes_per_element=1)
+    rows = b * shape.heads // layout.tp  # the ring's bytes are linear in its rows: whole numbers, exact at any size
+    per_attention = rows * (ring["forward"][cp_rank] + ring["backward"][cp_rank])
+    blocks = sum(kind == "block" for kind in kinds)
+    return Counter({"send": blocks * layout.microbatches * per_attention, "all_reduce": params})
+
+
+def _tokens_held(layout: ParallelLayout, rank: int, s: int) -> int:
+    """Tokens of each sequence the rank holds: all s, or its zig-zag share with cp > 1."""
+    return s if layout.cp == 1 else held_positions(s, layout.cp)[layout.place(rank)["cp"]]
+
+
 def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int, sequence: int | None = None,
                  bytes_per_number: int = 4) -> dict[str, dict[str, int]]:
     """Bytes global rank `rank` hands to each axis's collectives in one training step, by collective: {"dp":
@@ -378,14 +420,17 @@ def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int,
     s, nbytes = _sequence(shape, sequence), whole("bytes_per_number", bytes_per_number)
     b = batch // (layout.dp * layout.microbatches)
     kinds, params, tensors = _rank_parts(shape, layout, rank)
-    stage = layout.place(rank)["pp"]
+    stage, held = layout.place(rank)["pp"], _tokens_held(layout, rank, s)
     numbers = {"dp": _dp_numbers(layout, params, tensors),
-               "pp": _pp_numbers(shape, layout, stage, b, s),
-               "tp": _tp_numbers(shape, layout, kinds, b, s) + _scatter_gather_numbers(shape, layout, stage, b, s)}
+               "pp": _pp_numbers(shape, layout, stage, b, held),
+               "cp": _cp_numbers(shape, layout, kinds, params, rank, b, s),
+               "tp": _tp_numbers(shape, layout, kinds, b, held) + _scatter_gather_numbers(shape, layout, stage, b,
+                                                                                        held)}
     in_bytes = {axis: Counter({kind: n * nbytes for kind, n in counted.items()}) for axis, counted in numbers.items()}
-    loss = _loss_numbers(layout, kinds, b, s)                             # FP32 whatever bytes_per_number is
+    loss = _loss_numbers(layout, kinds, b, held)                          # FP32 whatever bytes_per_number is
     in_bytes["tp"] += Counter({kind: n * LOSS_BYTES_PER_NUMBER for kind, n in loss.items()})
-    traffic = {axis: {kind: n for kind, n in sorted(counted.items()) if n} for axis, counted in in_bytes.items()}
+    traffic = {axis: {kind: n for kind, n in sorted(counted.items()) if n} for axis, counted in in_bytes.items()
+               if axis in layout.axes}
     return finite_result("axis_traffic", traffic, batch=batch, sequence=sequence, bytes_per_number=bytes_per_number)
 
 
@@ -414,7 +459,7 @@ def axis_wire_bytes(traffic: dict[str, dict[str, float]], layout: ParallelLayout
     if not isinstance(layout, ParallelLayout):
         raise TypeError(f"layout={shown(layout)}: pass a labkit.plan.ParallelLayout(dp, pp, tp, microbatches).")
     wire = {axis: float(sum(_wire_bytes(collective, nbytes, layout.size(axis))
-                            for collective, nbytes in checked.get(axis, {}).items())) for axis in _AXES}
+                            for collective, nbytes in checked.get(axis, {}).items())) for axis in layout.axes}
     return finite_result("axis_wire_bytes", wire, traffic=traffic)
 
 

@@ -1,7 +1,8 @@
-"""The layout explorer: choose how a world of ranks trains a GPT (dp x pp x tp, micro-batches, chunks per stage,
-sequence parallelism) and see what labkit.plan predicts for that layout: each axis's traffic per rank per step, the
-pipeline's bubble and the training state each rank holds. Every number is plan's, for every rank, so a run of
-labkit.parallel.ThreeDGPT with the same layout can be checked against what the explorer shows.
+"""The layout explorer: choose how a world of ranks trains a GPT (dp x pp x cp x tp, micro-batches, chunks per
+stage, sequence parallelism) and see what labkit.plan predicts for that layout: each axis's traffic per rank per
+step, the pipeline's bubble, the training state each rank holds and the activations it keeps. Every number is
+plan's, for every rank, so a run of labkit.parallel.ThreeDGPT with the same layout (ContextParallelGPT's, with cp)
+can be checked against what the explorer shows.
 
     suggested_layout(world_size)                 (dp, pp, tp): tp = 2 and pp = 2 where the world allows
     plan_layout(shape, layout, batch, ...)       LayoutPlan: plan's traffic, memory and bubble, rank by rank
@@ -20,13 +21,16 @@ from labkit.checks import rank_count, whole
 from labkit.plan import (
     GPTShape,
     ParallelLayout,
+    activation_nbytes,
     axis_traffic,
     axis_wire_bytes,
     bubble_fraction,
     check_fit,
+    rank_layers,
     rank_params,
     training_memory,
 )
+from labkit.plan.context_parallel import held_positions
 from labkit.viz.axis_chart import axis_traffic_bars, byte_unit
 from labkit.viz.plan import memory_bars
 from labkit.viz.style import RED
@@ -36,9 +40,11 @@ from labkit.widgets.typed import typed
 
 __all__ = ["AXIS_WHEN", "LayoutExplorer", "LayoutPlan", "plan_layout", "suggested_layout"]
 
-AXES = ("dp", "pp", "tp")  # outermost to innermost, as labkit.parallel.mesh.AXES
+AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost, as labkit.parallel.mesh.ALL_AXES (cp only when > 1)
 AXIS_WHEN = {  # when each axis's traffic moves in a step, and what waits for it (Narayanan et al. 2021, section 3)
     "tp": "inside every layer, every micro-batch: the next layer waits for the forward's",
+    "cp": "every block's attention, every micro-batch: K and V passed around the ring beside each block's compute; "
+          "and once per step the gradients' all-reduce",
     "pp": "at each stage boundary, every micro-batch: point to point, one neighbour",
     "dp": "once per step, after the last micro-batch's backward: only that backward, and the drain on the later "
           "stages, can overlap it",
@@ -74,10 +80,11 @@ class LayoutPlan:
     wire: list[dict[str, float]]
     memory: list[dict[str, float]]
     bubble: float
+    activations: list[float]
 
     def axis_nbytes(self, rank: int) -> dict[str, int]:
         """Bytes rank `rank` hands to each axis per step, its collectives added up."""
-        return {axis: sum(self.traffic[rank].get(axis, {}).values()) for axis in AXES}
+        return {axis: sum(self.traffic[rank].get(axis, {}).values()) for axis in self.layout.axes}
 
     def network_nbytes(self, rank: int, ranks_per_node: int) -> dict[str, float]:
         """Bytes rank `rank` sends per step over the links between nodes, per axis, when each node holds
@@ -92,7 +99,7 @@ class LayoutPlan:
         """
         node = whole("ranks_per_node", ranks_per_node)
         return {axis: self.wire[rank][axis] if len({r // node for r in _group(self.layout, rank, axis)}) > 1 else 0.0
-                for axis in AXES}
+                for axis in self.layout.axes}
 
 
 def plan_layout(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: int | None = None,
@@ -115,8 +122,23 @@ def plan_layout(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: i
     ranks = range(layout.world_size)
     traffic = [axis_traffic(shape, layout, batch, rank, sequence, nbytes) for rank in ranks]
     memory = [training_memory(rank_params(shape, layout, rank), nbytes, nbytes, 2 * nbytes) for rank in ranks]
+    activations = [_activations(shape, layout, batch, rank, sequence, nbytes) for rank in ranks]
     return LayoutPlan(layout, traffic, [axis_wire_bytes(t, layout) for t in traffic], memory,
-                      bubble_fraction(layout.pp, layout.microbatches, layout.chunks))
+                      bubble_fraction(layout.pp, layout.microbatches, layout.chunks), activations)
+
+
+def _activations(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int, sequence: int | None,
+                 nbytes: int) -> float:
+    """Bytes of activations `rank` keeps for the backward at its peak: its blocks' (plan.activation_nbytes,
+    Korthikanti et al. 2022, FlashAttention's count) for a micro-batch of its tokens (1/cp of each sequence), times
+    the micro-batches 1F1B holds on its stage, min(pp - stage, m) (interleaved: about as many)."""
+    blocks = sum(1 <= layer <= shape.layers for piece in rank_layers(shape, layout, rank) for layer in piece)
+    place, s = layout.place(rank), shape.context if sequence is None else sequence
+    held = s if layout.cp == 1 else held_positions(s, layout.cp)[place["cp"]]
+    one = activation_nbytes(blocks, shape.d_model, shape.heads, held, batch // (layout.dp * layout.microbatches),
+                            tp=layout.tp, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
+                            bytes_per_value=nbytes) if blocks else 0.0
+    return one * min(layout.pp - place["pp"], layout.microbatches)
 
 
 def _group(layout: ParallelLayout, rank: int, axis: str) -> list[int]:
@@ -124,8 +146,8 @@ def _group(layout: ParallelLayout, rank: int, axis: str) -> list[int]:
     place = layout.place(rank)
 
     def global_rank(i: int) -> int:
-        at = {**place, axis: i}
-        return (at["dp"] * layout.pp + at["pp"]) * layout.tp + at["tp"]
+        at = {"cp": 0, **place, axis: i}
+        return ((at["dp"] * layout.pp + at["pp"]) * layout.cp + at["cp"]) * layout.tp + at["tp"]
 
     return [global_rank(i) for i in range(layout.size(axis))]
 
@@ -136,14 +158,15 @@ def _amount(nbytes: float, unit: tuple[str, float]) -> str:
 
 
 class LayoutExplorer(App):
-    """Controls for dp, pp and tp (each a divisor of `world_size`; their product must be the world, or the summary
-    says what to change), the micro-batches per step, the chunks per stage (interleaved 1F1B when >= 2) and
-    sequence parallelism; beside them a summary of plan's prediction for `shape` trained on steps of `batch`
-    sequences (`sequence` tokens each, numbers of `bytes_per_number` bytes): each axis's bytes per rank per step,
-    handed to collectives and sent by ring collectives, and when they move; the bubble; the training state per
-    rank. Below, the bytes per axis and the training state of each rank of replica 0 (every replica's equal).
+    """Controls for dp, pp, cp and tp (each a divisor of `world_size`; their product must be the world, or the
+    summary says what to change; cp splits every sequence, context parallelism), the micro-batches per step, the
+    chunks per stage (interleaved 1F1B when >= 2) and sequence parallelism; beside them a summary of plan's
+    prediction for `shape` trained on steps of `batch` sequences (`sequence` tokens each, numbers of
+    `bytes_per_number` bytes): each axis's bytes per rank per step, handed to collectives and sent by ring
+    collectives, and when they move; the bubble; the training state per rank and the activations it keeps. Below,
+    the bytes per axis and the training state of each rank of replica 0 (every replica's equal).
 
-    `controls` names the controls (dp, pp, tp, microbatches, chunks, sequence_parallel), `summary` is the HTML
+    `controls` names the controls (dp, pp, cp, tp, microbatches, chunks, sequence_parallel), `summary` is the HTML
     beside them, `traffic_chart` and `memory_chart` the figures' FigureSlots, `planned` the LayoutPlan shown and
     `problem` why the controls' layout is not shown (None when it is). A layout that is refused leaves the last
     good one shown. `set_layout(dp=1, pp=2, tp=4)` sets several controls and redraws once.
@@ -183,7 +206,7 @@ class LayoutExplorer(App):
                           widgets.HBox([self.traffic_chart, self.memory_chart], layout=wrap)])
 
     def set_layout(self, **values) -> None:
-        """Set the named controls (dp, pp, tp, microbatches, chunks, sequence_parallel) at once, then redraw."""
+        """Set the named controls (dp, pp, cp, tp, microbatches, chunks, sequence_parallel) at once, then redraw."""
         unknown = sorted(set(values) - set(self.controls))
         if unknown:
             raise ValueError(f"set_layout: {unknown} are no controls; pass some of {list(self.controls)}.")
@@ -218,8 +241,9 @@ class LayoutExplorer(App):
 
     def _draw_charts(self) -> None:
         planned, layout = self.planned, self.planned.layout
-        replica = range(layout.pp * layout.tp)  # replica 0's ranks: every replica holds and sends the same
-        labels = {rank: f"rank {rank}<br>pp{layout.place(rank)['pp']} tp{layout.place(rank)['tp']}" for rank in replica}
+        replica = range(layout.pp * layout.cp * layout.tp)  # replica 0's ranks: every replica holds and sends the same
+        labels = {rank: f"rank {rank}<br>" + " ".join(f"{axis}{index}" for axis, index in layout.place(rank).items()
+                                                      if axis != "dp") for rank in replica}
         shown = _replica_shown(layout)
         title = (f"{_shape(layout)}, {layout.microbatches} micro-batches: bubble {planned.bubble:.1%}<br>"
                  f"<sup>bytes each rank hands to each axis's collectives per step</sup><br>"
@@ -239,7 +263,7 @@ def _replica_shown(layout: ParallelLayout) -> str:
     >>> _replica_shown(ParallelLayout(dp=2, pp=2, tp=2)), _replica_shown(ParallelLayout(dp=1, pp=2, tp=2))
     ('ranks 0-3 of 8: replica dp 0 (dp 1 holds and sends the same)', 'ranks 0-3: every rank')
     """
-    last = layout.pp * layout.tp - 1
+    last = layout.pp * layout.cp * layout.tp - 1
     ranks = "rank 0" if last == 0 else f"ranks 0-{last}"
     if layout.dp == 1:
         return f"{ranks}: every rank"
@@ -250,11 +274,12 @@ def _replica_shown(layout: ParallelLayout) -> str:
 def _controls(world_size: int, microbatches: int) -> dict[str, widgets.Widget]:
     """The explorer's controls, named as ParallelLayout's fields, starting at suggested_layout(world_size)."""
     divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
-    start = dict(zip(AXES, suggested_layout(world_size), strict=True))
+    start = dict(zip(("dp", "pp", "tp"), suggested_layout(world_size), strict=True))
     common = {"style": _LABEL_STYLE, "layout": widgets.Layout(width=CONTROL_WIDTH)}
     controls = {axis: widgets.Dropdown(options=divisors, value=start[axis], description=f"{axis} ({what})",
                                        **common)
                 for axis, what in (("dp", "replicas"), ("pp", "stages"), ("tp", "split of each layer"))}
+    controls["cp"] = widgets.Dropdown(options=divisors, value=1, description="cp (sequence split)", **common)
     controls["microbatches"] = widgets.IntSlider(value=microbatches, min=1, max=16, description="micro-batches m",
                                                  continuous_update=False, **common)
     controls["chunks"] = widgets.IntSlider(value=1, min=1, max=4, description="chunks per stage v",
@@ -265,16 +290,17 @@ def _controls(world_size: int, microbatches: int) -> dict[str, widgets.Widget]:
 
 
 def _shape(layout: ParallelLayout) -> str:
-    return f"dp={layout.dp} x pp={layout.pp} x tp={layout.tp}"
+    return " x ".join(f"{axis}={layout.size(axis)}" for axis in layout.axes)
 
 
 def _world_problem(layout: ParallelLayout, world_size: int) -> str | None:
     """Why `layout` cannot run on `world_size` ranks (its product is another number), or None."""
     if layout.world_size == world_size:
         return None
-    rest = layout.pp * layout.tp
-    fix = (f"pp={layout.pp} x tp={layout.tp} leaves dp={world_size // rest}" if world_size % rest == 0 else
-           f"pp={layout.pp} x tp={layout.tp} = {rest} does not divide {world_size}: lower pp or tp")
+    rest = layout.pp * layout.cp * layout.tp
+    inner = " x ".join(f"{axis}={layout.size(axis)}" for axis in layout.axes if axis != "dp")
+    fix = (f"{inner} leaves dp={world_size // rest}" if world_size % rest == 0 else
+           f"{inner} = {rest} does not divide {world_size}: lower {'pp, cp or tp' if layout.cp > 1 else 'pp or tp'}")
     return (f"{_shape(layout)} = {layout.world_size} ranks, but the world has {world_size}: pick sizes whose "
             f"product is {world_size} ({fix}).")
 
@@ -287,12 +313,12 @@ def _refusal(problem: str, planned: LayoutPlan) -> str:
 def _summary(planned: LayoutPlan) -> str:
     """The summary as HTML: the layout, a row per axis (bytes handed, bytes on the wire, when), the bubble, memory."""
     layout, ranks = planned.layout, range(planned.layout.world_size)
-    handed = {axis: max(planned.axis_nbytes(r)[axis] for r in ranks) for axis in AXES}
-    wire = {axis: max(planned.wire[r][axis] for r in ranks) for axis in AXES}
+    handed = {axis: max(planned.axis_nbytes(r)[axis] for r in ranks) for axis in layout.axes}
+    wire = {axis: max(planned.wire[r][axis] for r in ranks) for axis in layout.axes}
     unit = byte_unit(max(wire.values()))
     rows = [f"<tr><td><b>{axis}</b></td><td>{layout.size(axis)}</td><td>{_amount(handed[axis], unit)}</td>"
             f"<td>{_amount(wire[axis], unit)}</td><td>{AXIS_WHEN[axis] if layout.size(axis) > 1 else 'nothing'}"
-            "</td></tr>" for axis in ("tp", "pp", "dp")]
+            "</td></tr>" for axis in reversed(layout.axes)]
     totals = [m["total"] for m in planned.memory]
     memory_unit = byte_unit(max(totals))
     p, m, v = layout.pp, layout.microbatches, layout.chunks
@@ -302,4 +328,7 @@ def _summary(planned: LayoutPlan) -> str:
             f"<th style='text-align:left'>when (per rank per step, the busiest rank)</th></tr>{''.join(rows)}</table>"
             f"<div>bubble (p-1)/(vm+p-1) = {p - 1}/{v * m + p - 1} = <b>{planned.bubble:.1%}</b> of the step idle</div>"
             f"<div>training state per rank: <b>{_amount(min(totals), memory_unit)} to "
-            f"{_amount(max(totals), memory_unit)}</b> (weights, gradients, AdamW's m and v)</div>")
+            f"{_amount(max(totals), memory_unit)}</b> (weights, gradients, AdamW's m and v)</div>"
+            f"<div>activations kept for the backward, busiest rank: <b>{_amount(max(planned.activations), memory_unit)}"
+            f"</b> (its blocks' for its micro-batches in flight{', 1/cp of each sequence' if layout.cp > 1 else ''}; "
+            "Korthikanti et al. 2022's count)</div>")

@@ -67,7 +67,7 @@ def check_layout(found: dict, where: str) -> None:
     assert len(found["texts"]) >= 6, f"{where}: the explorer shows too few labels ({found['texts']})"
     bad = [item["text"] for item in found["texts"] if item["cut"] or item["past"]]
     assert not bad, f"{where}: labels or values cut off or outside the explorer: {bad}"
-    assert len(found["dropdowns"]) == 3, f"{where}: dp, pp and tp are three dropdowns ({found['dropdowns']})"
+    assert len(found["dropdowns"]) == 4, f"{where}: dp, pp, tp and cp are four dropdowns ({found['dropdowns']})"
     for dropdown in found["dropdowns"]:
         assert dropdown["width"] <= dropdown["room"] + 1, f"{where}: the dropdown value {dropdown['text']!r} is cut"
     area = found["area"]

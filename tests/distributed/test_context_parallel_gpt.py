@@ -82,3 +82,32 @@ def wrong_cp():
 def test_a_cp_that_does_not_divide_the_world_is_refused():
     with pytest.raises(labkit.RankError, match="cp=3 x ep=1 does not divide the world of 4 ranks"):
         labkit.run(wrong_cp, world_size=4)
+
+
+def counted_bytes(dp, cp, tp, length):
+    """Each axis's bytes this rank handed to collectives over the training, and the parameter tensors it holds."""
+    mesh = Mesh(dp=dp, cp=cp, tp=tp)
+    trainer = ContextParallelGPT(model().to(labkit.device()), mesh, lr=LR)
+    with count_collectives() as counted:
+        for x, y in batches(length):
+            trainer.train_step(x.to(labkit.device()), y.to(labkit.device()))
+    by_axis = counted.by_axis(mesh)
+    return {axis: dict(by_axis[axis].nbytes) for axis in ("dp", "cp", "tp")}, len(list(trainer.layers.parameters()))
+
+
+@pytest.mark.parametrize("dp,cp,tp,length", [(1, 2, 2, 29), (2, 2, 1, 30), (1, 3, 1, 23)])
+def test_plan_predicts_every_axis_bytes_of_a_context_parallel_run(dp, cp, tp, length):
+    """labkit.plan.axis_traffic with cp equals what each rank handed to cp's and tp's collectives, to the byte
+    (the ring's sends for every block, forward and backward, the gradients' all-reduce over cp, tp's on the tokens
+    the rank holds); dp's too, but for BucketedDDP's one flag per parameter tensor, which the plan counts and
+    ContextParallelGPT's plain all_reduce_sum of each gradient does not send."""
+    from labkit.parallel.three_d import gpt_shape
+    from labkit.plan import ParallelLayout, axis_traffic
+
+    layout = ParallelLayout(dp=dp, tp=tp, cp=cp, microbatches=1)
+    for rank, (counted, tensors) in enumerate(labkit.run(counted_bytes, dp, cp, tp, length, world_size=dp * cp * tp)):
+        planned = axis_traffic(gpt_shape(model()), layout, BATCH, rank, length, bytes_per_number=8)
+        assert counted["cp"] == {kind: STEPS * n for kind, n in planned["cp"].items()}, rank
+        assert counted["tp"] == {kind: STEPS * n for kind, n in planned["tp"].items()}, rank
+        flags = {"all_reduce": 8 * tensors} if dp > 1 else {}
+        assert counted["dp"] == {kind: STEPS * (n - flags.get(kind, 0)) for kind, n in planned["dp"].items()}, rank

@@ -259,7 +259,7 @@ def test_bad_arguments_are_named():
         rank_params(TINY_GPT, ParallelLayout(dp=2, pp=2, tp=2), 8)
     with pytest.raises(TypeError, match="shape=.*pass a labkit.plan.GPTShape"):
         axis_traffic({"vocab": 82}, ParallelLayout(), 16, 0)
-    with pytest.raises(ValueError, match="traffic=.*its axes among dp, pp, tp"):
+    with pytest.raises(ValueError, match="traffic=.*its axes among dp, pp, cp, tp"):
         axis_wire_bytes({"ep": {"all_reduce": 1}}, ParallelLayout())
     with pytest.raises(ValueError, match=r"traffic\['dp'\] collective='all_to_all'"):
         axis_wire_bytes({"dp": {"all_to_all": 1}}, ParallelLayout())

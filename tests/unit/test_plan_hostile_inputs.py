@@ -29,7 +29,8 @@ EXAMPLE = {"params": 7e9, "per_device_batch": 8, "accumulation_steps": 2, "step_
            "bandwidth": 14.7e9, "overlap": 0.5}
 SHAPE = {"vocab": 82, "d_model": 32, "layers": 2, "heads": 4, "context": 32, "d_ff": None, "tied": False}
 LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "chunks": 1, "sequence_parallel": False, "zero_stage": 0,
-          "scatter_gather": True, "vocab_parallel_loss": True}
+          "scatter_gather": True, "vocab_parallel_loss": True, "cp": 1}
+CP_LAYOUT = dict(LAYOUT, cp=2, scatter_gather=False)  # with context parallelism: every sequence over 2 ranks
 # Arguments that work, per function (a list where one set cannot reach every branch); each hostile value
 # replaces one of them at a time.
 VALID = {
@@ -103,8 +104,9 @@ VALID = {
                      "rank": 3}],
     "rank_params": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
                      "rank": 3}],
-    "axis_traffic": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
-                      "batch": 16, "rank": 3, "sequence": 32, "bytes_per_number": 8}],
+    "axis_traffic": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**layout),
+                      "batch": 16, "rank": rank, "sequence": 31, "bytes_per_number": 8}
+                     for layout, rank in ((LAYOUT, 3), (CP_LAYOUT, 6))],
     "axis_wire_bytes": [{"traffic": {"dp": {"all_reduce": 1000}, "pp": {"send": 500}, "tp": {"all_gather": 300}},
                          "layout": labkit.plan.ParallelLayout(**LAYOUT)}],
     # public in labkit.plan.traffic, though not exported by labkit.plan

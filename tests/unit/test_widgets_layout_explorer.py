@@ -125,3 +125,32 @@ def test_the_bytes_between_nodes_are_the_wire_bytes_of_the_axes_whose_groups_spa
 def test_the_summary_says_dp_waits_for_the_last_micro_batch_and_does_not_hide_behind_the_backward():
     assert "last micro-batch's backward" in AXIS_WHEN["dp"] and "overlap the backward" not in AXIS_WHEN["dp"]
     assert AXIS_WHEN["dp"] in explorer().summary.value
+
+
+def test_cp_splits_every_sequence_adds_its_axis_and_divides_the_activations():
+    """cp = 2 on 8 ranks (dp=2 x cp=2 x tp=2): plan's traffic with a cp axis for every rank, the ring and its
+    gradients' all-reduce in the cp row, the charts' ranks pp x cp x tp of replica 0 with cp in their labels, and
+    the busiest rank's activations half those of the same layout without cp on 4 ranks (16 of 32 positions each:
+    exactly half)."""
+    app = explorer()
+    app.set_layout(dp=2, pp=1, cp=2, tp=2)
+    layout = ParallelLayout(dp=2, tp=2, cp=2, microbatches=2)
+    assert app.problem is None and app.planned.layout == layout
+    for rank in range(8):
+        assert app.planned.traffic[rank] == axis_traffic(SHAPE, layout, BATCH, rank, bytes_per_number=NUMBER_NBYTES)
+        assert set(app.planned.traffic[rank]["cp"]) == {"send", "all_reduce"}
+    without_cp = plan_layout(SHAPE, ParallelLayout(dp=2, tp=2, microbatches=2), BATCH, bytes_per_number=NUMBER_NBYTES)
+    assert max(app.planned.activations) == max(without_cp.activations) / 2 > 0
+    assert "dp=2 x pp=1 x cp=2 x tp=2 = 8 ranks" in app.summary.value and "<b>cp</b>" in app.summary.value
+    assert AXIS_WHEN["cp"] in app.summary.value and "1/cp of each sequence" in app.summary.value
+    bars = {bar.name: bar for bar in app.traffic_chart.figure.data}
+    assert list(bars) == ["dp", "cp", "tp"] and list(bars["cp"].x)[1] == "rank 1<br>pp0 cp0 tp1"
+    app.set_layout(cp=4)
+    assert app.problem == ("dp=2 x pp=1 x cp=4 x tp=2 = 16 ranks, but the world has 8: pick sizes whose product is 8 "
+                           "(pp=1 x cp=4 x tp=2 leaves dp=1).")
+
+
+def test_cp_with_sequence_parallelism_is_refused_with_why():
+    app = explorer()
+    app.set_layout(dp=2, pp=1, cp=2, tp=2, sequence_parallel=True)
+    assert "cp=2 with sequence_parallel: both cut the sequence" in app.problem
