@@ -57,7 +57,9 @@ micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h
       around the ring forward and backward (plan.context_parallel_nbytes, every micro-batch); once a step, one
       all-reduce of every gradient the rank holds over cp (the cp ranks hold the same weights and split the
       sequences' tokens, as dp ranks split the batch). Planned with plain tp (ContextParallelGPT's; sequence
-      parallelism cuts the sequence another way), checked against ContextParallelGPT's counts where pp = 1.
+      parallelism cuts the sequence another way), checked against ContextParallelGPT's counts where pp = 1. That
+      sum over cp, then dp, is ContextParallelGPT's; one all-reduce over dp x cp together (torchtitan's "dp_cp"
+      mesh) would send about 2 P on the wire instead of 2(dp-1)/dp P + 2(cp-1)/cp P.
 
 A size-1 axis moves nothing: its entry is empty. `axis_wire_bytes` turns the payloads into the bytes a ring moves
 per rank (all-reduce 2(N-1)/N, reduce-scatter (N-1)/N of the whole, all-gather N-1 parts; Thakur et al. 2005), the

@@ -270,3 +270,36 @@ def test_measured_zero_bubble_is_within_15_percent_of_the_formula_and_below_1f1b
     formula = zero_bubble_fraction(p, m, EMULATED[0], EMULATED[1] / 2, EMULATED[1] / 2)
     assert abs(bubble - formula) <= 0.15 * formula, (p, m, bubble, formula)
     assert bubble < bubble_fraction(p, m)
+
+
+class Constant(nn.Module):
+    """A layer whose output ignores its input: nothing flows back through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("value", torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.value.expand(x.shape[0], 4)
+
+
+def test_layers_no_gradient_reaches_keep_no_grad_and_the_stage_still_sends_one():
+    """Behind a layer that ignores its input, loss.backward() leaves the earlier weights' .grad None: so do B and
+    W (a review found B stopping there and W then failing). The chunk's input gets zeros, which its previous stage
+    waits for."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(4, 4), Constant(), nn.Linear(4, 2)).double()
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    pieces = split_forward(model, x, then=lambda out: out.pow(2).sum())
+    grad = backward_input(pieces, None)
+    backward_weight(pieces)
+    assert torch.equal(grad, torch.zeros_like(x))
+    assert model[0].weight.grad is None and model[0].bias.grad is None
+    want = torch.autograd.grad(model[2](torch.ones(5, 4, dtype=torch.float64)).pow(2).sum(), model[2].weight)[0]
+    assert torch.allclose(model[2].weight.grad, want, rtol=1e-12, atol=0)
+
+
+def test_a_layer_working_in_place_on_its_input_is_refused_by_name():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match=r"layer 1 \(ReLU\) works in place on its input.*nn.ReLU\(inplace=False\)"):
+        split_forward(model, torch.randn(3, 4))

@@ -2,8 +2,9 @@
 
 With v chunks per stage the model is cut into v p pieces. Looped (GPipe, 1F1B, ZB-H1, interleaved 1F1B:
 Narayanan et al. 2021, section 2.2.2): stage r's chunk c is piece c p + r, so a micro-batch passes the stages v
-times in the same direction, the last stage handing on to the first. V-shaped (DualPipeV: DeepSeek-AI 2024,
-arXiv:2412.19437, section 3.2.1; torch's generate_stage_to_rank_mapping(style="v")): two chunks, stage r holding
+times in the same direction, the last stage handing on to the first. V-shaped (DualPipeV,
+github.com/deepseek-ai/DualPipe: DualPipe of DeepSeek-AI 2024, arXiv:2412.19437, section 3.2.1, cut in half;
+torch's generate_stage_to_rank_mapping(style="v")): two chunks, stage r holding
 pieces r and 2p-1-r, so a micro-batch goes down the stages and back up, the last stage handing on to itself, and
 stage 0 holds the model's first and last pieces.
 """

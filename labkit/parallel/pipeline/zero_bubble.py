@@ -11,13 +11,15 @@ first and W later, and a W can go where 1F1B idles.
                               cool-down, where they fill the idle slots. 1F1B's peak memory (p micro-batches
                               held), a bubble of (p-1)(F+B-W) instead of (p-1)(F+B+W)
                               (labkit.plan.zero_bubble_fraction).
-    dualpipe_v(p, m)          every stage's DualPipeV order (DeepSeek-AI 2024, "DeepSeek-V3 Technical Report",
-                              arXiv:2412.19437, section 3.2.1, in its one-direction V form): two chunks per
+    dualpipe_v(p, m)          every stage's DualPipeV order: DualPipe (DeepSeek-AI 2024, "DeepSeek-V3 Technical
+                              Report", arXiv:2412.19437, section 3.2.1) cut in half, fed from one end
+                              (github.com/deepseek-ai/DualPipe, its "DualPipeV"): two chunks per
                               stage laid out as a V (layout.py), F and B of two micro-batches paired in the steady
                               state, some backwards whole ("BW": B and W at once), the rest split to fill the ends.
 
-The ZB-H1 order equals torch 2.13's ScheduleInterleavedZeroBubble with one stage per rank (its ZB1P, the same
-schedule), DualPipeV's torch's ScheduleDualPipeV, its paired F+B written as F then BW
+The ZB-H1 order equals torch 2.13's ScheduleInterleavedZeroBubble with one stage per rank (its docstring says
+"ZB1P", the paper's name for its automatic scheduler's output; the order it builds is ZB-H1's hand-made one),
+DualPipeV's torch's ScheduleDualPipeV, its paired F+B written as F then BW
 (tests/distributed/test_pipeline_zero_bubble.py, test_pipeline_dualpipe.py). run_pipeline splits each chunk's
 backward for ZB-H1 (split_backward.py); DualPipeV is simulated only (simulate_pipeline).
 """
