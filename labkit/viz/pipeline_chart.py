@@ -6,7 +6,7 @@ import plotly.graph_objects as go
 
 from labkit.checks import items
 from labkit.plan import bubble_fraction
-from labkit.viz.style import BLUE, GREEN, ORANGE, WHITE
+from labkit.viz.style import BLUE, GREEN, ORANGE, WHITE, tint
 
 __all__ = ["bubble_chart", "pipeline_timeline"]
 
@@ -19,7 +19,8 @@ MARKERS = ({"symbol": "circle-open", "size": 16, "line": {"width": 2}}, {"symbol
 def pipeline_timeline(events, title: str = "Pipeline timeline", unit_seconds: float = 1e-3,
                       unit: str = "ms") -> go.Figure:
     """One row per stage, a bar per action (forward blue, backward orange, labelled with its micro-batch where
-    the bar is wide enough to read it, and its chunk after a dot when the schedule is interleaved: "3.1"; where
+    the bar is wide enough to read it, and its chunk after a dot when the schedule has several: "3.1", the odd
+    chunks' bars paler; hovering tells each bar's duration and start; where
     the backward is split (zero bubble), its input-gradient half B orange, its weight-gradient half W green, and a
     whole backward in such a schedule, BW, hatched orange);
     the white gaps are the bubble. `events` are PipelineEvents, measured (run_pipeline) or simulated
@@ -34,13 +35,15 @@ def pipeline_timeline(events, title: str = "Pipeline timeline", unit_seconds: fl
     for kind, color, name in kinds:
         chosen = [e for e in events if e.kind == kind]
         figure.add_bar(base=[e.start / unit_seconds for e in chosen], x=[e.seconds / unit_seconds for e in chosen],
-                       y=[f"stage {e.stage}" for e in chosen], orientation="h", marker_color=color, name=name,
+                       y=[f"stage {e.stage}" for e in chosen], orientation="h", name=name,
+                       marker_color=[tint(color, 0.55) if e.chunk % 2 else color for e in chosen],
+                       customdata=[[e.seconds / unit_seconds, e.start / unit_seconds] for e in chosen],
                        text=[f"{e.microbatch}.{e.chunk}" if chunked else str(e.microbatch) for e in chosen],
                        textposition="inside", insidetextanchor="middle",
                        marker_line={"color": WHITE, "width": 1},
                        marker_pattern_shape="/" if kind == "BW" else "",  # a whole backward: hatched orange
                        hovertemplate="%{y}: " + name + " of micro-batch" + (".chunk" if chunked else "") +
-                       " %{text}, %{x:.3g} " + unit + "<extra></extra>")
+                       " %{text}: %{customdata[0]:.3g} " + unit + ", from %{customdata[1]:.3g}<extra></extra>")
     figure.update_layout(title=title, barmode="overlay", xaxis_title=f"time, {unit}", height=140 + 45 * len(stages),
                          uniformtext={"minsize": 10, "mode": "hide"},  # no label squeezed below 10 px: hidden
                          yaxis={"autorange": "reversed", "categoryorder": "array",

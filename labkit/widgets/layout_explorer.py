@@ -152,6 +152,12 @@ def _group(layout: ParallelLayout, rank: int, axis: str) -> list[int]:
     return [global_rank(i) for i in range(layout.size(axis))]
 
 
+def _span(least: float, most: float, unit: tuple[str, float]) -> str:
+    """"least to most", or one amount where every rank holds the same."""
+    return _amount(least, unit) if _amount(least, unit) == _amount(most, unit) else \
+        f"{_amount(least, unit)} to {_amount(most, unit)}"
+
+
 def _amount(nbytes: float, unit: tuple[str, float]) -> str:
     name, size = unit
     return f"{nbytes / size:.3g} {name}"
@@ -232,7 +238,7 @@ class LayoutExplorer(App):
             if self.problem is None:
                 self.planned = plan_layout(layout=layout, **self._model)
         except ValueError as error:
-            self.problem = str(error)
+            self.problem = str(error).replace("pass sequence_parallel=False", "untick sequence parallelism (tp)")
         if self.problem is None:
             self._draw_charts()
             self.summary.value = prose(_summary(self.planned))
@@ -327,8 +333,8 @@ def _summary(planned: LayoutPlan) -> str:
             "<table style='line-height:1.3'><tr><th>axis</th><th>ranks</th><th>handed</th><th>on the wire</th>"
             f"<th style='text-align:left'>when (per rank per step, the busiest rank)</th></tr>{''.join(rows)}</table>"
             f"<div>bubble (p-1)/(vm+p-1) = {p - 1}/{v * m + p - 1} = <b>{planned.bubble:.1%}</b> of the step idle</div>"
-            f"<div>training state per rank: <b>{_amount(min(totals), memory_unit)} to "
-            f"{_amount(max(totals), memory_unit)}</b> (weights, gradients, AdamW's m and v)</div>"
+            f"<div>training state per rank: <b>{_span(min(totals), max(totals), memory_unit)}</b> (weights, "
+            "gradients, AdamW's m and v)</div>"
             f"<div>activations kept for the backward, busiest rank: <b>{_amount(max(planned.activations), memory_unit)}"
             f"</b> (its blocks' for its micro-batches in flight{', 1/cp of each sequence' if layout.cp > 1 else ''}; "
             "Korthikanti et al. 2022's count)</div>")

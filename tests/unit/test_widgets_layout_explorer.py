@@ -154,3 +154,4 @@ def test_cp_with_sequence_parallelism_is_refused_with_why():
     app = explorer()
     app.set_layout(dp=2, pp=1, cp=2, tp=2, sequence_parallel=True)
     assert "cp=2 with sequence_parallel: both cut the sequence" in app.problem
+    assert app.problem.endswith("untick sequence parallelism (tp).")   # the widget's words, not the API's
