@@ -51,9 +51,10 @@ def check(page: Page, cells: list[dict]) -> None:
 
 def answer_with(card, index: int) -> None:
     """Choose option `index` in the card's drop-down (ipywidgets writes its spaces as no-break spaces) and press
-    Check; wait for the feedback to change."""
+    Check; wait for the feedback to change (the kernel computes it: 30 s, as for the score, on a loaded machine;
+    10 s once ran out beside another notebook in CI)."""
     before = card.locator(".widget-html").last.inner_text()
     card.locator("select").select_option(index=index)
     card.locator("button", has_text="Check").click()
     card.page.wait_for_function("([node, before]) => node.innerText !== before",
-                                arg=[card.locator(".widget-html").last.element_handle(), before], timeout=10_000)
+                                arg=[card.locator(".widget-html").last.element_handle(), before], timeout=30_000)
