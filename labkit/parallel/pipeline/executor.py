@@ -125,7 +125,8 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     """
     groups.require_member("run_pipeline", group)
     _check_same_plan(model, schedule_kind, microbatches, chunks, group)
-    if isinstance(schedule_kind, str) and schedule_kind.lower() in V_SHAPED:
+    kind = schedule_kind.lower() if isinstance(schedule_kind, str) else schedule_kind  # communication_plan checks it
+    if kind in V_SHAPED:
         raise ValueError(f"schedule_kind={schedule_kind!r}: run_pipeline runs the looped layouts (gpipe, 1f1b, "
                          "interleaved, zb-h1); a V-shaped schedule is simulated only: simulate_pipeline"
                          f"({schedule_kind!r}, stages, microbatches) draws its step.")
@@ -134,7 +135,7 @@ def run_pipeline(model: nn.Sequential, schedule_kind: str, microbatches: int, in
     pieces = stage_layers(len(model), stages, chunks)
     layers = tuple(pieces[c * stages + stage] for c in range(chunks))
     device = labkit.device()
-    split = isinstance(schedule_kind, str) and schedule_kind.lower() in SPLIT_BACKWARD
+    split = kind in SPLIT_BACKWARD
     run = StageRun([model[piece.start:piece.stop].to(device) for piece in layers], (stage, stages, chunks), device,
                    MicroBatches(inputs.tensor_split(m), targets.tensor_split(m), len(inputs), loss_fn),
                    _emulated(emulate_compute_seconds, split), split_backward=split)

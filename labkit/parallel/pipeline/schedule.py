@@ -82,7 +82,7 @@ def _checked(kind, stages, microbatches, chunks) -> tuple[str, int, int, int]:
 
 def chunks_per_stage(kind: str, chunks: int = 1) -> int:
     """How many chunks each stage holds under `kind`: `chunks`, or 2 for a V-shaped kind ("dualpipe-v")."""
-    return _checked(kind, 1, 2, chunks)[3]
+    return 2 if isinstance(kind, str) and kind.lower() in V_SHAPED else whole("chunks", chunks)
 
 
 def _v_shaped_microbatches(kind: str, p: int, m: int, v: int) -> int:
