@@ -30,6 +30,12 @@ __all__: list[str] = []
 GROUP_EXIT_SECONDS = 10.0  # a SIGKILLed process exits in milliseconds; one in uninterruptible sleep, later
 OUTPUT_TAIL_CHARS = 1000  # of what the grading process printed, kept for a verdict that needs it
 _PASSED_ON = ("PATH", "LANG", "LC_ALL", "TZ")  # and LABKIT_* but LABKIT_PROGRESS: the class's caps apply here too
+# The gradebook runs on the class's shared server, one grading process after another, each importing torch afresh:
+# a pool's start and a right solution wait on everyone's processes there, as in a student's server, so unless the
+# instructor set them, it uses the class spawner's defaults (labkit.classroom.spawner). A gloo start's 10 s floor
+# ran out once in CI beside other tests (a setup cell failed "did not start a rank", so an untouched exercise read
+# "failed"); the longer floor only matters when starting is slow, and a hang still ends at --timeout-seconds.
+SHARED_SERVER_DEFAULTS = {"LABKIT_MIN_START_SECONDS": "60", "LABKIT_GRADING_TIME_SCALE": "4"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +60,11 @@ def local_student(name: str) -> Student:
 
 
 def grading_environment(home: Path) -> dict[str, str]:
-    """The grading process's environment: a few of ours, HOME and LABKIT_PROGRESS in the temporary folder."""
-    env = {k: v for k, v in os.environ.items()
-           if k in _PASSED_ON or (k.startswith("LABKIT_") and k != "LABKIT_PROGRESS")}
+    """The grading process's environment: a few of ours, the shared server's start floor and time scale unless ours
+    set them, HOME and LABKIT_PROGRESS in the temporary folder."""
+    env = dict(SHARED_SERVER_DEFAULTS)
+    env.update({k: v for k, v in os.environ.items()
+                if k in _PASSED_ON or (k.startswith("LABKIT_") and k != "LABKIT_PROGRESS")})
     labkit_root = str(Path(__file__).resolve().parents[2])  # this labkit, wherever it is installed
     env.update(HOME=str(home), LABKIT_PROGRESS=str(home / "regrade-progress.json"), PYTHONPATH=labkit_root,
                PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg")

@@ -111,3 +111,17 @@ def test_the_grading_process_gets_none_of_the_instructors_secrets(monkeypatch, t
     assert "admin-secret" not in json.dumps(env)
     assert env["HOME"] == str(tmp_path) and env["LABKIT_PROGRESS"].startswith(str(tmp_path))
     assert env["LABKIT_MAX_WORLD_SIZE"] == "4"
+
+
+def test_the_grading_process_gets_the_shared_servers_start_floor_unless_the_instructor_set_one(monkeypatch, tmp_path):
+    from labkit.classroom import spawner
+    from labkit.classroom._as_student import grading_environment
+
+    monkeypatch.delenv("LABKIT_MIN_START_SECONDS", raising=False)
+    monkeypatch.delenv("LABKIT_GRADING_TIME_SCALE", raising=False)
+    env = grading_environment(tmp_path)
+    traits = spawner.CourseSpawner.class_traits()  # the class's own defaults: the gradebook runs on its server
+    assert float(env["LABKIT_MIN_START_SECONDS"]) == traits["min_start_seconds"].default_value
+    assert float(env["LABKIT_GRADING_TIME_SCALE"]) == traits["grading_time_scale"].default_value
+    monkeypatch.setenv("LABKIT_MIN_START_SECONDS", "15")
+    assert grading_environment(tmp_path)["LABKIT_MIN_START_SECONDS"] == "15"
