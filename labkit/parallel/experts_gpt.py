@@ -22,7 +22,7 @@ from labkit.parallel.counters import all_reduce_sum
 from labkit.parallel.experts import ExpertParallelMoE, MoE
 from labkit.parallel.mesh import Mesh
 
-__all__ = ["ExpertParallelGPT", "MoEGPT"]
+__all__ = ["ExpertParallelGPT", "MoEGPT", "moe_gpt_shape"]
 
 
 class MoEGPT(nn.Module):
@@ -45,6 +45,23 @@ class MoEGPT(nn.Module):
             x, aux = _block(block, x, groups, None if layers is None else layers[i])
             losses.append(aux)
         return self.gpt.head(x), torch.stack(losses).mean()
+
+
+def moe_gpt_shape(model: MoEGPT):
+    """`model`'s sizes as labkit.plan takes them: TinyGPT's (labkit.parallel.gpt_shape), each block's MLP `experts`
+    experts of width d_ff, `top_k` each token.
+
+    >>> moe_gpt_shape(MoEGPT(82, d_model=16, experts=4, top_k=2))
+    GPTShape(vocab=82, d_model=16, layers=2, heads=2, context=32, d_ff=32, tied=False, experts=4, top_k=2)
+    """
+    from labkit.plan import GPTShape
+
+    if not isinstance(model, MoEGPT):
+        raise TypeError(f"model: a {type(model).__name__}; pass a labkit.parallel.experts_gpt.MoEGPT.")
+    gpt, moe = model.gpt, model.gpt.blocks[0].mlp
+    return GPTShape(vocab=gpt.embeddings.tok.num_embeddings, d_model=gpt.embeddings.tok.embedding_dim,
+                    layers=len(gpt.blocks), heads=gpt.blocks[0].heads, context=gpt.context,
+                    d_ff=moe.experts[0][0].out_features, tied=gpt.tied, experts=len(moe.experts), top_k=moe.top_k)
 
 
 def _block(block, x: torch.Tensor, groups: int, layer) -> tuple[torch.Tensor, torch.Tensor]:

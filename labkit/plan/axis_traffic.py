@@ -1,5 +1,6 @@
-"""3D parallelism by the numbers: for a GPT on a dp x pp x tp layout (and a cp axis for long sequences), the layers
-and parameters each rank holds, and the bytes it hands to each axis's collectives in one training step.
+"""3D parallelism by the numbers: for a GPT on a dp x pp x tp layout (a cp axis for long sequences, an ep axis for a
+mixture of experts), the layers and parameters each rank holds, and the bytes it hands to each axis's collectives
+in one training step.
 
     GPTShape(vocab, d_model, layers, heads, context)        the model (labkit.models.TinyGPT's layers)
     ParallelLayout(dp, pp, tp, microbatches, ...)           the layout, and a rank's place in it
@@ -60,6 +61,21 @@ micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h
       parallelism cuts the sequence another way), checked against ContextParallelGPT's counts where pp = 1. That
       sum over cp, then dp, is ContextParallelGPT's; one all-reduce over dp x cp together (torchtitan's "dp_cp"
       mesh) would send about 2 P on the wire instead of 2(dp-1)/dp P + 2(cp-1)/cp P.
+  ep (expert parallelism, labkit.parallel.experts_gpt; GShard, Lepikhin et al. 2020, section 2.2 and 3.2): with
+      GPTShape(experts=E, top_k=k) each block's MLP is E expert MLPs of width d_ff and a router (h x E, no bias), as
+      MoEGPT builds it; the E experts are cut over the ep ranks, E/ep each, and everything else is replicated. The
+      ep ranks split the batch as dp replicas do (b = batch / (dp ep m)). Every MoE block, every micro-batch, on
+      its T = b s tokens: an all-to-all of the E routing counts (8-byte integers, torch.bincount's int64:
+      COUNT_BYTES, whatever bytes_per_number is), then four all-to-alls of rows of h numbers: the dispatch (the
+      rank's T k choices) and the combine (the rows its experts received) forward, and their gradients backward.
+      Each rank hands T k rows to the dispatch; what it hands the combine is what its experts received, T k
+      rows on average over the group: the plan counts T k for each of the four, balanced routing with no choice
+      dropped (a capacity_factor of at least E/k keeps every choice), exact over the ep group's ranks together
+      (every row sent is received) and the most with no choice dropped. Once a step the replicated parameters'
+      gradients are all-reduced over ep (then over dp, with the experts', as every other gradient); the experts'
+      over dp only, since an ep group holds each expert once (GShard, section 3.2; Rajbhandari et al. 2022,
+      "DeepSpeed-MoE", section 5). Planned on dp x pp x ep: experts split over tp (Megatron's expert tensor
+      parallelism) and a MoE with cp are not.
 
 A size-1 axis moves nothing: its entry is empty. `axis_wire_bytes` turns the payloads into the bytes a ring moves
 per rank (all-reduce 2(N-1)/N, reduce-scatter (N-1)/N of the whole, all-gather N-1 parts; Thakur et al. 2005), the
@@ -72,7 +88,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from labkit._refusals import refuse_while_graded
 from labkit.checks import choice, finite_result, flag, number, shown, whole
@@ -80,19 +96,22 @@ from labkit.plan.context_parallel import context_parallel_nbytes, held_positions
 from labkit.plan.counts import shard_sizes
 from labkit.plan.traffic import ring_allreduce_bytes, ring_reduce_scatter_bytes
 
-__all__ = ["COLLECTIVES", "LOSS_BYTES_PER_NUMBER", "GPTShape", "ParallelLayout", "axis_traffic", "axis_wire_bytes",
-           "check_fit", "rank_layers", "rank_params"]
+__all__ = ["COLLECTIVES", "COUNT_BYTES", "LOSS_BYTES_PER_NUMBER", "GPTShape", "ParallelLayout", "axis_traffic",
+           "axis_wire_bytes", "check_fit", "rank_layers", "rank_params"]
 
-_AXES = ("dp", "pp", "cp", "tp")  # as labkit.parallel.mesh.ALL_AXES: outermost to innermost (plan imports no torch)
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "broadcast")  # labkit.parallel.counters' kinds
+_AXES = ("dp", "pp", "cp", "ep", "tp")  # as labkit.parallel.mesh.ALL_AXES, outermost first (plan imports no torch)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send", "broadcast", "all_to_all",
+               "all_to_all_sizes")  # labkit.parallel.counters' kinds
 LOSS_BYTES_PER_NUMBER = 4  # Megatron's vocabulary-parallel loss all-reduces FP32 numbers (module docstring)
+COUNT_BYTES = 8  # a MoE block's routing counts: torch.bincount's int64 (labkit.parallel.experts.dispatch)
 
 
 @dataclass(frozen=True)
 class GPTShape:
     """A GPT's sizes, as labkit.models.TinyGPT takes them: `vocab`, `d_model`, `layers` (blocks), `heads`,
-    `context` (positions), `d_ff` (the MLP's width; None: 4 d_model) and whether the head is `tied` to the token
-    embedding."""
+    `context` (positions), `d_ff` (the MLP's width; None: 4 d_model), whether the head is `tied` to the token
+    embedding, and for a mixture of experts (labkit.parallel.experts_gpt.MoEGPT) the `experts` per block, each an
+    MLP of width d_ff, and the `top_k` each token goes to (experts=0: a dense MLP, TinyGPT's)."""
     vocab: int
     d_model: int
     layers: int
@@ -100,16 +119,26 @@ class GPTShape:
     context: int
     d_ff: int | None = None
     tied: bool = False
+    experts: int = 0
+    top_k: int = 1
 
     def __post_init__(self):
-        for name in ("vocab", "d_model", "layers", "heads", "context"):
+        for name in ("vocab", "d_model", "layers", "heads", "context", "top_k"):
             whole(name, getattr(self, name))
         flag("tied", self.tied)
+        if self.top_k > max(1, whole("experts", self.experts, minimum=0)):
+            raise ValueError(f"GPTShape: top_k={shown(self.top_k)} experts per token, but a block has "
+                             f"experts={shown(self.experts)}; pass top_k <= experts (experts=0: a dense MLP, top_k=1).")
         if self.d_model % self.heads:
             raise ValueError(f"GPTShape: d_model={shown(self.d_model)} must be a multiple of "
                              f"heads={shown(self.heads)}.")
         d_ff = 4 * self.d_model if self.d_ff is None else whole("d_ff", self.d_ff)
         object.__setattr__(self, "d_ff", finite_result("GPTShape", d_ff, d_model=self.d_model, d_ff=self.d_ff))
+
+    def __repr__(self) -> str:
+        """The fields, experts and top_k only for a mixture of experts: a dense GPT reads as it always has."""
+        names = [f.name for f in fields(self) if self.experts or f.name not in ("experts", "top_k")]
+        return f"GPTShape({', '.join(f'{name}={getattr(self, name)!r}' for name in names)})"
 
 
 @dataclass(frozen=True)
@@ -122,7 +151,10 @@ class ParallelLayout:
     gathers them in every forward and backward, is not an option of this layout. `cp` ranks (context parallelism,
     the last field so that older positional calls keep their meaning) split every sequence, between pp and tp:
     global rank ((dp_i pp + pp_j) cp + cp_l) tp + tp_k, as Mesh(dp, pp, cp=..., tp=...) lays it out; place()
-    names cp only when cp > 1, as a Mesh names its axes. Two of Megatron-LM's
+    names cp only when cp > 1, as a Mesh names its axes. `ep` ranks (expert parallelism, after cp) hold each
+    their experts/ep of a GPTShape's experts and split the batch as dp does: global rank
+    (((dp_i pp + pp_j) cp + cp_l) ep + ep_m) tp + tp_k, Mesh's order; place() names ep only when ep > 1. Two of
+    Megatron-LM's
     optimisations that labkit.parallel.ThreeDGPT does not run can be planned: `scatter_gather` (pipeline sends
     of 1/tp of the activation per tp rank, all-gathered after; Narayanan et al. 2021, section 4.1) and
     `vocab_parallel_loss` (the head's logits kept split over tp, the loss from 3 all-reduces of b s FP32 numbers;
@@ -142,9 +174,10 @@ class ParallelLayout:
     scatter_gather: bool = False
     vocab_parallel_loss: bool = False
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("dp", "pp", "tp", "microbatches", "chunks", "cp"):
+        for name in ("dp", "pp", "tp", "microbatches", "chunks", "cp", "ep"):
             whole(name, getattr(self, name))
         for name in ("sequence_parallel", "scatter_gather", "vocab_parallel_loss"):
             flag(name, getattr(self, name))
@@ -154,17 +187,17 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """dp x pp x cp x tp ranks."""
-        return self.dp * self.pp * self.cp * self.tp
+        """dp x pp x cp x ep x tp ranks."""
+        return self.dp * self.pp * self.cp * self.ep * self.tp
 
     @property
     def axes(self) -> tuple[str, ...]:
-        """The layout's axes, outermost first: dp, pp, tp, and cp between pp and tp when cp > 1 (as a Mesh names
-        them)."""
-        return tuple(axis for axis in _AXES if axis != "cp" or self.cp > 1)
+        """The layout's axes, outermost first: dp, pp, tp, and cp and ep between pp and tp when larger than 1 (as a
+        Mesh names them)."""
+        return tuple(axis for axis in _AXES if axis not in ("cp", "ep") or self.size(axis) > 1)
 
     def size(self, axis: str) -> int:
-        """How many ranks a group on `axis` ("dp", "pp", "cp" or "tp") holds."""
+        """How many ranks a group on `axis` ("dp", "pp", "cp", "ep" or "tp") holds."""
         return getattr(self, choice("axis", axis, _AXES))
 
     def place(self, rank: int) -> dict[str, int]:
@@ -175,17 +208,19 @@ class ParallelLayout:
             raise ValueError(f"rank={shown(rank)}: this layout has {self.world_size} ranks; pass 0 to "
                              f"{self.world_size - 1}.")
         rest, tp_k = divmod(rank, self.tp)
+        rest, ep_m = divmod(rest, self.ep)
         rest, cp_l = divmod(rest, self.cp)
         dp_i, pp_j = divmod(rest, self.pp)
-        return {"dp": dp_i, "pp": pp_j, "cp": cp_l, "tp": tp_k} if self.cp > 1 else {"dp": dp_i, "pp": pp_j, "tp": tp_k}
+        place = {"dp": dp_i, "pp": pp_j, "cp": cp_l, "ep": ep_m, "tp": tp_k}
+        return {axis: place[axis] for axis in self.axes}
 
 
 def check_fit(shape: GPTShape, layout: ParallelLayout, batch: int | None = None, sequence: int | None = None) -> None:
     """ValueError, saying what to change, unless `layout` can split `shape` (and a step's `batch` of sequences of
     `sequence` tokens, when given): whole heads per tp rank (each computes whole heads), a vocabulary row per tp
     rank, a layer per pipeline piece, an untied head when the embedding and the head sit in different pieces,
-    the batch cut evenly over dp replicas and micro-batches, the sequence within the context and, under sequence
-    parallelism, cut evenly over tp.
+    experts that ep divides (on dp x pp x ep), the batch cut evenly over dp x ep ranks and micro-batches, the
+    sequence within the context and, under sequence parallelism, cut evenly over tp.
 
     >>> check_fit(GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32), ParallelLayout(tp=3))
     Traceback (most recent call last):
@@ -218,12 +253,29 @@ def _check_model_fit(shape: GPTShape, layout: ParallelLayout) -> None:
                          "embedding and the head sit in different pipeline pieces (tying them would take an all-reduce "
                          "of the two copies' gradients between the first and last stage every step, on no axis of "
                          "the mesh); use an untied model (TinyGPT(..., tied=False)).")
+    _check_experts_fit(shape, layout)
+
+
+def _check_experts_fit(shape: GPTShape, layout: ParallelLayout) -> None:
+    """ep needs experts, a whole number of them per ep rank, and a dp x pp x ep layout (module docstring)."""
+    if layout.ep > 1 and not shape.experts:
+        raise ValueError(f"ep={layout.ep}: expert parallelism splits a block's experts over ranks, but this model's "
+                         "blocks are dense (experts=0); pass a GPTShape with experts, or ep=1.")
+    if shape.experts % layout.ep:
+        raise ValueError(f"ep={layout.ep}: {shape.experts} experts do not split over {layout.ep} ranks (each holds "
+                         f"whole experts); pass an ep that divides experts={shape.experts}.")
+    for axis in ("tp", "cp"):
+        if shape.experts and layout.size(axis) > 1:
+            raise ValueError(f"{axis}={layout.size(axis)} with experts={shape.experts}: labkit plans a mixture of "
+                             "experts on dp x pp x ep, as ExpertParallelGPT runs it (experts split over tp, "
+                             f"Megatron's expert tensor parallelism, and MoE with cp are not planned); pass {axis}=1.")
 
 
 def _check_batch_fit(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: int) -> None:
-    cut = layout.dp * layout.microbatches
+    cut = layout.dp * layout.ep * layout.microbatches
     if batch % cut:
-        raise ValueError(f"batch={batch}: the batch is cut over dp={layout.dp} replicas x microbatches="
+        ranks = f"dp={layout.dp} replicas" + (f" x ep={layout.ep}" if layout.ep > 1 else "")
+        raise ValueError(f"batch={batch}: the batch is cut over {ranks} x microbatches="
                          f"{layout.microbatches}, {cut} equal parts; pass a batch that is a multiple of {cut}.")
     if layout.cp > 1:
         held_positions(sequence, layout.cp)  # ValueError unless every rank gets a token of each zig-zag chunk
@@ -264,14 +316,23 @@ def _kind(shape: GPTShape, layer: int) -> str:
     return "embeddings" if layer == 0 else "head" if layer == shape.layers + 1 else "block"
 
 
-def _layer_params(shape: GPTShape, kind: str, t: int, k: int) -> tuple[int, int]:
-    """(numbers, tensors) of one layer's parameters on tp rank k of t: split as labkit.parallel.tensor_gpt does."""
+def _expert_params(shape: GPTShape) -> int:
+    """One expert's parameters: the MLP's fc1 (d_ff x h and its bias) and fc2 (h x d_ff and its bias)."""
+    return shape.d_ff * (shape.d_model + 1) + shape.d_model * shape.d_ff + shape.d_model
+
+
+def _layer_params(shape: GPTShape, kind: str, t: int, k: int, ep: int = 1) -> tuple[int, int]:
+    """(numbers, tensors) of one layer's parameters on tp rank k of t: split as labkit.parallel.tensor_gpt does; a
+    MoE block's on an ep rank: its router and experts/ep experts (tp = 1 then, _check_experts_fit)."""
     h, vocab_rows, ff = shape.d_model, shard_sizes(shape.vocab, t)[k], shard_sizes(shape.d_ff, t)[k]
     if kind == "embeddings":
         return vocab_rows * h + shape.context * h, 2
     if kind == "head":
         return 2 * h + (0 if shape.tied else vocab_rows * h), 2 if shape.tied else 3
     attention = (3 * h // t) * (h + 1) + h * (h // t) + h  # q, k, v of this rank's heads; its columns of proj
+    if shape.experts:  # the router (no bias), and experts/ep experts of 4 tensors each
+        held = shape.experts // ep
+        return 4 * h + attention + h * shape.experts + held * _expert_params(shape), 9 + 4 * held
     mlp = ff * (h + 1) + h * ff + h  # fc1's rows, fc2's columns, fc2's bias whole
     return 4 * h + attention + mlp, 12
 
@@ -280,15 +341,16 @@ def _rank_parts(shape: GPTShape, layout: ParallelLayout, rank: int) -> tuple[lis
     """The kinds of the layers rank `rank` holds, and their parameters' (numbers, tensors)."""
     kinds = [_kind(shape, layer) for piece in rank_layers(shape, layout, rank) for layer in piece]
     k = layout.place(rank)["tp"]
-    held = [_layer_params(shape, kind, layout.tp, k) for kind in kinds]
+    held = [_layer_params(shape, kind, layout.tp, k, layout.ep) for kind in kinds]
     return kinds, sum(n for n, _ in held), sum(c for _, c in held)
 
 
 def rank_params(shape: GPTShape, layout: ParallelLayout, rank: int) -> int:
     """Parameters global rank `rank` holds: its stage's layers (rank_layers), each 1/tp of the split matrices
     (tp rank k's share of uneven ones, as shard_sizes cuts) and the whole replicated ones (LayerNorms, row-parallel
-    biases, the position embedding). labkit.plan.training_memory(rank_params(...), ...) is its training state; on
-    one rank, transformer_params(...) (with context) of the whole model.
+    biases, the position embedding; a MoE block's router, and its experts/ep experts).
+    labkit.plan.training_memory(rank_params(...), ...) is its training state; on one rank, for a dense model,
+    transformer_params(...) (with context) of the whole model.
 
     >>> shape = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)
     >>> rank_params(shape, ParallelLayout(), 0), [rank_params(shape, ParallelLayout(pp=2, tp=2), r) for r in range(4)]
@@ -394,6 +456,28 @@ def _cp_numbers(shape: GPTShape, layout: ParallelLayout, kinds, params: int, ran
     return Counter({"send": blocks * layout.microbatches * per_attention, "all_reduce": params})
 
 
+def _ep_numbers(shape: GPTShape, layout: ParallelLayout, kinds, params: int, b: int, s: int) -> Counter:
+    """Numbers the rank hands to the ep axis in one step: four all-to-alls of T k rows of h numbers per MoE block
+    per micro-batch, and the all-reduce of the replicated parameters' gradients (module docstring). The routing
+    counts, 8-byte integers whatever the numbers are, are _ep_count_bytes'."""
+    if layout.ep == 1:
+        return Counter()
+    blocks = sum(kind == "block" for kind in kinds)
+    experts_held = blocks * shape.experts // layout.ep * _expert_params(shape)
+    rows = 4 * b * s * shape.top_k  # dispatch and combine, forward and backward
+    return Counter({"all_to_all": blocks * layout.microbatches * rows * shape.d_model,
+                    "all_reduce": params - experts_held})
+
+
+def _ep_count_bytes(shape: GPTShape, layout: ParallelLayout, kinds) -> Counter:
+    """Bytes of the routing counts' all-to-all in one step: E integers per MoE block per micro-batch (forward only:
+    the counts carry no gradient)."""
+    if layout.ep == 1:
+        return Counter()
+    blocks = sum(kind == "block" for kind in kinds)
+    return Counter({"all_to_all_sizes": blocks * layout.microbatches * shape.experts * COUNT_BYTES})
+
+
 def _tokens_held(layout: ParallelLayout, rank: int, s: int) -> int:
     """Tokens of each sequence the rank holds: all s, or its zig-zag share with cp > 1."""
     return s if layout.cp == 1 else held_positions(s, layout.cp)[layout.place(rank)["cp"]]
@@ -420,17 +504,19 @@ def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int,
     """
     check_fit(shape, layout, whole("batch", batch), sequence)
     s, nbytes = _sequence(shape, sequence), whole("bytes_per_number", bytes_per_number)
-    b = batch // (layout.dp * layout.microbatches)
+    b = batch // (layout.dp * layout.ep * layout.microbatches)
     kinds, params, tensors = _rank_parts(shape, layout, rank)
     stage, held = layout.place(rank)["pp"], _tokens_held(layout, rank, s)
     numbers = {"dp": _dp_numbers(layout, params, tensors),
                "pp": _pp_numbers(shape, layout, stage, b, held),
                "cp": _cp_numbers(shape, layout, kinds, params, rank, b, s),
+               "ep": _ep_numbers(shape, layout, kinds, params, b, s),
                "tp": _tp_numbers(shape, layout, kinds, b, held) + _scatter_gather_numbers(shape, layout, stage, b,
                                                                                         held)}
     in_bytes = {axis: Counter({kind: n * nbytes for kind, n in counted.items()}) for axis, counted in numbers.items()}
     loss = _loss_numbers(layout, kinds, b, held)                          # FP32 whatever bytes_per_number is
     in_bytes["tp"] += Counter({kind: n * LOSS_BYTES_PER_NUMBER for kind, n in loss.items()})
+    in_bytes["ep"] += _ep_count_bytes(shape, layout, kinds)
     traffic = {axis: {kind: n for kind, n in sorted(counted.items()) if n} for axis, counted in in_bytes.items()
                if axis in layout.axes}
     return finite_result("axis_traffic", traffic, batch=batch, sequence=sequence, bytes_per_number=bytes_per_number)
@@ -444,13 +530,16 @@ def _wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
         return ring_reduce_scatter_bytes(nbytes, ranks)
     if collective == "all_gather":  # its own part of ranks parts: (N-1)/N of the whole
         return ring_reduce_scatter_bytes(nbytes * ranks, ranks)
+    if collective in ("all_to_all", "all_to_all_sizes"):  # balanced: 1/N of what it hands stays on the rank
+        return ring_reduce_scatter_bytes(nbytes, ranks)
     return nbytes  # a send or a broadcast: the tensor, once
 
 
 def axis_wire_bytes(traffic: dict[str, dict[str, float]], layout: ParallelLayout) -> dict[str, float]:
     """Bytes a rank sends over the links of each axis in one step, for `traffic` (axis_traffic's) with ring
     collectives of the axis's size (Thakur et al. 2005; labkit.plan.traffic): an all-reduce 2(N-1)/N of its
-    tensor, a reduce-scatter (N-1)/N of its tensor, an all-gather N-1 times its part, a send its tensor. Divided by
+    tensor, a reduce-scatter (N-1)/N of its tensor, an all-gather N-1 times its part, a send its tensor, an
+    all-to-all (N-1)/N of what it hands, the part for its own rank staying (balanced: moe_all_to_all_nbytes). Divided by
     a link's bandwidth (bytes/s), the seconds each axis's traffic takes there.
 
     >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)

@@ -12,11 +12,12 @@ import math
 
 import plotly.graph_objects as go
 
-from labkit.viz.style import BLUE, DARK_GREY, GREEN, GREY, ORANGE, PURPLE, RED, TEAL, WHITE, log_axis
+from labkit.viz.style import BLUE, BROWN, DARK_GREY, GREEN, GREY, ORANGE, PURPLE, RED, TEAL, WHITE, log_axis
 
 __all__ = ["AXIS_COLORS", "axis_link_seconds", "axis_traffic_bars", "byte_unit"]
 
-AXIS_COLORS = {"dp": PURPLE, "pp": GREEN, "cp": TEAL, "tp": ORANGE}  # mesh_grid's colours for each axis's group
+# mesh_grid's colours for each axis's group; ep's brown, an axis mesh_grid does not draw
+AXIS_COLORS = {"dp": PURPLE, "pp": GREEN, "cp": TEAL, "ep": BROWN, "tp": ORANGE}
 LINK_COLORS = [BLUE, RED, GREY]  # the links' bars, in the order given: the fast one first
 _BYTE_UNITS = (("GB", 1e9), ("MB", 1e6), ("kB", 1e3), ("bytes", 1.0))
 

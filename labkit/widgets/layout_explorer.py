@@ -1,8 +1,9 @@
-"""The layout explorer: choose how a world of ranks trains a GPT (dp x pp x cp x tp, micro-batches, chunks per
-stage, sequence parallelism) and see what labkit.plan predicts for that layout: each axis's traffic per rank per
-step, the pipeline's bubble, the training state each rank holds and the activations it keeps. Every number is
-plan's, for every rank, so a run of labkit.parallel.ThreeDGPT with the same layout (ContextParallelGPT's, with cp)
-can be checked against what the explorer shows.
+"""The layout explorer: choose how a world of ranks trains a GPT (dp x pp x cp x ep x tp, micro-batches, chunks per
+stage, sequence parallelism, and experts per block for a mixture of experts) and see what labkit.plan predicts for
+that layout: each axis's traffic per rank per step, the pipeline's bubble, the training state each rank holds and
+the activations it keeps. Every number is plan's, for every rank, so a run of labkit.parallel.ThreeDGPT with the
+same layout (ContextParallelGPT's with cp, ExpertParallelGPT's with ep) can be checked against what the explorer
+shows.
 
     suggested_layout(world_size)                 (dp, pp, tp): tp = 2 and pp = 2 where the world allows
     plan_layout(shape, layout, batch, ...)       LayoutPlan: plan's traffic, memory and bubble, rank by rank
@@ -13,7 +14,7 @@ can be checked against what the explorer shows.
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import ipywidgets as widgets
 
@@ -40,11 +41,14 @@ from labkit.widgets.typed import typed
 
 __all__ = ["AXIS_WHEN", "LayoutExplorer", "LayoutPlan", "plan_layout", "suggested_layout"]
 
-AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost, as labkit.parallel.mesh.ALL_AXES (cp only when > 1)
+AXES = ("dp", "pp", "cp", "ep", "tp")  # outermost to innermost, as labkit.parallel.mesh.ALL_AXES (cp, ep when > 1)
+EXPERT_CHOICES = (0, 4, 8, 16, 64)  # experts per block: 0 dense; 8 Mixtral's, 64 the fine-grained (notebook 13)
 AXIS_WHEN = {  # when each axis's traffic moves in a step, and what waits for it (Narayanan et al. 2021, section 3)
     "tp": "inside every layer, every micro-batch: the next layer waits for the forward's",
     "cp": "every block's attention, every micro-batch: K and V passed around the ring beside each block's compute; "
           "and once per step the gradients' all-reduce",
+    "ep": "every MoE block, every micro-batch: each token to its experts' ranks and back (two all-to-alls forward, "
+          "two backward), the block waiting on each; and once per step the replicated weights' gradients' all-reduce",
     "pp": "at each stage boundary, every micro-batch: point to point, one neighbour",
     "dp": "once per step, after the last micro-batch's backward: only that backward, and the drain on the later "
           "stages, can overlap it",
@@ -73,7 +77,8 @@ class LayoutPlan:
     axis's collectives per step, by collective (plan.axis_traffic: what count_collectives().by_axis counts),
     `wire[r]` what ring collectives then send per axis (plan.axis_wire_bytes), `memory[r]` its training state
     (plan.training_memory of plan.rank_params: weights, gradients and AdamW's two moments, a number each), and
-    `bubble` the pipeline's idle share, (p-1)/(v m + p-1) (plan.bubble_fraction)."""
+    `bubble` the pipeline's idle share, (p-1)/(v m + p-1) (plan.bubble_fraction), `activations[r]` the bytes it
+    keeps for the backward, and the `shape` planned."""
 
     layout: ParallelLayout
     traffic: list[dict[str, dict[str, int]]]
@@ -81,6 +86,7 @@ class LayoutPlan:
     memory: list[dict[str, float]]
     bubble: float
     activations: list[float]
+    shape: GPTShape | None = None  # the model planned
 
     def axis_nbytes(self, rank: int) -> dict[str, int]:
         """Bytes rank `rank` hands to each axis per step, its collectives added up."""
@@ -124,18 +130,20 @@ def plan_layout(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: i
     memory = [training_memory(rank_params(shape, layout, rank), nbytes, nbytes, 2 * nbytes) for rank in ranks]
     activations = [_activations(shape, layout, batch, rank, sequence, nbytes) for rank in ranks]
     return LayoutPlan(layout, traffic, [axis_wire_bytes(t, layout) for t in traffic], memory,
-                      bubble_fraction(layout.pp, layout.microbatches, layout.chunks), activations)
+                      bubble_fraction(layout.pp, layout.microbatches, layout.chunks), activations, shape)
 
 
 def _activations(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int, sequence: int | None,
                  nbytes: int) -> float:
     """Bytes of activations `rank` keeps for the backward at its peak: its blocks' (plan.activation_nbytes,
     Korthikanti et al. 2022, FlashAttention's count) for a micro-batch of its tokens (1/cp of each sequence), times
-    the micro-batches 1F1B holds on its stage, min(pp - stage, m) (interleaved: about as many)."""
+    the micro-batches 1F1B holds on its stage, min(pp - stage, m) (interleaved: about as many). A MoE block is
+    counted as the paper's dense block (the summary says so): its k experts per token keep more."""
     blocks = sum(1 <= layer <= shape.layers for piece in rank_layers(shape, layout, rank) for layer in piece)
     place, s = layout.place(rank), shape.context if sequence is None else sequence
     held = s if layout.cp == 1 else held_positions(s, layout.cp)[place["cp"]]
-    one = activation_nbytes(blocks, shape.d_model, shape.heads, held, batch // (layout.dp * layout.microbatches),
+    one = activation_nbytes(blocks, shape.d_model, shape.heads, held,
+                            batch // (layout.dp * layout.ep * layout.microbatches),
                             tp=layout.tp, sequence_parallel=layout.sequence_parallel and layout.tp > 1,
                             bytes_per_value=nbytes) if blocks else 0.0
     return one * min(layout.pp - place["pp"], layout.microbatches)
@@ -146,8 +154,9 @@ def _group(layout: ParallelLayout, rank: int, axis: str) -> list[int]:
     place = layout.place(rank)
 
     def global_rank(i: int) -> int:
-        at = {"cp": 0, **place, axis: i}
-        return ((at["dp"] * layout.pp + at["pp"]) * layout.cp + at["cp"]) * layout.tp + at["tp"]
+        at = {"cp": 0, "ep": 0, **place, axis: i}
+        inner = (at["dp"] * layout.pp + at["pp"]) * layout.cp + at["cp"]
+        return (inner * layout.ep + at["ep"]) * layout.tp + at["tp"]
 
     return [global_rank(i) for i in range(layout.size(axis))]
 
@@ -164,15 +173,18 @@ def _amount(nbytes: float, unit: tuple[str, float]) -> str:
 
 
 class LayoutExplorer(App):
-    """Controls for dp, pp, cp and tp (each a divisor of `world_size`; their product must be the world, or the
-    summary says what to change; cp splits every sequence, context parallelism), the micro-batches per step, the
-    chunks per stage (interleaved 1F1B when >= 2) and sequence parallelism; beside them a summary of plan's
+    """Controls for dp, pp, cp, ep and tp (each a divisor of `world_size`; their product must be the world, or the
+    summary says what to change; cp splits every sequence, context parallelism; ep splits each block's experts),
+    the micro-batches per step, the chunks per stage (interleaved 1F1B when >= 2), sequence parallelism, and the
+    experts per block with the top_k each token goes to (0 experts: `shape`'s dense MLP; each expert an MLP of
+    `shape`'s d_ff, as MoEGPT builds it); beside them a summary of plan's
     prediction for `shape` trained on steps of `batch` sequences (`sequence` tokens each, numbers of
     `bytes_per_number` bytes): each axis's bytes per rank per step, handed to collectives and sent by ring
     collectives, and when they move; the bubble; the training state per rank and the activations it keeps. Below,
     the bytes per axis and the training state of each rank of replica 0 (every replica's equal).
 
-    `controls` names the controls (dp, pp, cp, tp, microbatches, chunks, sequence_parallel), `summary` is the HTML
+    `controls` names the controls (dp, pp, cp, ep, tp, microbatches, chunks, sequence_parallel, experts, top_k),
+    `summary` is the HTML
     beside them, `traffic_chart` and `memory_chart` the figures' FigureSlots, `planned` the LayoutPlan shown and
     `problem` why the controls' layout is not shown (None when it is). A layout that is refused leaves the last
     good one shown. `set_layout(dp=1, pp=2, tp=4)` sets several controls and redraws once.
@@ -194,7 +206,7 @@ class LayoutExplorer(App):
         self.world_size = rank_count(world_size)
         self._model = {"shape": shape, "batch": whole("batch", batch), "sequence": sequence,
                        "bytes_per_number": whole("bytes_per_number", bytes_per_number)}
-        self.controls = _controls(self.world_size, whole("microbatches", microbatches))
+        self.controls = _controls(self.world_size, whole("microbatches", microbatches), shape)
         self.summary = widgets.HTML(layout=widgets.Layout(flex="1 1 420px", min_width="420px"))
         self.traffic_chart, self.memory_chart = FigureSlot.in_row(), FigureSlot.in_row()
         self.planned: LayoutPlan | None = None
@@ -212,7 +224,8 @@ class LayoutExplorer(App):
                           widgets.HBox([self.traffic_chart, self.memory_chart], layout=wrap)])
 
     def set_layout(self, **values) -> None:
-        """Set the named controls (dp, pp, cp, tp, microbatches, chunks, sequence_parallel) at once, then redraw."""
+        """Set the named controls (dp, pp, cp, ep, tp, microbatches, chunks, sequence_parallel, experts, top_k) at
+        once, then redraw."""
         unknown = sorted(set(values) - set(self.controls))
         if unknown:
             raise ValueError(f"set_layout: {unknown} are no controls; pass some of {list(self.controls)}.")
@@ -224,21 +237,25 @@ class LayoutExplorer(App):
             self._holding = False
         self._redraw()
 
-    def _chosen(self) -> ParallelLayout:
+    def _chosen(self) -> tuple[GPTShape, ParallelLayout]:
+        """The model and the layout the controls hold: top_k is 1, and its control off, for a dense model."""
         values = {name: control.value for name, control in self.controls.items()}
-        return ParallelLayout(**values)
+        experts, top_k = values.pop("experts"), values.pop("top_k")
+        self.controls["top_k"].disabled = not experts
+        shape = replace(self._model["shape"], experts=experts, top_k=top_k if experts else 1)
+        return shape, ParallelLayout(**values)
 
     def _redraw(self, _=None) -> None:
         """Plan the controls' layout and show it, or say why not and keep the last good one."""
         if self._holding:
             return
-        layout = self._chosen()
         try:
+            shape, layout = self._chosen()
             self.problem = _world_problem(layout, self.world_size)
             if self.problem is None:
-                self.planned = plan_layout(layout=layout, **self._model)
+                self.planned = plan_layout(layout=layout, **{**self._model, "shape": shape})
         except ValueError as error:
-            self.problem = str(error).replace("pass sequence_parallel=False", "untick sequence parallelism (tp)")
+            self.problem = _for_the_controls(str(error))
         if self.problem is None:
             self._draw_charts()
             self.summary.value = prose(_summary(self.planned))
@@ -247,7 +264,7 @@ class LayoutExplorer(App):
 
     def _draw_charts(self) -> None:
         planned, layout = self.planned, self.planned.layout
-        replica = range(layout.pp * layout.cp * layout.tp)  # replica 0's ranks: every replica holds and sends the same
+        replica = range(layout.world_size // layout.dp)  # replica 0's ranks: every replica holds and sends the same
         labels = {rank: f"rank {rank}<br>" + " ".join(f"{axis}{index}" for axis, index in layout.place(rank).items()
                                                       if axis != "dp") for rank in replica}
         shown = _replica_shown(layout)
@@ -262,6 +279,12 @@ class LayoutExplorer(App):
         self.memory_chart.draw(memory_bars(memory, title=title, unit=unit))
 
 
+def _for_the_controls(problem: str) -> str:
+    """plan's refusal, its remedy said in the explorer's controls."""
+    return (problem.replace("pass sequence_parallel=False", "untick sequence parallelism (tp)")
+            .replace("pass a GPTShape with experts, or ep=1", "pick experts per block, or ep=1"))
+
+
 def _replica_shown(layout: ParallelLayout) -> str:
     """Which ranks the charts show, and why only those: replica 0's (dp 0), since every data-parallel replica
     holds and sends the same.
@@ -269,7 +292,7 @@ def _replica_shown(layout: ParallelLayout) -> str:
     >>> _replica_shown(ParallelLayout(dp=2, pp=2, tp=2)), _replica_shown(ParallelLayout(dp=1, pp=2, tp=2))
     ('ranks 0-3 of 8: replica dp 0 (dp 1 holds and sends the same)', 'ranks 0-3: every rank')
     """
-    last = layout.pp * layout.cp * layout.tp - 1
+    last = layout.world_size // layout.dp - 1
     ranks = "rank 0" if last == 0 else f"ranks 0-{last}"
     if layout.dp == 1:
         return f"{ranks}: every rank"
@@ -277,8 +300,9 @@ def _replica_shown(layout: ParallelLayout) -> str:
     return f"{ranks} of {layout.world_size}: replica dp 0 ({others} the same)"
 
 
-def _controls(world_size: int, microbatches: int) -> dict[str, widgets.Widget]:
-    """The explorer's controls, named as ParallelLayout's fields, starting at suggested_layout(world_size)."""
+def _controls(world_size: int, microbatches: int, shape: GPTShape) -> dict[str, widgets.Widget]:
+    """The explorer's controls, named as ParallelLayout's fields (and GPTShape's experts and top_k), starting at
+    suggested_layout(world_size) and `shape`'s experts."""
     divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
     start = dict(zip(("dp", "pp", "tp"), suggested_layout(world_size), strict=True))
     common = {"style": _LABEL_STYLE, "layout": widgets.Layout(width=CONTROL_WIDTH)}
@@ -286,12 +310,18 @@ def _controls(world_size: int, microbatches: int) -> dict[str, widgets.Widget]:
                                        **common)
                 for axis, what in (("dp", "replicas"), ("pp", "stages"), ("tp", "split of each layer"))}
     controls["cp"] = widgets.Dropdown(options=divisors, value=1, description="cp (sequence split)", **common)
+    controls["ep"] = widgets.Dropdown(options=divisors, value=1, description="ep (experts split)", **common)
     controls["microbatches"] = widgets.IntSlider(value=microbatches, min=1, max=16, description="micro-batches m",
                                                  continuous_update=False, **common)
     controls["chunks"] = widgets.IntSlider(value=1, min=1, max=4, description="chunks per stage v",
                                            continuous_update=False, **common)
     controls["sequence_parallel"] = widgets.Checkbox(value=False, description="sequence parallelism (tp)",
                                                      indent=False, layout=widgets.Layout(width=CONTROL_WIDTH))
+    experts = sorted({*EXPERT_CHOICES, shape.experts})
+    controls["experts"] = widgets.Dropdown(options=[("0 (dense MLP)", 0), *((str(e), e) for e in experts if e)],
+                                           value=shape.experts, description="experts per block", **common)
+    controls["top_k"] = widgets.Dropdown(options=[1, 2], value=min(shape.top_k, 2) if shape.experts else 2,
+                                         description="experts per token k", disabled=not shape.experts, **common)
     return controls
 
 
@@ -303,10 +333,11 @@ def _world_problem(layout: ParallelLayout, world_size: int) -> str | None:
     """Why `layout` cannot run on `world_size` ranks (its product is another number), or None."""
     if layout.world_size == world_size:
         return None
-    rest = layout.pp * layout.cp * layout.tp
-    inner = " x ".join(f"{axis}={layout.size(axis)}" for axis in layout.axes if axis != "dp")
-    fix = (f"{inner} leaves dp={world_size // rest}" if world_size % rest == 0 else
-           f"{inner} = {rest} does not divide {world_size}: lower {'pp, cp or tp' if layout.cp > 1 else 'pp or tp'}")
+    rest = layout.world_size // layout.dp
+    inner = [axis for axis in layout.axes if axis != "dp"]
+    sizes = " x ".join(f"{axis}={layout.size(axis)}" for axis in inner)
+    fix = (f"{sizes} leaves dp={world_size // rest}" if world_size % rest == 0 else
+           f"{sizes} = {rest} does not divide {world_size}: lower {', '.join(inner[:-1])} or {inner[-1]}")
     return (f"{_shape(layout)} = {layout.world_size} ranks, but the world has {world_size}: pick sizes whose "
             f"product is {world_size} ({fix}).")
 
@@ -337,4 +368,19 @@ def _summary(planned: LayoutPlan) -> str:
             "gradients, AdamW's m and v)</div>"
             f"<div>activations kept for the backward, busiest rank: <b>{_amount(max(planned.activations), memory_unit)}"
             f"</b> (its blocks' for its micro-batches in flight{', 1/cp of each sequence' if layout.cp > 1 else ''}; "
-            "Korthikanti et al. 2022's count)</div>")
+            f"Korthikanti et al. 2022's count{_dense_note(planned.shape)})</div>{_experts_line(planned)}")
+
+
+def _dense_note(shape: GPTShape | None) -> str:
+    return ", as if each block were dense: a MoE block keeps its k experts' MLP inputs and outputs for each token" \
+        if shape is not None and shape.experts else ""
+
+
+def _experts_line(planned: LayoutPlan) -> str:
+    """For a mixture of experts: what each rank holds, and what ep's all-to-alls assume."""
+    shape, ep = planned.shape, planned.layout.ep
+    if shape is None or not shape.experts:
+        return ""
+    return (f"<div>experts: <b>{shape.experts} per block</b>, each token to k={shape.top_k}; each rank holds "
+            f"<b>{shape.experts // ep}</b> of each block's (the router and the rest replicated). ep's all-to-alls: "
+            "balanced routing with no token dropped, each rank's T k rows each way (moe_all_to_all_nbytes)</div>")

@@ -2,7 +2,7 @@
 control's label and value whole, both charts inside the output area, plotly's toolbar clear of their titles, which
 say why they show ranks 0-3 of 8 (replica dp 0: the other replica is the same); and layouts picked in its
 dropdowns: a product other than the world is explained in the summary, a good one redraws both charts for that
-layout."""
+layout; experts per block picked with tp = 2 are refused with plan's reason, and ep = 2 with tp = 1 draws ep's bars."""
 
 from pathlib import Path
 
@@ -67,7 +67,8 @@ def check_layout(found: dict, where: str) -> None:
     assert len(found["texts"]) >= 6, f"{where}: the explorer shows too few labels ({found['texts']})"
     bad = [item["text"] for item in found["texts"] if item["cut"] or item["past"]]
     assert not bad, f"{where}: labels or values cut off or outside the explorer: {bad}"
-    assert len(found["dropdowns"]) == 4, f"{where}: dp, pp, tp and cp are four dropdowns ({found['dropdowns']})"
+    assert len(found["dropdowns"]) == 7, \
+        f"{where}: dp, pp, tp, cp, ep, experts per block and k are seven dropdowns ({found['dropdowns']})"
     for dropdown in found["dropdowns"]:
         assert dropdown["width"] <= dropdown["room"] + 1, f"{where}: the dropdown value {dropdown['text']!r} is cut"
     area = found["area"]
@@ -79,9 +80,11 @@ def check_layout(found: dict, where: str) -> None:
             f"{where}: the chart {chart['title']!r} does not say why it shows 4 of the 8 ranks"
 
 
-def pick(page: Page, explorer, axis: str, size: int, summary_says: str) -> dict:
-    """Choose `size` in the dropdown of `axis`, wait until the summary says `summary_says`; the explorer now."""
-    explorer.locator(".widget-dropdown").filter(has_text=f"{axis} (").locator("select").select_option(label=str(size))
+def pick(page: Page, explorer, axis: str, size: int, summary_says: str, label: str | None = None) -> dict:
+    """Choose `size` in the dropdown of `axis` (or the one whose label starts `label`), wait until the summary says
+    `summary_says`; the explorer now."""
+    dropdown = explorer.locator(".widget-dropdown").filter(has_text=label or f"{axis} (")
+    dropdown.locator("select").select_option(label=str(size))
     page.wait_for_function("([area, text]) => area.textContent.includes(text)",
                            arg=[explorer.element_handle(), summary_says], timeout=15_000)
     return explorer.evaluate(MEASURE)
@@ -99,3 +102,11 @@ def check_picked_layouts(page: Page, explorer) -> None:
         f"the charts do not show the layout picked: {[c['title'] for c in chosen['charts']]}"
     pick(page, explorer, "tp", 2, "dp=1 x pp=2 x tp=2 = 4 ranks")
     pick(page, explorer, "dp", 2, "dp=2 x pp=2 x tp=2 = 8 ranks")
+    pick(page, explorer, "experts", 8, "tp=2 with experts=8: labkit plans a mixture of experts", "experts per block")
+    pick(page, explorer, "tp", 1, "= 4 ranks, but the world has 8")
+    experts = pick(page, explorer, "ep", 2, "dp=2 x pp=2 x ep=2 x tp=1 = 8 ranks")
+    assert all("dp=2 x pp=2 x ep=2 x tp=1" in chart["title"] for chart in experts["charts"]), \
+        f"the charts do not show the layout picked: {[c['title'] for c in experts['charts']]}"
+    pick(page, explorer, "ep", 1, "= 4 ranks, but the world has 8")
+    pick(page, explorer, "tp", 2, "tp=2 with experts=8")  # the world's again, but experts need tp = 1
+    pick(page, explorer, "experts", "0 (dense MLP)", "dp=2 x pp=2 x tp=2 = 8 ranks", "experts per block")

@@ -1,7 +1,7 @@
 """MoEGPT trained by ExpertParallelGPT on a dp x ep mesh of real gloo ranks (2 x 2, 1 x 4, 1 x 2) equals one process
 training it on the whole batch (each rank's tokens one capacity group): losses and parameters within 1e-10 in
 float64; each expert's parameters updated on their one rank of each ep group; traffic by axis (all-to-alls on ep,
-gradient sums on both)."""
+gradient sums on both), and labkit.plan's prediction of it (ParallelLayout(ep=...))."""
 
 import pytest
 import torch
@@ -67,3 +67,44 @@ def test_dp_x_ep_trains_as_one_process(dp, ep):
         assert traffic["ep"]["all_to_all"] == STEPS * 2 * 2 * 2  # 2 layers x (dispatch, combine) x fwd and bwd
         assert traffic["dp"].get("all_reduce", 0) > 0 if dp > 1 else "dp" not in traffic or not traffic["dp"]
     assert experts_seen == {"0", "1", "2", "3"}  # every expert updated on its rank, none twice on an ep group
+
+
+def counted_bytes(dp, ep, capacity_factor):
+    """Each axis's bytes this rank handed to collectives over the training, and the parameter tensors it reduces over
+    dp (the replicated ones and its own experts)."""
+    mesh = Mesh(dp=dp, ep=ep)
+    gpt = MoEGPT(len(set(TEXT)), d_model=8, layers=2, heads=2, experts=4, top_k=2, capacity_factor=capacity_factor,
+                 seed=3).double().to(labkit.device())
+    trainer = ExpertParallelGPT(gpt, mesh, lr=LR, aux_weight=AUX)
+    with count_collectives() as counted:
+        for x, y in batches():
+            trainer.train_step(x.to(labkit.device()), y.to(labkit.device()))
+    by_axis = counted.by_axis(mesh)
+    return {axis: dict(by_axis[axis].nbytes) for axis in ("dp", "ep")}, len(trainer.replicated + trainer.own_experts)
+
+
+@pytest.mark.parametrize("dp,ep", [(2, 2), (1, 4)])
+def test_plan_predicts_the_ep_axis_of_an_expert_parallel_run(dp, ep):
+    """labkit.plan.axis_traffic with ep equals what ExpertParallelGPT's ranks handed to ep's collectives: the routing
+    counts and the replicated gradients' all-reduce to the byte on every rank; the four all-to-alls of rows to the
+    byte summed over each ep group (each rank's combine hands what its experts received, which routing decides),
+    with a capacity factor of E/k = 2 so that no choice is dropped, each rank's more than its dispatch's half; dp's
+    all-reduce but for BucketedDDP's flag per tensor, which the plan counts and all_reduce_sum does not send."""
+    from labkit.parallel.experts_gpt import moe_gpt_shape
+    from labkit.plan import ParallelLayout, axis_traffic
+
+    layout = ParallelLayout(dp=dp, ep=ep)
+    shape = moe_gpt_shape(MoEGPT(len(set(TEXT)), d_model=8, layers=2, heads=2, experts=4, top_k=2))
+    per_rank = labkit.run(counted_bytes, dp, ep, 2.0, world_size=dp * ep)
+    planned = [axis_traffic(shape, layout, BATCH, rank, LENGTH, bytes_per_number=8) for rank in range(dp * ep)]
+    for rank, ((counted, tensors), plan) in enumerate(zip(per_rank, planned, strict=True)):
+        for kind in ("all_to_all_sizes", "all_reduce"):
+            assert counted["ep"][kind] == STEPS * plan["ep"][kind], (rank, kind)
+        dispatch = STEPS * plan["ep"]["all_to_all"] // 2  # the dispatch and its gradient: this rank's T k rows each
+        assert dispatch < counted["ep"]["all_to_all"], rank
+        if dp > 1:
+            assert counted["dp"] == {"all_reduce": STEPS * (plan["dp"]["all_reduce"] - 8 * tensors)}, rank
+    for first in range(0, dp * ep, ep):  # each ep group: every row one rank sends, another receives
+        group = range(first, first + ep)
+        assert sum(per_rank[r][0]["ep"]["all_to_all"] for r in group) == \
+            STEPS * sum(planned[r]["ep"]["all_to_all"] for r in group)

@@ -4,6 +4,7 @@ tensor parallelism, sequence parallelism, interleaving), the ring's wire bytes, 
 tests/distributed/test_three_d.py checks the same predictions against bytes counted on real ranks."""
 
 import math
+import re
 from collections import Counter
 
 import pytest
@@ -259,7 +260,80 @@ def test_bad_arguments_are_named():
         rank_params(TINY_GPT, ParallelLayout(dp=2, pp=2, tp=2), 8)
     with pytest.raises(TypeError, match="shape=.*pass a labkit.plan.GPTShape"):
         axis_traffic({"vocab": 82}, ParallelLayout(), 16, 0)
-    with pytest.raises(ValueError, match="traffic=.*its axes among dp, pp, cp, tp"):
-        axis_wire_bytes({"ep": {"all_reduce": 1}}, ParallelLayout())
-    with pytest.raises(ValueError, match=r"traffic\['dp'\] collective='all_to_all'"):
-        axis_wire_bytes({"dp": {"all_to_all": 1}}, ParallelLayout())
+    with pytest.raises(ValueError, match="traffic=.*its axes among dp, pp, cp, ep, tp"):
+        axis_wire_bytes({"sp": {"all_reduce": 1}}, ParallelLayout())
+    with pytest.raises(ValueError, match=r"traffic\['dp'\] collective='gather'"):
+        axis_wire_bytes({"dp": {"gather": 1}}, ParallelLayout())
+
+
+MOE = GPTShape(vocab=82, d_model=16, layers=2, heads=2, context=32, d_ff=32, experts=4, top_k=2)  # MoEGPT's default
+
+
+def test_a_moe_ranks_parameters_are_the_models_and_ep_splits_only_the_experts():
+    """On one rank, rank_params counts MoEGPT's parameters (torch's numel); with ep ranks, each rank holds
+    experts/ep of every block's experts (one expert: fc1 and fc2 with their biases) and everything else whole."""
+    from labkit.parallel.experts_gpt import MoEGPT, moe_gpt_shape
+
+    model = MoEGPT(82, d_model=16, layers=2, heads=2, experts=4, top_k=2)
+    assert moe_gpt_shape(model) == MOE
+    assert rank_params(MOE, ParallelLayout(), 0) == sum(p.numel() for p in model.parameters())
+    expert = sum(p.numel() for p in model.gpt.blocks[0].mlp.experts[0].parameters())
+    for ep in (2, 4):
+        layout = ParallelLayout(ep=ep)
+        held = [rank_params(MOE, layout, rank) for rank in range(ep)]
+        assert held == [rank_params(MOE, ParallelLayout(), 0) - 2 * (4 - 4 // ep) * expert] * ep
+
+
+def test_the_ep_axis_by_hand():
+    """dp=2 x ep=2, 2 micro-batches, a batch of 16 sequences of 12 tokens: b = 16 / (2 x 2 x 2) = 2 sequences per
+    micro-batch, T = 24 tokens. Per block per micro-batch, 4 all-to-alls of T k = 48 rows of 16 numbers and the 4
+    routing counts (8 bytes each); once a step the replicated gradients over ep, all of them over dp."""
+    layout = ParallelLayout(dp=2, ep=2, microbatches=2)
+    assert [layout.place(r) for r in (1, 2)] == [{"dp": 0, "pp": 0, "ep": 1, "tp": 0}, {"dp": 1, "pp": 0, "ep": 0,
+                                                                                           "tp": 0}]
+    expert = 32 * 17 + 16 * 32 + 16
+    held = rank_params(MOE, layout, 0)
+    tensors = 2 + 2 * (9 + 4 * 2) + 3  # embeddings, 2 blocks (router and 2 experts each), head
+    traffic = axis_traffic(MOE, layout, batch=16, rank=0, sequence=12, bytes_per_number=8)
+    assert traffic == {"dp": {"all_reduce": 8 * (held + tensors)}, "pp": {},
+                       "ep": {"all_to_all": 2 * 2 * 4 * 48 * 16 * 8, "all_to_all_sizes": 2 * 2 * 4 * 8,
+                              "all_reduce": 8 * (held - 2 * 2 * expert)}, "tp": {}}
+    wire = axis_wire_bytes(traffic, layout)["ep"]  # balanced all-to-alls send half on 2 ranks
+    assert wire == traffic["ep"]["all_to_all"] / 2 + traffic["ep"]["all_to_all_sizes"] / 2 + traffic["ep"]["all_reduce"]
+
+
+def test_the_ep_all_to_alls_are_the_balanced_estimate_of_moe_all_to_all_nbytes():
+    """What a rank hands its dispatch, (N-1)/N of it on the wire, is moe_all_to_all_nbytes' balanced send, for every
+    ep and top_k: the two formulas are one count."""
+    from labkit.plan import moe_all_to_all_nbytes
+
+    for ep, top_k in ((2, 1), (4, 2), (8, 2)):
+        shape = GPTShape(vocab=82, d_model=16, layers=1, heads=2, context=32, experts=8, top_k=top_k)
+        layout = ParallelLayout(ep=ep)
+        handed = axis_traffic(shape, layout, batch=ep, rank=0, sequence=32, bytes_per_number=2)["ep"]["all_to_all"]
+        wire = axis_wire_bytes({"ep": {"all_to_all": handed}}, layout)["ep"]
+        balanced = moe_all_to_all_nbytes(32, 16, top_k, ep, bytes_per_element=2)["balanced"]
+        assert wire == 4 * balanced  # dispatch and combine, forward and backward
+
+
+@pytest.mark.parametrize("shape, layout, batch, message", [
+    (TINY_GPT, ParallelLayout(ep=2), 16, "ep=2: expert parallelism splits a block's experts over ranks, but this "
+                                         "model's blocks are dense"),
+    (MOE, ParallelLayout(ep=8), 16, "ep=8: 4 experts do not split over 8 ranks"),
+    (MOE, ParallelLayout(tp=2), 16, "tp=2 with experts=4: labkit plans a mixture of experts on dp x pp x ep"),
+    (MOE, ParallelLayout(cp=2), 16, "cp=2 with experts=4"),
+    (MOE, ParallelLayout(dp=2, ep=2, microbatches=2), 12, "batch=12: the batch is cut over dp=2 replicas x ep=2 x "
+                                                           "microbatches=2, 8 equal parts"),
+])
+def test_expert_layouts_that_do_not_fit_are_refused_saying_what_to_change(shape, layout, batch, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_fit(shape, layout, batch)
+
+
+def test_a_moe_shape_needs_top_k_within_its_experts_and_reads_as_before_when_dense():
+    with pytest.raises(ValueError, match=r"top_k=3 experts per token, but a block has experts=2"):
+        GPTShape(vocab=82, d_model=16, layers=2, heads=2, context=32, experts=2, top_k=3)
+    with pytest.raises(ValueError, match=r"top_k=2 .* experts=0"):
+        GPTShape(vocab=82, d_model=16, layers=2, heads=2, context=32, top_k=2)
+    assert repr(TINY_GPT) == "GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32, d_ff=128, tied=False)"
+    assert "experts=4, top_k=2)" in repr(MOE)

@@ -27,10 +27,13 @@ KNOWN_GAPS: set[str] = set()
 EXAMPLE = {"params": 7e9, "per_device_batch": 8, "accumulation_steps": 2, "step_compute_seconds": 1.0,
            "examples": 40_000, "devices": 8, "gradient_bytes_per_param": 2, "bytes_per_param": 16,
            "bandwidth": 14.7e9, "overlap": 0.5}
-SHAPE = {"vocab": 82, "d_model": 32, "layers": 2, "heads": 4, "context": 32, "d_ff": None, "tied": False}
+SHAPE = {"vocab": 82, "d_model": 32, "layers": 2, "heads": 4, "context": 32, "d_ff": None, "tied": False, "experts": 0,
+         "top_k": 1}
+MOE_SHAPE = dict(SHAPE, experts=4, top_k=2)  # a mixture of experts, for the ep axis
 LAYOUT = {"dp": 2, "pp": 2, "tp": 2, "microbatches": 2, "chunks": 1, "sequence_parallel": False, "zero_stage": 0,
-          "scatter_gather": True, "vocab_parallel_loss": True, "cp": 1}
+          "scatter_gather": True, "vocab_parallel_loss": True, "cp": 1, "ep": 1}
 CP_LAYOUT = dict(LAYOUT, cp=2, scatter_gather=False)  # with context parallelism: every sequence over 2 ranks
+EP_LAYOUT = dict(LAYOUT, tp=1, ep=2, scatter_gather=False, vocab_parallel_loss=False)  # experts over 2 ranks
 # Arguments that work, per function (a list where one set cannot reach every branch); each hostile value
 # replaces one of them at a time.
 VALID = {
@@ -96,7 +99,7 @@ VALID = {
     "zero_memory_table": [{"params": 7.5e9, "dp": 64, "weight_bytes": 2, "grad_bytes": 2, "optimizer_bytes": 12}],
     "zero_traffic_bytes": [{"params": 7e9, "world_size": 8, "zero_stage": 3, "weight_bytes": 2, "grad_bytes": 2}],
     "zero_redundancy_optimizer_bytes": [{"params": 7e9, "world_size": 8, "weight_bytes": 2, "grad_bytes": 2}],
-    "GPTShape": [dict(SHAPE)],
+    "GPTShape": [dict(SHAPE), dict(MOE_SHAPE)],
     "ParallelLayout": [dict(LAYOUT, sequence_parallel=sequence_parallel) for sequence_parallel in (False, True)],
     "check_fit": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
                    "batch": 16, "sequence": 32}],
@@ -104,9 +107,9 @@ VALID = {
                      "rank": 3}],
     "rank_params": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**LAYOUT),
                      "rank": 3}],
-    "axis_traffic": [{"shape": labkit.plan.GPTShape(**SHAPE), "layout": labkit.plan.ParallelLayout(**layout),
+    "axis_traffic": [{"shape": labkit.plan.GPTShape(**shape), "layout": labkit.plan.ParallelLayout(**layout),
                       "batch": 16, "rank": rank, "sequence": 31, "bytes_per_number": 8}
-                     for layout, rank in ((LAYOUT, 3), (CP_LAYOUT, 6))],
+                     for shape, layout, rank in ((SHAPE, LAYOUT, 3), (SHAPE, CP_LAYOUT, 6), (MOE_SHAPE, EP_LAYOUT, 5))],
     "axis_wire_bytes": [{"traffic": {"dp": {"all_reduce": 1000}, "pp": {"send": 500}, "tp": {"all_gather": 300}},
                          "layout": labkit.plan.ParallelLayout(**LAYOUT)}],
     # public in labkit.plan.traffic, though not exported by labkit.plan

@@ -155,3 +155,39 @@ def test_cp_with_sequence_parallelism_is_refused_with_why():
     app.set_layout(dp=2, pp=1, cp=2, tp=2, sequence_parallel=True)
     assert "cp=2 with sequence_parallel: both cut the sequence" in app.problem
     assert app.problem.endswith("untick sequence parallelism (tp).")   # the widget's words, not the API's
+
+
+def test_ep_splits_each_blocks_experts_adds_its_axis_and_its_all_to_alls():
+    """8 experts per block, k = 2, on dp=2 x pp=2 x ep=2: plan's traffic for every rank with an ep axis (the
+    all-to-alls, the routing counts, the replicated gradients' all-reduce), an ep row and an experts line saying what
+    each rank holds and that routing is taken balanced, the charts' ranks pp x ep of replica 0 with ep in their
+    labels, and each rank's training state below the dense model's with 8 experts' worth of MLPs whole."""
+    app = explorer()
+    app.set_layout(experts=8, top_k=2, tp=1, ep=2)
+    shape = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32, experts=8, top_k=2)
+    layout = ParallelLayout(dp=2, pp=2, ep=2, microbatches=2)
+    assert app.problem is None and app.planned.layout == layout and app.planned.shape == shape
+    for rank in range(8):
+        assert app.planned.traffic[rank] == axis_traffic(shape, layout, BATCH, rank, bytes_per_number=NUMBER_NBYTES)
+        assert set(app.planned.traffic[rank]["ep"]) == {"all_to_all", "all_to_all_sizes", "all_reduce"}
+    whole_experts = plan_layout(shape, ParallelLayout(dp=4, pp=2, microbatches=2), BATCH, bytes_per_number=8)
+    assert max(m["total"] for m in app.planned.memory) < min(m["total"] for m in whole_experts.memory)
+    assert "<b>ep</b>" in app.summary.value and AXIS_WHEN["ep"] in app.summary.value
+    assert "each rank holds <b>4</b> of each block's" in app.summary.value and "balanced routing" in app.summary.value
+    assert "as if each block were dense" in app.summary.value
+    bars = {bar.name: bar for bar in app.traffic_chart.figure.data}
+    assert list(bars) == ["dp", "pp", "ep"] and list(bars["ep"].x)[1] == "rank 1<br>pp0 ep1 tp0"
+
+
+def test_ep_needs_experts_tp_one_and_top_k_is_off_for_a_dense_model():
+    app = explorer()
+    assert app.controls["top_k"].disabled and app.controls["experts"].value == 0
+    app.set_layout(tp=1, ep=2)
+    assert app.problem.startswith("ep=2: expert parallelism splits a block's experts over ranks")
+    assert "pick experts per block, or ep=1" in app.summary.value
+    app.set_layout(experts=4)
+    assert app.problem is None and not app.controls["top_k"].disabled and app.planned.shape.experts == 4
+    app.set_layout(tp=2, ep=1)
+    assert app.problem.startswith("tp=2 with experts=4: labkit plans a mixture of experts on dp x pp x ep")
+    app.set_layout(experts=0)
+    assert app.problem is None and app.controls["top_k"].disabled and app.planned.shape.top_k == 1
