@@ -12,6 +12,7 @@ from widget_checks import check_toolbar_clear_of_titles
 
 NOTEBOOK = "14_3d_layouts.ipynb"
 SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "screenshots" / "14_explorer_file_browser.png"
+EXPERTS_SCREENSHOT = SCREENSHOT.with_name("14_explorer_experts.png")  # 8 experts per block over ep = 2
 
 MEASURE = """area => {
   const outer = area.getBoundingClientRect();
@@ -107,6 +108,7 @@ def check_picked_layouts(page: Page, explorer) -> None:
     experts = pick(page, explorer, "ep", 2, "dp=2 x pp=2 x ep=2 x tp=1 = 8 ranks")
     assert all("dp=2 x pp=2 x ep=2 x tp=1" in chart["title"] for chart in experts["charts"]), \
         f"the charts do not show the layout picked: {[c['title'] for c in experts['charts']]}"
+    explorer.screenshot(path=str(EXPERTS_SCREENSHOT))
     pick(page, explorer, "ep", 1, "= 4 ranks, but the world has 8")
     pick(page, explorer, "tp", 2, "tp=2 with experts=8")  # the world's again, but experts need tp = 1
     pick(page, explorer, "experts", "0 (dense MLP)", "dp=2 x pp=2 x tp=2 = 8 ranks", "experts per block")
