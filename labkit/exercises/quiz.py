@@ -3,6 +3,8 @@
     load_questions()           Questions: the lesson's seven question phrasings and more, four options each
     load_flashcards()          Flashcards: a prompt in front, one of the lesson's summary bullets on the back,
                                and where the bullet is imprecise, a separate note saying what is precisely true
+    load_flashcards(topic=..)  the course's own cards on a quiz topic past the lesson (zero bubble, context and
+                               expert parallelism): a notebook's takeaways, in the course's words
     load_distractor_families() the families of wrong answers the options are tagged with, and what each means
 
 A Question knows its answer: `question.check(i)` says whether option i is right and explains, and a wrong
@@ -95,11 +97,13 @@ class Question:
 @dataclass(frozen=True)
 class Flashcard:
     """A prompt in front; on the back, one of the lesson's summary bullets, verbatim. Where the bullet is
-    imprecise, `note` (not the lesson's words) says what is precisely true; empty otherwise."""
+    imprecise, `note` (not the lesson's words) says what is precisely true; empty otherwise. A course card has a
+    `topic` (a quiz topic) and its back is the course's own words; a lesson card's topic is ""."""
     id: str
     front: str
     back: str
     note: str = ""
+    topic: str = ""
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:
@@ -112,11 +116,20 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
     return questions
 
 
-def load_flashcards(path: str | Path | None = None) -> list[Flashcard]:
-    """The flashcards, checked (known fields, non-empty sides, a note that adds something, unique ids)."""
-    cards = [_flashcard(raw) for raw in _load(path)["flashcards"]]
-    _unique([card.id for card in cards], "flashcard")
-    return cards
+def load_flashcards(path: str | Path | None = None, topic: str | None = None) -> list[Flashcard]:
+    """The lesson's flashcards, or with `topic` the course's own cards on that quiz topic; checked (known fields,
+    non-empty sides, a note that adds something, ids unique over both decks, a topic the quiz has)."""
+    data = _load(path)
+    lesson = [_flashcard(raw) for raw in data["flashcards"]]
+    course = [_flashcard(raw, course=True) for raw in data.get("course_flashcards", [])]
+    _unique([card.id for card in lesson + course], "flashcard")
+    if topic is None:
+        return lesson
+    topics = sorted({raw.get("topic") for raw in data["questions"]} & {card.topic for card in course})
+    if topic not in topics:
+        raise ValueError(f"topic={shown(topic)}: the course's own flashcards cover {', '.join(topics)}; pass one of "
+                         "them, or no topic for the lesson's.")
+    return [card for card in course if card.topic == topic]
 
 
 def load_distractor_families(path: str | Path | None = None) -> dict[str, str]:
@@ -202,10 +215,11 @@ def _check_option(option: Option, families: dict, name) -> None:
         raise _broken(name, f"wrong option {option.text!r} does not say why it is wrong.")
 
 
-def _flashcard(raw: dict) -> Flashcard:
-    """One flashcard of the file, checked: known fields, a front and a back, a note that adds something."""
+def _flashcard(raw: dict, course: bool = False) -> Flashcard:
+    """One flashcard of the file, checked: known fields, a front and a back, a note that adds something; a
+    `course` card's topic."""
     name = raw.get("id")
-    unknown = set(raw) - {"id", "front", "back", "note"}
+    unknown = set(raw) - {"id", "front", "back", "note", *(("topic",) if course else ())}
     if unknown:
         raise ValueError(f"flashcard {name!r}: unknown fields {sorted(unknown)}.")
     if not all(isinstance(raw.get(side), str) and raw[side].strip() for side in ("id", "front", "back")):
@@ -213,7 +227,10 @@ def _flashcard(raw: dict) -> Flashcard:
     note = raw.get("note", "")
     if "note" in raw and not (isinstance(note, str) and note.strip() and note != raw["back"]):
         raise ValueError(f"flashcard {name!r}: a note must be non-empty text that is not the back again.")
-    return Flashcard(raw["id"], raw["front"], raw["back"], note)
+    topic = raw.get("topic", "")
+    if course and not (isinstance(topic, str) and topic.strip()):
+        raise ValueError(f"flashcard {name!r}: a course card names its quiz topic.")
+    return Flashcard(raw["id"], raw["front"], raw["back"], note, topic)
 
 
 def _unique(values: list, what: str) -> None:

@@ -113,8 +113,8 @@ class OptionRows(widgets.VBox):
 
 
 def flashcards(cards: list[Flashcard] | None = None) -> App:
-    """One card at a time: its prompt, "Flip" shows the lesson's summary bullet (and, set apart below it, the
-    card's note where the bullet is imprecise), "Next" moves on."""
+    """One card at a time: its prompt, "Flip" shows its back (the lesson's summary bullet and, set apart below it,
+    the card's note where the bullet is imprecise; a course card's takeaway), "Next" moves on."""
     cards = cards if cards is not None else load_flashcards()
     state = {"card": 0, "back": False}
     face = widgets.HTML()

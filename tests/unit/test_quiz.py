@@ -290,7 +290,9 @@ def every_text() -> list[tuple[str, str]]:
     for q in load_questions():
         texts += [(q.id, q.question), (q.id, q.explanation)]
         texts += [(q.id, text) for o in q.options for text in (o.text, o.why)]
-    return texts + [(card.id, card.note) for card in load_flashcards()]
+    course = [(card.id, side) for topic in COURSE_TOPICS for card in load_flashcards(topic=topic)
+              for side in (card.front, card.back)]
+    return texts + [(card.id, card.note) for card in load_flashcards()] + course
 
 
 def test_data_parallelism_is_said_to_pool_no_memory_only_when_replicated():
@@ -424,3 +426,35 @@ def test_the_quiz_ships_as_package_data():
 def test_docstring_example():
     result = doctest.testmod(labkit.exercises.quiz)
     assert result.attempted > 0 and result.failed == 0
+
+
+# the course's own cards: their topic -> the notebook that shows them
+COURSE_TOPICS = {"pipeline": "06_pipeline_parallel", "context-parallelism": "17_context_parallel",
+                 "expert-parallelism": "18_expert_parallel"}
+
+
+def test_the_notebooks_past_the_lesson_show_their_own_flashcards():
+    """Zero bubble (06), context (17) and expert parallelism (18) each have at least three cards of the course's own,
+    none of them a lesson bullet, and their notebook shows them in the flashcards widget."""
+    bullets = set(summary_bullets())
+    for topic, name in COURSE_TOPICS.items():
+        cards = load_flashcards(topic=topic)
+        assert len(cards) >= 3 and all(card.topic == topic and card.back not in bullets for card in cards), topic
+        notebook = json.loads((ROOT.parent / "notebooks" / f"{name}.ipynb").read_text(encoding="utf-8"))
+        code = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
+        assert any(f'flashcards(load_flashcards(topic="{topic}"))' in source for source in code), name
+    assert all(card.topic == "" for card in load_flashcards())  # the lesson's deck is the lesson's alone
+
+
+def test_a_course_card_names_a_topic_the_quiz_has(tmp_path):
+    data = json.loads((ROOT / "exercises" / "quiz.json").read_text(encoding="utf-8"))
+    with pytest.raises(ValueError, match="topic='zero-bubble': the course's own flashcards cover"):
+        load_flashcards(topic="zero-bubble")
+    untopical = dict(data, course_flashcards=[{"id": "x", "front": "a?", "back": "b."}])
+    (tmp_path / "quiz.json").write_text(json.dumps(untopical), encoding="utf-8")
+    with pytest.raises(ValueError, match="flashcard 'x': a course card names its quiz topic"):
+        load_flashcards(tmp_path / "quiz.json")
+    twice = dict(data, course_flashcards=[dict(data["course_flashcards"][0], id=data["flashcards"][0]["id"])])
+    (tmp_path / "quiz.json").write_text(json.dumps(twice), encoding="utf-8")
+    with pytest.raises(ValueError, match="flashcard"):
+        load_flashcards(tmp_path / "quiz.json")
