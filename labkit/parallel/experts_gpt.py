@@ -4,8 +4,9 @@ group (experts/ep per rank), everything else, the routers included, is replicate
 the same model on the whole batch, each rank's tokens routed as one group
 (tests/distributed/test_expert_parallel_gpt.py).
 
-Gradients, as GShard and DeepSpeed-MoE reduce them (Lepikhin et al. 2020, section 3.2; Rajbhandari et al. 2022,
-"DeepSpeed-MoE", section 5): a replicated parameter's gradient is summed over every rank (dp x ep), an expert's
+Gradients, as DeepSpeed-MoE reduces them (Rajbhandari et al. 2022, "DeepSpeed-MoE"; DeepSpeed's
+deepspeed/moe/experts.py marks each expert's parameters allreduce=False, to be reduced over the "expert data
+parallel" group only): a replicated parameter's gradient is summed over every rank (dp x ep), an expert's
 over the dp group only, since within an ep group it lives on one rank, which the all-to-all already brought every
 token routed to it. The loss is each rank's summed cross-entropy over the whole batch's token count, plus
 `aux_weight` x the mean of every group's and layer's load-balancing loss (Switch, section 2.2).
@@ -83,10 +84,9 @@ class ExpertParallelGPT:
         if mesh.size("pp") > 1 or mesh.size("tp") > 1 or mesh.size("cp") > 1:
             raise ValueError(f"ExpertParallelGPT runs on dp x ep meshes: this one is {mesh!r}.")
         self.model, self.mesh, self.lr, self.aux_weight = model, mesh, lr, aux_weight
-        ep_group = mesh.group("ep") if mesh.size("ep") > 1 else None
+        # one rank per ep group: its own group of one, not the world (None would be the world's group)
+        ep_group = mesh.group("ep") if mesh.size("ep") > 1 else _alone()
         self.layers = [ExpertParallelMoE(block.mlp, ep_group) for block in model.gpt.blocks]
-        if ep_group is None:  # one rank per ep group: its own group of one, not the world
-            self.layers = [ExpertParallelMoE(block.mlp, _alone()) for block in model.gpt.blocks]
         local = {id(p) for layer in self.layers for p in layer.local_experts.parameters()}
         experts = {id(p) for block in model.gpt.blocks for p in block.mlp.experts.parameters()}
         self.replicated = [p for p in model.parameters() if id(p) not in experts]
@@ -115,7 +115,7 @@ class ExpertParallelGPT:
         return total.item()
 
     def _sum_gradients(self) -> None:
-        """Replicated parameters over every rank (dp, then ep); this rank's experts over dp only."""
+        """Replicated parameters over every rank (ep, then dp); this rank's experts over dp only."""
         for p in self.replicated:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -15,9 +15,10 @@ into pp x chunks pieces (balanced by layer count, as stage_layers cuts), and ten
 over tp (attention by heads, the Megatron MLP, embedding and head by vocabulary: labkit.parallel.tensor_gpt).
 
 The bytes follow labkit.parallel.counters' convention, so a prediction equals count_collectives().by_axis(mesh)
-to the byte: each collective counts the payload this rank hands it, an all-reduce its tensor, an all-gather its
-own part (padded to the largest), a reduce-scatter the whole tensor it sums, a send the tensor sent. Per
-micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h numbers):
+to the byte (ep's all-to-alls: summed over each ep group, below): each collective counts the payload this rank
+hands it, an all-reduce its tensor, an all-gather its own part (padded to the largest), a reduce-scatter the whole
+tensor it sums, a send the tensor sent, an all-to-all all it hands (its own part included). Per micro-batch of b
+sequences of s tokens (width h, vocabulary V, t = tp, a = b s h numbers):
 
   tp, plain (Shoeybi et al. 2019, "Megatron-LM", section 3): the embedding 1 all-reduce (a) forward; each block
       2 all-reduces (a) forward and 2 backward (the g and f around its attention and its MLP); the head 1
@@ -68,14 +69,18 @@ micro-batch of b sequences of s tokens (width h, vocabulary V, t = tp, a = b s h
       its T = b s tokens: an all-to-all of the E routing counts (8-byte integers, torch.bincount's int64:
       COUNT_BYTES, whatever bytes_per_number is), then four all-to-alls of rows of h numbers: the dispatch (the
       rank's T k choices) and the combine (the rows its experts received) forward, and their gradients backward.
-      Each rank hands T k rows to the dispatch; what it hands the combine is what its experts received, T k
-      rows on average over the group: the plan counts T k for each of the four, balanced routing with no choice
-      dropped (a capacity_factor of at least E/k keeps every choice), exact over the ep group's ranks together
-      (every row sent is received) and the most with no choice dropped. Once a step the replicated parameters'
-      gradients are all-reduced over ep (then over dp, with the experts', as every other gradient); the experts'
-      over dp only, since an ep group holds each expert once (GShard, section 3.2; Rajbhandari et al. 2022,
-      "DeepSpeed-MoE", section 5). Planned on dp x pp x ep: experts split over tp (Megatron's expert tensor
-      parallelism) and a MoE with cp are not.
+      Each rank hands its T k choices to the dispatch and to the combine's gradient; to the combine and the
+      dispatch's gradient it hands what its experts received, T k rows on average over the group, more or fewer
+      on one rank as routing falls (at most capacity_factor T k). The plan counts T k for each of the four:
+      balanced routing with no choice dropped (a capacity_factor of at least E/k keeps every choice), exact summed
+      over the ep group's ranks (every row sent is received), not rank by rank. Once a step the replicated
+      parameters' gradients are all-reduced over ep (then over dp, with the experts', as every other gradient);
+      the experts' over dp only, since an ep group holds each expert once (Rajbhandari et al. 2022,
+      "DeepSpeed-MoE"; DeepSpeed's deepspeed/moe/experts.py). The dp all-reduce of a MoE counts no flags:
+      ExpertParallelGPT sums each gradient with a plain all_reduce_sum, not BucketedDDP. Planned on dp x pp x ep
+      with zero_stage 0, as ExpertParallelGPT runs it: experts split over tp (Megatron's expert tensor
+      parallelism), a MoE with cp and ZeRO's sharding of a MoE's state (DeepSpeed-MoE shards the dense part over
+      dp x ep and the experts over dp) are not.
 
 A size-1 axis moves nothing: its entry is empty. `axis_wire_bytes` turns the payloads into the bytes a ring moves
 per rank (all-reduce 2(N-1)/N, reduce-scatter (N-1)/N of the whole, all-gather N-1 parts; Thakur et al. 2005), the
@@ -269,6 +274,11 @@ def _check_experts_fit(shape: GPTShape, layout: ParallelLayout) -> None:
             raise ValueError(f"{axis}={layout.size(axis)} with experts={shape.experts}: labkit plans a mixture of "
                              "experts on dp x pp x ep, as ExpertParallelGPT runs it (experts split over tp, "
                              f"Megatron's expert tensor parallelism, and MoE with cp are not planned); pass {axis}=1.")
+    if shape.experts and layout.zero_stage:
+        raise ValueError(f"zero_stage={layout.zero_stage} with experts={shape.experts}: labkit plans a mixture of "
+                         "experts with its state replicated over dp, as ExpertParallelGPT trains it (DeepSpeed-MoE "
+                         "shards the dense part over dp x ep and the experts over dp, which is not planned); pass "
+                         "zero_stage=0.")
 
 
 def _check_batch_fit(shape: GPTShape, layout: ParallelLayout, batch: int, sequence: int) -> None:
@@ -490,7 +500,8 @@ def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int,
     ...}} (a size-1 axis: {}), for a step of `batch` sequences of `sequence` tokens (None: the context) cut over
     dp replicas and micro-batches, numbers of `bytes_per_number` bytes (8: float64). The formulas, with their
     sources, are in the module's docstring; the convention is count_collectives()'s, so a run's
-    CollectiveCounter.by_axis(mesh) equals this exactly.
+    CollectiveCounter.by_axis(mesh) equals this exactly (ep's all-to-alls: summed over each ep group, as routing
+    decides what one rank's experts receive).
 
     >>> shape = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32)
     >>> layout = ParallelLayout(dp=2, pp=2, tp=2, microbatches=2)
@@ -507,7 +518,8 @@ def axis_traffic(shape: GPTShape, layout: ParallelLayout, batch: int, rank: int,
     b = batch // (layout.dp * layout.ep * layout.microbatches)
     kinds, params, tensors = _rank_parts(shape, layout, rank)
     stage, held = layout.place(rank)["pp"], _tokens_held(layout, rank, s)
-    numbers = {"dp": _dp_numbers(layout, params, tensors),
+    flags = 0 if shape.experts else tensors  # a MoE's gradients go by all_reduce_sum, without BucketedDDP's flags
+    numbers = {"dp": _dp_numbers(layout, params, flags),
                "pp": _pp_numbers(shape, layout, stage, b, held),
                "cp": _cp_numbers(shape, layout, kinds, params, rank, b, s),
                "ep": _ep_numbers(shape, layout, kinds, params, b, s),
@@ -530,7 +542,7 @@ def _wire_bytes(collective: str, nbytes: float, ranks: int) -> float:
         return ring_reduce_scatter_bytes(nbytes, ranks)
     if collective == "all_gather":  # its own part of ranks parts: (N-1)/N of the whole
         return ring_reduce_scatter_bytes(nbytes * ranks, ranks)
-    if collective in ("all_to_all", "all_to_all_sizes"):  # balanced: 1/N of what it hands stays on the rank
+    if collective in ("all_to_all", "all_to_all_sizes"):  # pairwise, balanced: 1/N of what it hands stays here
         return ring_reduce_scatter_bytes(nbytes, ranks)
     return nbytes  # a send or a broadcast: the tensor, once
 

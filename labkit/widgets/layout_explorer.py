@@ -2,8 +2,8 @@
 stage, sequence parallelism, and experts per block for a mixture of experts) and see what labkit.plan predicts for
 that layout: each axis's traffic per rank per step, the pipeline's bubble, the training state each rank holds and
 the activations it keeps. Every number is plan's, for every rank, so a run of labkit.parallel.ThreeDGPT with the
-same layout (ContextParallelGPT's with cp, ExpertParallelGPT's with ep) can be checked against what the explorer
-shows.
+same layout can be checked against what the explorer shows (ContextParallelGPT's traffic with cp, and
+ExpertParallelGPT's with ep; the training state is AdamW's, as ThreeDGPT trains, where those two use SGD).
 
     suggested_layout(world_size)                 (dp, pp, tp): tp = 2 and pp = 2 where the world allows
     plan_layout(shape, layout, batch, ...)       LayoutPlan: plan's traffic, memory and bubble, rank by rank
@@ -47,8 +47,9 @@ AXIS_WHEN = {  # when each axis's traffic moves in a step, and what waits for it
     "tp": "inside every layer, every micro-batch: the next layer waits for the forward's",
     "cp": "every block's attention, every micro-batch: K and V passed around the ring beside each block's compute; "
           "and once per step the gradients' all-reduce",
-    "ep": "every MoE block, every micro-batch: each token to its experts' ranks and back (two all-to-alls forward, "
-          "two backward), the block waiting on each; and once per step the replicated weights' gradients' all-reduce",
+    "ep": "every MoE block, every micro-batch: the routing counts, then each token's rows to its experts' ranks and "
+          "back (two all-to-alls of rows forward, two backward), the block waiting on each; and once per step the "
+          "replicated weights' gradients' all-reduce",
     "pp": "at each stage boundary, every micro-batch: point to point, one neighbour",
     "dp": "once per step, after the last micro-batch's backward: only that backward, and the drain on the later "
           "stages, can overlap it",
@@ -177,7 +178,9 @@ class LayoutExplorer(App):
     summary says what to change; cp splits every sequence, context parallelism; ep splits each block's experts),
     the micro-batches per step, the chunks per stage (interleaved 1F1B when >= 2), sequence parallelism, and the
     experts per block with the top_k each token goes to (0 experts: `shape`'s dense MLP; each expert an MLP of
-    `shape`'s d_ff, as MoEGPT builds it); beside them a summary of plan's
+    `shape`'s d_ff, which for a MoEGPT labkit.parallel.experts_gpt.moe_gpt_shape reads off its experts); for a
+    `shape` with experts the controls start at tp = 1 and ep = 2 where the experts and the world allow (experts
+    are planned with tp = 1); beside them a summary of plan's
     prediction for `shape` trained on steps of `batch` sequences (`sequence` tokens each, numbers of
     `bytes_per_number` bytes): each axis's bytes per rank per step, handed to collectives and sent by ring
     collectives, and when they move; the bubble; the training state per rank and the activations it keeps. Below,
@@ -304,13 +307,18 @@ def _controls(world_size: int, microbatches: int, shape: GPTShape) -> dict[str, 
     """The explorer's controls, named as ParallelLayout's fields (and GPTShape's experts and top_k), starting at
     suggested_layout(world_size) and `shape`'s experts."""
     divisors = [n for n in range(1, world_size + 1) if world_size % n == 0]
-    start = dict(zip(("dp", "pp", "tp"), suggested_layout(world_size), strict=True))
+    start = dict(zip(("dp", "pp", "tp"), suggested_layout(world_size), strict=True), cp=1, ep=1)
+    if shape.experts:  # experts are planned with tp = 1: its ranks go to ep where the experts split over them
+        start["ep"] = start["tp"] if shape.experts % start["tp"] == 0 else 1
+        start["dp"], start["tp"] = start["dp"] * start["tp"] // start["ep"], 1
     common = {"style": _LABEL_STYLE, "layout": widgets.Layout(width=CONTROL_WIDTH)}
     controls = {axis: widgets.Dropdown(options=divisors, value=start[axis], description=f"{axis} ({what})",
                                        **common)
                 for axis, what in (("dp", "replicas"), ("pp", "stages"), ("tp", "split of each layer"))}
-    controls["cp"] = widgets.Dropdown(options=divisors, value=1, description="cp (sequence split)", **common)
-    controls["ep"] = widgets.Dropdown(options=divisors, value=1, description="ep (experts split)", **common)
+    controls["cp"] = widgets.Dropdown(options=divisors, value=start["cp"], description="cp (sequence split)",
+                                      **common)
+    controls["ep"] = widgets.Dropdown(options=divisors, value=start["ep"], description="ep (experts split)",
+                                      **common)
     controls["microbatches"] = widgets.IntSlider(value=microbatches, min=1, max=16, description="micro-batches m",
                                                  continuous_update=False, **common)
     controls["chunks"] = widgets.IntSlider(value=1, min=1, max=4, description="chunks per stage v",
@@ -320,8 +328,9 @@ def _controls(world_size: int, microbatches: int, shape: GPTShape) -> dict[str, 
     experts = sorted({*EXPERT_CHOICES, shape.experts})
     controls["experts"] = widgets.Dropdown(options=[("0 (dense MLP)", 0), *((str(e), e) for e in experts if e)],
                                            value=shape.experts, description="experts per block", **common)
-    controls["top_k"] = widgets.Dropdown(options=[1, 2], value=min(shape.top_k, 2) if shape.experts else 2,
-                                         description="experts per token k", disabled=not shape.experts, **common)
+    controls["top_k"] = widgets.Dropdown(options=sorted({1, 2, 4, shape.top_k}),  # more than experts: refused
+                                         value=shape.top_k if shape.experts else 2, description="experts per token k",
+                                         disabled=not shape.experts, **common)
     return controls
 
 
@@ -383,4 +392,4 @@ def _experts_line(planned: LayoutPlan) -> str:
         return ""
     return (f"<div>experts: <b>{shape.experts} per block</b>, each token to k={shape.top_k}; each rank holds "
             f"<b>{shape.experts // ep}</b> of each block's (the router and the rest replicated). ep's all-to-alls: "
-            "balanced routing with no token dropped, each rank's T k rows each way (moe_all_to_all_nbytes)</div>")
+            "balanced routing with no choice dropped, each rank's T k rows each way (moe_all_to_all_nbytes)</div>")

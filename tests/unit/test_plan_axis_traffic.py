@@ -287,15 +287,15 @@ def test_a_moe_ranks_parameters_are_the_models_and_ep_splits_only_the_experts():
 def test_the_ep_axis_by_hand():
     """dp=2 x ep=2, 2 micro-batches, a batch of 16 sequences of 12 tokens: b = 16 / (2 x 2 x 2) = 2 sequences per
     micro-batch, T = 24 tokens. Per block per micro-batch, 4 all-to-alls of T k = 48 rows of 16 numbers and the 4
-    routing counts (8 bytes each); once a step the replicated gradients over ep, all of them over dp."""
+    routing counts (8 bytes each); once a step the replicated gradients over ep, all of them over dp (no flags:
+    ExpertParallelGPT's all_reduce_sum, not BucketedDDP)."""
     layout = ParallelLayout(dp=2, ep=2, microbatches=2)
     assert [layout.place(r) for r in (1, 2)] == [{"dp": 0, "pp": 0, "ep": 1, "tp": 0}, {"dp": 1, "pp": 0, "ep": 0,
                                                                                            "tp": 0}]
     expert = 32 * 17 + 16 * 32 + 16
     held = rank_params(MOE, layout, 0)
-    tensors = 2 + 2 * (9 + 4 * 2) + 3  # embeddings, 2 blocks (router and 2 experts each), head
     traffic = axis_traffic(MOE, layout, batch=16, rank=0, sequence=12, bytes_per_number=8)
-    assert traffic == {"dp": {"all_reduce": 8 * (held + tensors)}, "pp": {},
+    assert traffic == {"dp": {"all_reduce": 8 * held}, "pp": {},  # all_reduce_sum's: no flag per tensor
                        "ep": {"all_to_all": 2 * 2 * 4 * 48 * 16 * 8, "all_to_all_sizes": 2 * 2 * 4 * 8,
                               "all_reduce": 8 * (held - 2 * 2 * expert)}, "tp": {}}
     wire = axis_wire_bytes(traffic, layout)["ep"]  # balanced all-to-alls send half on 2 ranks
@@ -322,6 +322,8 @@ def test_the_ep_all_to_alls_are_the_balanced_estimate_of_moe_all_to_all_nbytes()
     (MOE, ParallelLayout(ep=8), 16, "ep=8: 4 experts do not split over 8 ranks"),
     (MOE, ParallelLayout(tp=2), 16, "tp=2 with experts=4: labkit plans a mixture of experts on dp x pp x ep"),
     (MOE, ParallelLayout(cp=2), 16, "cp=2 with experts=4"),
+    (MOE, ParallelLayout(dp=2, ep=2, zero_stage=1), 16, "zero_stage=1 with experts=4: labkit plans a mixture of "
+                                                        "experts with its state replicated over dp"),
     (MOE, ParallelLayout(dp=2, ep=2, microbatches=2), 12, "batch=12: the batch is cut over dp=2 replicas x ep=2 x "
                                                            "microbatches=2, 8 equal parts"),
 ])

@@ -191,3 +191,15 @@ def test_ep_needs_experts_tp_one_and_top_k_is_off_for_a_dense_model():
     assert app.problem.startswith("tp=2 with experts=4: labkit plans a mixture of experts on dp x pp x ep")
     app.set_layout(experts=0)
     assert app.problem is None and app.controls["top_k"].disabled and app.planned.shape.top_k == 1
+
+
+@pytest.mark.parametrize("world_size, start", [(8, (2, 2, 2, 1)), (4, (1, 2, 2, 1)), (2, (1, 1, 2, 1)),
+                                               (1, (1, 1, 1, 1))])
+def test_a_model_with_experts_starts_with_tp_ranks_on_ep(world_size, start):
+    """Experts are planned with tp = 1: an explorer of a MoE starts where suggested_layout puts tp's ranks on ep
+    instead (dp, pp, ep, tp), and offers the shape's own top_k."""
+    moe = GPTShape(vocab=82, d_model=32, layers=2, heads=4, context=32, experts=8, top_k=4)
+    app = LayoutExplorer(moe, world_size, BATCH, bytes_per_number=NUMBER_NBYTES)
+    layout = app.planned.layout
+    assert app.problem is None and (layout.dp, layout.pp, layout.ep, layout.tp) == start
+    assert app.planned.shape == moe and 4 in app.controls["top_k"].options and not app.controls["top_k"].disabled
