@@ -62,7 +62,7 @@ sequences of s tokens (width h, vocabulary V, t = tp, a = b s h numbers):
       parallelism cuts the sequence another way), checked against ContextParallelGPT's counts where pp = 1. That
       sum over cp, then dp, is ContextParallelGPT's; one all-reduce over dp x cp together (torchtitan's "dp_cp"
       mesh) would send about 2 P on the wire instead of 2(dp-1)/dp P + 2(cp-1)/cp P.
-  ep (expert parallelism, labkit.parallel.experts_gpt; GShard, Lepikhin et al. 2020, section 2.2 and 3.2): with
+  ep (expert parallelism, labkit.parallel.experts_gpt; GShard, Lepikhin et al. 2020, section 2.2): with
       GPTShape(experts=E, top_k=k) each block's MLP is E expert MLPs of width d_ff and a router (h x E, no bias), as
       MoEGPT builds it; the E experts are cut over the ep ranks, E/ep each, and everything else is replicated. The
       ep ranks split the batch as dp replicas do (b = batch / (dp ep m)). Every MoE block, every micro-batch, on
